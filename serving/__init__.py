@@ -1,0 +1,1 @@
+"""gRPC plumbing shared by both services: wire encoding, health/reflection, graceful stop."""

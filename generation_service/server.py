@@ -1,0 +1,328 @@
+"""Generation worker: Generate / GenerateStream over gRPC, speculative decoding with retrieval drafts.
+
+    python -m generation_service.server --retrieval 127.0.0.1:50051 --port 50052
+
+The model already uses every core for one request, so requests run one at a time from a bounded queue
+(full queue -> RESOURCE_EXHAUSTED). Drafting failures never fail a request: the step decodes
+autoregressively and the stats say `degraded`. Health reports SERVING once the model is loaded and warm.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+
+from generation_service.config import DECODING_MODES, GenerationConfig
+from generation_service.drafters import Drafter, DraftUnavailable, PromptLookupDrafter
+from generation_service.retrieval_client import RemoteDrafter, RetrievalClient
+from generation_service.sampling import SamplingParams
+from generation_service.speculative import StreamChunk, generate_stream
+from proto import generation_pb2, generation_pb2_grpc
+from retrieval_service.datastore.corpus import tokenizer_identity
+from serving.grpc_shell import RunningServer, install_signal_handlers, start_server
+
+log = logging.getLogger("generation_service")
+
+_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+_ROLES = ("system", "user", "assistant")
+_MAX_STOP_CHARS = 512
+
+
+class BadRequest(ValueError):
+    """Invalid request field; the message names it."""
+
+
+@dataclass
+class Job:
+    prompt_ids: np.ndarray
+    params: SamplingParams
+    decoding: str
+    budget: int
+    deadline: float | None  # time.monotonic() by which the client gives up
+    chunks: "queue.Queue[StreamChunk | BaseException | None]" = field(default_factory=queue.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def is_cancelled(self) -> bool:
+        return self.cancelled.is_set() or (self.deadline is not None and time.monotonic() > self.deadline)
+
+
+class _NoDrafts:
+    """Stands in for a retrieval drafter when no retrieval service is usable; every step decodes AR."""
+
+    def __init__(self, name: str, reason: str):
+        self.name, self.reason = name, reason
+
+    def propose(self, context_ids, max_nodes):
+        raise DraftUnavailable(self.reason)
+
+
+class RetrievalLink:
+    """The retrieval service as the worker sees it: a client plus a one-time tokenizer compatibility check."""
+
+    def __init__(self, cfg: GenerationConfig, tokenizer_id: str):
+        self.client = (RetrievalClient(cfg.retrieval, timeout_ms=cfg.draft_timeout_ms, retry_after_s=cfg.retry_after_s)
+                       if cfg.retrieval else None)
+        self.tokenizer_id = tokenizer_id
+        self._mismatch: str | None = None
+        self._checked = False
+        self._lock = threading.Lock()
+
+    def problem(self) -> str | None:
+        """None if drafting can be tried, else why not (checked once the service first answers)."""
+        if self.client is None:
+            return "no retrieval service configured"
+        with self._lock:
+            if not self._checked:
+                try:
+                    info = self.client.info(timeout_s=2.0)
+                except DraftUnavailable:
+                    return None  # down for now; the drafter will fail fast and we re-check later
+                self._checked = True
+                if info.tokenizer_id and info.tokenizer_id != self.tokenizer_id:
+                    self._mismatch = (f"retrieval datastore tokenizer {info.tokenizer_id} != model tokenizer "
+                                      f"{self.tokenizer_id}")
+                    log.error("%s: datastore drafts disabled", self._mismatch)
+        return self._mismatch
+
+    def drafter(self, decoding: str, deadline: float | None) -> Drafter:
+        problem = self.problem()
+        if problem is not None:
+            return _NoDrafts(decoding, problem)
+        source = {"rest": "merged", "rest-ds": "datastore"}[decoding]
+        return RemoteDrafter(self.client, source, deadline=deadline)
+
+
+class Worker:
+    """Runs queued jobs one at a time on the model."""
+
+    def __init__(self, tm, cfg: GenerationConfig, link: RetrievalLink):
+        self.tm, self.cfg, self.link = tm, cfg, link
+        self.jobs: "queue.Queue[Job | None]" = queue.Queue(maxsize=cfg.queue_size)
+        self.thread = threading.Thread(target=self._loop, name="generation-worker", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        self.jobs.put_nowait(job)  # raises queue.Full
+
+    def depth(self) -> int:
+        return self.jobs.qsize()
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+
+    def _drafter(self, job: Job) -> Drafter | None:
+        if job.decoding == "ar":
+            return None
+        if job.decoding == "pld":
+            return PromptLookupDrafter()
+        return self.link.drafter(job.decoding, job.deadline)
+
+    def _loop(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            if job.is_cancelled():
+                job.chunks.put(None)
+                continue
+            try:
+                for chunk in generate_stream(self.tm, job.prompt_ids, job.params, drafter=self._drafter(job),
+                                             draft_budget=job.budget, is_cancelled=job.is_cancelled,
+                                             decoding=job.decoding):
+                    job.chunks.put(chunk)
+            except BaseException as e:  # reported to the caller; the worker keeps serving
+                log.exception("generation failed")
+                job.chunks.put(e)
+            job.chunks.put(None)
+
+
+def _opt(request, name: str):
+    return getattr(request, name) if request.HasField(name) else None
+
+
+def parse_request(request: generation_pb2.GenerateRequest, tm, cfg: GenerationConfig) -> tuple[np.ndarray, SamplingParams, str, int]:
+    """Validate every field (BadRequest names it) and turn the request into (prompt ids, params, mode, budget)."""
+    given = [name for name, present in (("prompt", bool(request.prompt)), ("messages", len(request.messages) > 0),
+                                        ("prompt_tokens", len(request.prompt_tokens) > 0)) if present]
+    if len(given) != 1:
+        raise BadRequest(f"prompt: give exactly one of prompt, messages, prompt_tokens (got {given or 'none'})")
+    tok = tm.tokenizer
+    if request.prompt:
+        ids = tok(request.prompt, add_special_tokens=True)["input_ids"]
+    elif request.messages:
+        msgs = []
+        for i, m in enumerate(request.messages):
+            if m.role not in _ROLES:
+                raise BadRequest(f"messages[{i}].role: {m.role!r} is not one of {', '.join(_ROLES)}")
+            msgs.append({"role": m.role, "content": m.content})
+        if getattr(tok, "chat_template", None) is None:
+            raise BadRequest("messages: this model has no chat template; send a prompt instead")
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+    else:
+        ids = list(request.prompt_tokens)
+        bad = [t for t in ids if t >= tm.vocab_size]
+        if bad:
+            raise BadRequest(f"prompt_tokens: token id {bad[0]} is out of vocabulary [0, {tm.vocab_size})")
+    prompt_ids = np.asarray(ids, dtype=np.int64)
+    if prompt_ids.size == 0:
+        raise BadRequest("prompt: encodes to zero tokens")
+    if prompt_ids.size > cfg.limit_prompt_tokens:
+        raise BadRequest(f"prompt: {prompt_ids.size} tokens exceeds the limit of {cfg.limit_prompt_tokens}")
+
+    max_new = request.max_new_tokens or cfg.default_max_new_tokens
+    if max_new > cfg.limit_max_new_tokens:
+        raise BadRequest(f"max_new_tokens: {max_new} exceeds the limit of {cfg.limit_max_new_tokens}")
+    if prompt_ids.size + max_new > tm.max_positions:
+        raise BadRequest(f"max_new_tokens: prompt ({prompt_ids.size}) + max_new_tokens ({max_new}) exceeds the "
+                         f"model's {tm.max_positions} positions")
+    temperature = _opt(request, "temperature")
+    if temperature is not None and not math.isfinite(temperature):
+        raise BadRequest(f"temperature: must be finite, got {temperature}")
+    top_p = _opt(request, "top_p")
+    if top_p is not None and not math.isfinite(top_p):
+        raise BadRequest(f"top_p: must be finite, got {top_p}")
+    top_k = _opt(request, "top_k")
+    if top_k is not None and top_k > tm.vocab_size:
+        raise BadRequest(f"top_k: {top_k} exceeds the vocabulary size {tm.vocab_size}")
+    if len(request.stop) > cfg.limit_stop_sequences:
+        raise BadRequest(f"stop: {len(request.stop)} sequences exceeds the limit of {cfg.limit_stop_sequences}")
+    for i, s in enumerate(request.stop):
+        if not s or len(s) > _MAX_STOP_CHARS:
+            raise BadRequest(f"stop[{i}]: must be 1..{_MAX_STOP_CHARS} characters, got {len(s)}")
+    try:
+        params = SamplingParams(
+            max_new_tokens=max_new,
+            temperature=temperature if temperature is not None else 0.0,
+            top_p=top_p if top_p is not None else 1.0,
+            top_k=top_k or 0,
+            seed=_opt(request, "seed"),
+            stop=tuple(request.stop),
+            ignore_eos=request.ignore_eos,
+        )
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+    decoding = request.decoding or cfg.default_decoding
+    if decoding not in DECODING_MODES:
+        raise BadRequest(f"decoding: {decoding!r} is not one of {', '.join(DECODING_MODES)}")
+    budget = request.draft_budget or cfg.draft_budget
+    if budget > cfg.max_draft_budget:
+        raise BadRequest(f"draft_budget: {budget} exceeds the limit of {cfg.max_draft_budget}")
+    return prompt_ids, params, decoding, budget
+
+
+def stats_proto(chunk: StreamChunk) -> tuple[generation_pb2.Usage, generation_pb2.SpeculationStats]:
+    usage = generation_pb2.Usage(prompt_tokens=chunk.prompt_tokens, completion_tokens=chunk.completion_tokens)
+    return usage, generation_pb2.SpeculationStats(**chunk.stats.as_dict())
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
+    def __init__(self, cfg: GenerationConfig):
+        self.cfg = cfg
+        self.tm = None
+        self.worker: Worker | None = None
+
+    def attach(self, tm, worker: Worker) -> None:
+        self.tm, self.worker = tm, worker
+
+    def _start(self, request, context) -> Job:
+        if self.worker is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
+        try:
+            prompt_ids, params, decoding, budget = parse_request(request, self.tm, self.cfg)
+        except BadRequest as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + remaining if remaining is not None else None
+        job = Job(prompt_ids, params, decoding, budget, deadline)
+        try:
+            self.worker.submit(job)
+        except queue.Full:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"generation queue is full ({self.cfg.queue_size} requests waiting); retry later")
+        # Client cancellation or disconnect stops the decode loop at its next step.
+        context.add_callback(job.cancelled.set)
+        return job
+
+    @staticmethod
+    def _chunks(job: Job, context):
+        while True:
+            item = job.chunks.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {type(item).__name__}: {item}")
+            yield item
+
+    def Generate(self, request, context):
+        job = self._start(request, context)
+        tokens: list[int] = []
+        text: list[str] = []
+        for chunk in self._chunks(job, context):
+            tokens += chunk.token_ids
+            text.append(chunk.text)
+            if chunk.finish_reason is not None:
+                usage, stats = stats_proto(chunk)
+                return generation_pb2.GenerateResponse(text="".join(text), token_ids=tokens,
+                                                       finish_reason=chunk.finish_reason, usage=usage, stats=stats)
+        context.abort(grpc.StatusCode.CANCELLED, "request was cancelled before it started")
+
+    def GenerateStream(self, request, context):
+        job = self._start(request, context)
+        for chunk in self._chunks(job, context):
+            msg = generation_pb2.GenerateStreamResponse(text_delta=chunk.text, token_ids=chunk.token_ids)
+            if chunk.finish_reason is not None:
+                usage, stats = stats_proto(chunk)
+                msg.finish_reason = chunk.finish_reason
+                msg.usage.CopyFrom(usage)
+                msg.stats.CopyFrom(stats)
+            yield msg
+
+
+def build_server(cfg: GenerationConfig, *, tm=None) -> tuple[RunningServer, GenerationServicer]:
+    """Bind (health NOT_SERVING), load and warm the model, connect retrieval, then report SERVING."""
+    from generation_service.model import load_model, warmup
+
+    servicer = GenerationServicer(cfg)
+
+    def add(server: grpc.Server) -> list[str]:
+        generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
+        return [_SERVICE]
+
+    running = start_server(add, host=cfg.host, port=cfg.port, workers=cfg.workers,
+                           max_concurrent_rpcs=cfg.max_concurrent_rpcs, max_message_bytes=cfg.max_message_bytes)
+    try:
+        if tm is None:
+            tm = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, threads=cfg.threads)
+            log.info("model %s (%s) loaded; warm-up took %.1f s", tm.model_dir, cfg.dtype, warmup(tm))
+        link = RetrievalLink(cfg, tokenizer_identity(tm.tokenizer))
+        servicer.attach(tm, Worker(tm, cfg, link))
+    except Exception:
+        running.stop(0)
+        raise
+    running.set_serving(True)
+    return running, servicer
+
+
+def serve(cfg: GenerationConfig) -> None:
+    running, servicer = build_server(cfg)
+    install_signal_handlers(running, cfg.grace_s, on_stop=servicer.worker.stop)
+    log.info("generation service SERVING on %s:%d (retrieval %s)", cfg.host, running.port, cfg.retrieval or "none")
+    running.wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    serve(GenerationConfig.from_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""Retrieval service: draft trees from suffix-array datastores (and the knowledge base when configured).
+
+    python -m retrieval_service.server --datastore ~/.cache/ragserve/datastores/stdlib --port 50051
+
+Stateless per request; the datastore is memory-mapped read-only and the drafting kernels release the GIL,
+so concurrent calls run in parallel on the thread pool. Health reports SERVING only after every configured
+index is open and its kernels are warmed up.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from proto import draft_pb2, draft_pb2_grpc
+from retrieval_service.config import RetrievalConfig
+from retrieval_service.datastore.draft_tree import DraftTree, context_draft
+from serving.grpc_shell import RunningServer, install_signal_handlers, start_server
+from serving.wire import WireError, unpack_tokens
+
+log = logging.getLogger("retrieval_service")
+
+_SOURCES = ("datastore", "merged", "context")
+_DRAFT_SERVICE = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
+
+
+@dataclass(frozen=True)
+class DraftLimits:
+    max_suffix: int
+    min_suffix: int
+    max_matches: int
+    continuation: int
+    max_nodes: int
+    source: str
+
+    def kwargs(self) -> dict:
+        return dict(max_suffix=self.max_suffix, min_suffix=self.min_suffix, max_matches=self.max_matches,
+                    continuation=self.continuation, max_nodes=self.max_nodes)
+
+
+def resolve_limits(params: draft_pb2.DraftParams, cfg: RetrievalConfig, field: str = "params") -> DraftLimits:
+    """Fill server defaults for zero fields and range-check the rest (WireError names the field)."""
+
+    def pick(name: str, default: int, upper: int) -> int:
+        value = getattr(params, name) or default
+        if not 1 <= value <= upper:
+            raise WireError(f"{field}.{name}: {value} is outside [1, {upper}]")
+        return value
+
+    max_suffix = pick("max_suffix", cfg.max_suffix, cfg.limit_max_suffix)
+    min_suffix = pick("min_suffix", min(cfg.min_suffix, max_suffix), max_suffix)
+    source = params.source or "datastore"
+    if source not in _SOURCES:
+        raise WireError(f"{field}.source: {source!r} is not one of {', '.join(_SOURCES)}")
+    return DraftLimits(
+        max_suffix=max_suffix,
+        min_suffix=min_suffix,
+        max_matches=pick("max_matches", cfg.max_matches, cfg.limit_max_matches),
+        continuation=pick("continuation", cfg.continuation, cfg.limit_continuation),
+        max_nodes=pick("max_nodes", cfg.max_nodes, cfg.limit_max_nodes),
+        source=source,
+    )
+
+
+def tree_to_proto(tree: DraftTree, server_ms: float) -> draft_pb2.DraftResponse:
+    tokens, parents, scores = tree.to_bytes()
+    return draft_pb2.DraftResponse(
+        tokens=tokens, parents=parents, scores=scores, matched_suffix=tree.matched_suffix,
+        num_matches=tree.num_matches, context_matched_suffix=tree.context_matched_suffix, server_ms=server_ms,
+    )
+
+
+class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+    """Thin shell: validate, call the datastore, pack the tree."""
+
+    def __init__(self, cfg: RetrievalConfig, datastore=None, vocab_size: int | None = None):
+        self._cfg = cfg
+        self._ds = None
+        self._vocab = vocab_size
+        self._ready = False
+        if datastore is not None or vocab_size is not None:
+            self.attach(datastore, vocab_size)
+
+    def attach(self, datastore, vocab_size: int | None = None) -> None:
+        """Called once the datastore is open and warm; until then calls get UNAVAILABLE."""
+        self._ds = datastore
+        self._vocab = datastore.vocab_size if datastore is not None else vocab_size
+        self._ready = True
+
+    def _parse(self, request: draft_pb2.DraftRequest, field: str) -> tuple[np.ndarray, DraftLimits]:
+        ctx = unpack_tokens(request.context, f"{field}context", vocab_size=self._vocab,
+                            max_len=self._cfg.limit_context_tokens)
+        limits = resolve_limits(request.params, self._cfg, f"{field}params")
+        if limits.source != "context" and self._ds is None:
+            raise LookupError(f"{field}params.source={limits.source!r} needs a datastore; this server has none")
+        return ctx, limits
+
+    def _draft_one(self, ctx: np.ndarray, limits: DraftLimits) -> DraftTree:
+        if limits.source == "context":
+            return context_draft(ctx, **limits.kwargs())
+        return self._ds.draft(ctx, source=limits.source, **limits.kwargs())
+
+    def _check_ready(self, context) -> None:
+        if not self._ready:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "datastore is still loading")
+
+    def Draft(self, request, context):
+        self._check_ready(context)
+        try:
+            ctx, limits = self._parse(request, "")
+        except WireError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except LookupError as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        t0 = time.perf_counter()
+        tree = self._draft_one(ctx, limits)
+        return tree_to_proto(tree, (time.perf_counter() - t0) * 1e3)
+
+    def DraftBatch(self, request, context):
+        self._check_ready(context)
+        n = len(request.requests)
+        if not 1 <= n <= self._cfg.limit_batch:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"requests: batch of {n} is outside [1, {self._cfg.limit_batch}]")
+        try:
+            parsed = [self._parse(r, f"requests[{i}].") for i, r in enumerate(request.requests)]
+        except WireError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except LookupError as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        t0 = time.perf_counter()
+        limits0 = parsed[0][1]
+        if self._ds is not None and limits0.source != "context" and all(lim == limits0 for _, lim in parsed):
+            # One call: the datastore spreads the batch over both cores with GIL-free kernels.
+            trees = self._ds.draft_batch([c for c, _ in parsed], source=limits0.source, **limits0.kwargs())
+        else:
+            trees = []
+            for ctx, lim in parsed:
+                if context.time_remaining() is not None and context.time_remaining() <= 0:
+                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed during the batch")
+                trees.append(self._draft_one(ctx, lim))
+        ms = (time.perf_counter() - t0) * 1e3 / n
+        return draft_pb2.DraftBatchResponse(responses=[tree_to_proto(t, ms) for t in trees])
+
+    def Info(self, request, context):
+        self._check_ready(context)
+        ds = self._ds
+        sources = ["context"] + (["datastore", "merged"] if ds is not None else [])
+        if ds is None:
+            return draft_pb2.DatastoreInfo(vocab_size=self._vocab or 0, sources=sources)
+        return draft_pb2.DatastoreInfo(
+            tokenizer_id=ds.tokenizer_id, vocab_size=ds.vocab_size, num_tokens=ds.num_tokens,
+            num_documents=ds.num_documents, num_shards=ds.num_shards, bytes_on_disk=ds.bytes_on_disk,
+            path=str(ds.path), sources=sources,
+        )
+
+
+def open_indexes(cfg: RetrievalConfig):
+    """Open (and warm up) every configured index; raise a clear error if one is missing or corrupted."""
+    datastore = None
+    if cfg.datastore:
+        from retrieval_service.datastore.suffix_array import SuffixArrayDatastore
+
+        datastore = SuffixArrayDatastore.open(cfg.datastore)
+        datastore.warmup()
+    return datastore
+
+
+def build_server(cfg: RetrievalConfig, *, datastore=None) -> RunningServer:
+    """Bind the port first (health answers NOT_SERVING while indexes load), then open indexes, warm up,
+    and report SERVING. A missing or corrupted index stops the server with the loader's error."""
+    draft = DraftServicer(cfg)
+
+    def add(server: grpc.Server) -> list[str]:
+        draft_pb2_grpc.add_DraftServiceServicer_to_server(draft, server)
+        return [_DRAFT_SERVICE]
+
+    running = start_server(add, host=cfg.host, port=cfg.port, workers=cfg.workers,
+                           max_concurrent_rpcs=cfg.max_concurrent_rpcs, max_message_bytes=cfg.max_message_bytes)
+    try:
+        draft.attach(datastore if datastore is not None else open_indexes(cfg), vocab_size=None)
+    except Exception:
+        running.stop(0)
+        raise
+    running.set_serving(True)
+    return running
+
+
+def serve(cfg: RetrievalConfig) -> None:
+    running = build_server(cfg)
+    install_signal_handlers(running, cfg.grace_s)
+    log.info("retrieval service SERVING on %s:%d", cfg.host, running.port)
+    running.wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    serve(RetrievalConfig.from_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""Retrieval down, overload, cancellation and deadlines: requests degrade or are refused cleanly, never wrong."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from generation_service.client import GenerationClient
+from retrieval_service.config import RetrievalConfig
+from retrieval_service.server import build_server as build_retrieval
+from serving.launcher import free_port
+from tests.integration.conftest import PROMPTS, start_generation
+
+pytestmark = pytest.mark.model
+N_TOKENS = 24
+
+
+def test_retrieval_down_degrades_to_ar_and_recovers(tm, datastore, client):
+    port = free_port()
+    cfg = RetrievalConfig(port=port, workers=2)
+    retrieval = build_retrieval(cfg, datastore=datastore)
+    running, servicer = start_generation(tm, retrieval.address, retry_after_s=0.2)
+    try:
+        with GenerationClient(running.address) as c:
+            want = client.generate(PROMPTS[0], max_new_tokens=N_TOKENS, decoding="ar", ignore_eos=True, timeout=300)
+            ok = c.generate(PROMPTS[0], max_new_tokens=N_TOKENS, decoding="rest", ignore_eos=True, timeout=300)
+            assert not ok.stats.degraded
+            retrieval.stop(0)
+            down = c.generate(PROMPTS[0], max_new_tokens=N_TOKENS, decoding="rest", ignore_eos=True, timeout=300)
+            assert list(down.token_ids) == list(want.token_ids)  # Not a failed or different answer
+            assert down.stats.degraded and down.stats.degraded_steps > 0
+            assert down.stats.degraded_reason  # says why
+            retrieval = build_retrieval(cfg, datastore=datastore)  # back on the same port
+            for _attempt in range(20):  # the channel reconnects within its (short) backoff
+                back = c.generate(PROMPTS[0], max_new_tokens=N_TOKENS, decoding="rest", ignore_eos=True, timeout=300)
+                assert list(back.token_ids) == list(want.token_ids)
+                if not back.stats.degraded:
+                    break
+                time.sleep(0.2)
+            assert not back.stats.degraded, back.stats.degraded_reason
+            assert back.stats.draft_tokens_accepted > 0  # drafting resumed
+    finally:
+        running.stop(0)
+        servicer.worker.stop()
+        retrieval.stop(0)
+
+
+def test_full_queue_answers_resource_exhausted(tm, retrieval):
+    running, servicer = start_generation(tm, retrieval.address, queue_size=1)
+    codes: list[grpc.StatusCode] = []
+    lock = threading.Lock()
+
+    def call() -> None:
+        with GenerationClient(running.address) as c:
+            try:
+                c.generate(PROMPTS[1], max_new_tokens=48, decoding="ar", ignore_eos=True, timeout=300)
+                code = grpc.StatusCode.OK
+            except grpc.RpcError as e:
+                code = e.code()
+        with lock:
+            codes.append(code)
+
+    try:
+        threads = [threading.Thread(target=call) for _ in range(5)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        running.stop(0)
+        servicer.worker.stop()
+    # One running + one queued fit; the rest are refused instead of piling up.
+    assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 1
+    assert codes.count(grpc.StatusCode.OK) >= 2
+    assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}  # Not INTERNAL
+
+
+def test_cancelled_stream_frees_the_worker(client):
+    stream = client.stream(PROMPTS[0], max_new_tokens=2000, decoding="ar", ignore_eos=True, timeout=600)
+    first = next(stream)
+    assert first.token_ids
+    stream.cancel()
+    # A 2000-token request would hold the worker for minutes; after cancel the next one runs at once.
+    t0 = time.monotonic()
+    reply = client.generate(PROMPTS[1], max_new_tokens=4, decoding="ar", timeout=120)
+    assert reply.usage.completion_tokens >= 1
+    assert time.monotonic() - t0 < 60
+
+
+def test_deadline_exceeded_is_reported_and_work_stops(client):
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate(PROMPTS[0], max_new_tokens=2000, decoding="ar", ignore_eos=True, timeout=1.0)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    reply = client.generate(PROMPTS[1], max_new_tokens=4, decoding="ar", timeout=120)
+    assert reply.usage.completion_tokens >= 1

@@ -26,6 +26,7 @@ from generation_service.sampling import SamplingParams
 from generation_service.speculative import StreamChunk, generate_stream
 from proto import generation_pb2, generation_pb2_grpc
 from retrieval_service.datastore.corpus import tokenizer_identity
+from retrieval_service.datastore.draft_tree import warmup_context_draft
 from serving.grpc_shell import RunningServer, install_signal_handlers, start_server
 
 log = logging.getLogger("generation_service")
@@ -303,6 +304,7 @@ def build_server(cfg: GenerationConfig, *, tm=None) -> tuple[RunningServer, Gene
         if tm is None:
             tm = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, threads=cfg.threads)
             log.info("model %s (%s) loaded; warm-up took %.1f s", tm.model_dir, cfg.dtype, warmup(tm))
+        warmup_context_draft()  # compile/load the prompt-lookup kernel before the first pld request
         link = RetrievalLink(cfg, tokenizer_identity(tm.tokenizer))
         servicer.attach(tm, Worker(tm, cfg, link))
     except Exception:

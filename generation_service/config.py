@@ -28,6 +28,8 @@ class GenerationConfig:
     default_decoding: str = "rest"
     draft_budget: int = 32  # max draft-tree nodes per step (32 ~ 1.4 single steps in bf16 on a 2-core CPU)
     max_draft_budget: int = 256
+    # Feed finished outputs back to the retrieval service's online-learning shard (per-request override).
+    learn_from_outputs: bool = False
     default_max_new_tokens: int = 128
     limit_max_new_tokens: int = 4096
     limit_prompt_tokens: int = 8192

@@ -107,6 +107,10 @@ class RetrievalClient:
                                     num_matches=reply.num_matches,
                                     context_matched_suffix=reply.context_matched_suffix)
 
+    def learn(self, tokens: np.ndarray, timeout_s: float = 2.0) -> draft_pb2.LearnResponse:
+        """Feed one finished output to the service's online-learning shard (raises DraftUnavailable)."""
+        return self.call("Learn", draft_pb2.LearnRequest(tokens=pack_tokens(tokens)), timeout_s=timeout_s)
+
     def info(self, timeout_s: float = 5.0) -> draft_pb2.DatastoreInfo:
         return self.call("Info", draft_pb2.DatastoreInfoRequest(), timeout_s=timeout_s)
 

@@ -13,6 +13,7 @@ import logging
 import math
 import queue
 import threading
+from concurrent import futures
 import time
 from dataclasses import dataclass, field
 
@@ -34,6 +35,7 @@ log = logging.getLogger("generation_service")
 _SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 _ROLES = ("system", "user", "assistant")
 _MAX_STOP_CHARS = 512
+_LEARN_PROMPT_TAIL = 16  # prompt tokens sent with a learned output (the longest suffix drafting matches)
 
 
 class BadRequest(ValueError):
@@ -47,6 +49,7 @@ class Job:
     decoding: str
     budget: int
     deadline: float | None  # time.monotonic() by which the client gives up
+    learn: bool = False  # feed the finished output to online learning
     chunks: "queue.Queue[StreamChunk | BaseException | None]" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -92,6 +95,16 @@ class RetrievalLink:
                     log.error("%s: datastore drafts disabled", self._mismatch)
         return self._mismatch
 
+    def learn(self, prompt_ids: np.ndarray, completion: list[int]) -> None:
+        """Send a finished output for online learning, with the prompt's tail so its first tokens can match."""
+        if self.client is None or not completion or self.problem() is not None:
+            return
+        tokens = np.concatenate([np.asarray(prompt_ids[-_LEARN_PROMPT_TAIL:], np.int64), np.asarray(completion)])
+        try:
+            self.client.learn(tokens)
+        except DraftUnavailable as e:
+            log.debug("learn_from_output skipped: %s", e)
+
     def drafter(self, decoding: str, deadline: float | None) -> Drafter:
         problem = self.problem()
         if problem is not None:
@@ -106,6 +119,7 @@ class Worker:
     def __init__(self, tm, cfg: GenerationConfig, link: RetrievalLink):
         self.tm, self.cfg, self.link = tm, cfg, link
         self.jobs: "queue.Queue[Job | None]" = queue.Queue(maxsize=cfg.queue_size)
+        self.learner = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="learn")
         self.thread = threading.Thread(target=self._loop, name="generation-worker", daemon=True)
         self.thread.start()
 
@@ -133,15 +147,22 @@ class Worker:
             if job.is_cancelled():
                 job.chunks.put(None)
                 continue
+            completion: list[int] = []
+            finish = None
             try:
                 for chunk in generate_stream(self.tm, job.prompt_ids, job.params, drafter=self._drafter(job),
                                              draft_budget=job.budget, is_cancelled=job.is_cancelled,
                                              decoding=job.decoding):
+                    completion += chunk.token_ids
+                    finish = chunk.finish_reason or finish
                     job.chunks.put(chunk)
             except BaseException as e:  # reported to the caller; the worker keeps serving
                 log.exception("generation failed")
                 job.chunks.put(e)
             job.chunks.put(None)
+            if job.learn and finish in ("stop", "length"):
+                # After the reply is out: learning must not add latency to the request.
+                self.learner.submit(self.link.learn, job.prompt_ids, completion)
 
 
 def _opt(request, name: str):
@@ -243,7 +264,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
-        job = Job(prompt_ids, params, decoding, budget, deadline)
+        learn = request.learn_from_output if request.HasField("learn_from_output") else self.cfg.learn_from_outputs
+        job = Job(prompt_ids, params, decoding, budget, deadline, learn=learn)
         try:
             self.worker.submit(job)
         except queue.Full:

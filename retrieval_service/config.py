@@ -34,12 +34,41 @@ class RetrievalConfig:
     limit_max_nodes: int = 1024
     limit_context_tokens: int = 1 << 20
     limit_batch: int = 1024
+    # Online learning (Learn RPC): finished outputs become draftable. learn_dir keeps compacted learned shards
+    # across restarts ("" = memory only); the learned total is bounded, oldest evicted first.
+    learn: bool = False
+    learn_dir: str = ""
+    learn_max_tokens: int = 4_000_000
+    learn_compact_tokens: int = 500_000
     # Backpressure: gRPC rejects calls beyond this many in flight with RESOURCE_EXHAUSTED.
     max_concurrent_rpcs: int = 64
     workers: int = 8
     # Seconds in-flight calls get to finish after SIGTERM.
     grace_s: float = 5.0
     max_message_bytes: int = 64 << 20
+    # Knowledge base (retrieval_service/knowledge). Retrievers to load: comma list of edr,adr,sr; "" = every
+    # one the KB was built with. Batches are bounded by limit_batch.
+    kb_retrievers: str = ""
+    # Java threads of one batched Lucene search.
+    kb_threads: int = 2
+    # Intra-op threads of faiss (OpenMP + its OpenBLAS) and of the query encoder (torch). Keep 1 unless the
+    # cores are idle: an OpenMP barrier stalls for a scheduler slice when another process holds a core
+    # (measured on the shared 2-core box: exact search of 1 query 0.7 ms with 1 thread, 50 ms with 2).
+    # Concurrent requests still run in parallel on the gRPC worker threads.
+    kb_omp_threads: int = 1
+    # HNSW efSearch when a request leaves it 0; exact re-scoring of k + margin candidates per query.
+    kb_ef_search: int = 128
+    kb_rescore_margin: int = 16
+    kb_query_cache: int = 4096
+    # Max heap of the in-process JVM (Lucene); "" = the JVM default (1/4 of RAM).
+    kb_jvm_heap: str = ""
+    kb_limit_k: int = 1000
+    kb_limit_ids: int = 10_000
+    kb_limit_query_chars: int = 10_000
+    # Seconds of JIT warm-up for the Lucene search/scoring paths before SERVING (cold calls are ~5x slower).
+    kb_warmup_s: float = 10.0
+    # Re-hash passages.jsonl at open and compare with the manifest (catches a swapped or edited file).
+    kb_verify: bool = True
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "RetrievalConfig":

@@ -80,14 +80,16 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def __init__(self, cfg: RetrievalConfig, datastore=None, vocab_size: int | None = None):
         self._cfg = cfg
         self._ds = None
+        self._learner = None
         self._vocab = vocab_size
         self._ready = False
         if datastore is not None or vocab_size is not None:
             self.attach(datastore, vocab_size)
 
-    def attach(self, datastore, vocab_size: int | None = None) -> None:
+    def attach(self, datastore, vocab_size: int | None = None, learner=None) -> None:
         """Called once the datastore is open and warm; until then calls get UNAVAILABLE."""
         self._ds = datastore
+        self._learner = learner
         self._vocab = datastore.vocab_size if datastore is not None else vocab_size
         self._ready = True
 
@@ -154,8 +156,23 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return draft_pb2.DatastoreInfo(
             tokenizer_id=ds.tokenizer_id, vocab_size=ds.vocab_size, num_tokens=ds.num_tokens,
             num_documents=ds.num_documents, num_shards=ds.num_shards, bytes_on_disk=ds.bytes_on_disk,
-            path=str(ds.path), sources=sources,
+            path=str(ds.path), sources=sources, learning=self._learner is not None,
+            learned_tokens=self._learner.learned_tokens if self._learner is not None else 0,
         )
+
+    def Learn(self, request, context):
+        self._check_ready(context)
+        if self._learner is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          "online learning is off on this server (start it with --learn true and a datastore)")
+        try:
+            tokens = unpack_tokens(request.tokens, "tokens", vocab_size=self._vocab,
+                                   max_len=self._cfg.limit_context_tokens)
+        except WireError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        self._learner.add(tokens)
+        return draft_pb2.LearnResponse(learned_tokens=self._learner.learned_tokens,
+                                       documents=self._learner.documents_learned)
 
 
 def open_indexes(cfg: RetrievalConfig):
@@ -181,7 +198,14 @@ def build_server(cfg: RetrievalConfig, *, datastore=None) -> RunningServer:
     running = start_server(add, host=cfg.host, port=cfg.port, workers=cfg.workers,
                            max_concurrent_rpcs=cfg.max_concurrent_rpcs, max_message_bytes=cfg.max_message_bytes)
     try:
-        draft.attach(datastore if datastore is not None else open_indexes(cfg), vocab_size=None)
+        ds = datastore if datastore is not None else open_indexes(cfg)
+        learner = None
+        if cfg.learn and ds is not None:
+            from retrieval_service.datastore.online import OnlineLearner
+
+            learner = OnlineLearner(ds, directory=cfg.learn_dir or None, max_tokens=cfg.learn_max_tokens,
+                                    compact_tokens=cfg.learn_compact_tokens)
+        draft.attach(ds, vocab_size=None, learner=learner)
     except Exception:
         running.stop(0)
         raise

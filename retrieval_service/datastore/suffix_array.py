@@ -131,18 +131,24 @@ class SuffixArrayDatastore:
         """An in-memory datastore of one shard (tests, small delta stores)."""
         return cls([Shard.from_documents(list(docs), vocab_size=vocab_size, tokenizer_id=tokenizer_id)])
 
-    def set_delta(self, shard: Shard | None) -> None:
-        """Search `shard` next to the datastore's own shards from now on, replacing the previous delta.
+    def set_extra(self, shards: Sequence[Shard]) -> None:
+        """Search `shards` next to the datastore's own shards from now on, replacing the previous extras.
 
-        Meant for a small in-memory shard of recent outputs (Shard.from_documents), rebuilt and swapped in
-        periodically; None removes it. In-flight drafts finish on the shard set they started with.
+        For online learning: compacted shards of learned outputs plus a small in-memory delta shard
+        (Shard.from_documents), rebuilt and swapped in periodically. In-flight drafts finish on the shard
+        set they started with.
         """
-        if shard is not None and (shard.header["tokenizer_id"], shard.vocab_size) != (self.tokenizer_id,
-                                                                                      self.vocab_size):
-            raise TokenizerMismatch(f"shard tokenizer {shard.header['tokenizer_id']!r} (vocab {shard.vocab_size}) "
-                                    f"does not match the datastore's {self.tokenizer_id!r} (vocab {self.vocab_size})")
+        for shard in shards:
+            if (shard.header["tokenizer_id"], shard.vocab_size) != (self.tokenizer_id, self.vocab_size):
+                raise TokenizerMismatch(
+                    f"shard tokenizer {shard.header['tokenizer_id']!r} (vocab {shard.vocab_size}) does not match "
+                    f"the datastore's {self.tokenizer_id!r} (vocab {self.vocab_size})")
         with self._lock:
-            self._set_shards(list(self._base) + ([shard] if shard is not None else []))
+            self._set_shards(list(self._base) + list(shards))
+
+    def set_delta(self, shard: Shard | None) -> None:
+        """One extra shard (or None to remove the extras); see set_extra."""
+        self.set_extra([shard] if shard is not None else [])
 
     # -- properties ------------------------------------------------------------------------------------------------
 

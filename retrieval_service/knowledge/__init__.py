@@ -1,0 +1,9 @@
+"""Knowledge base of the retrieval service: passages + EDR (exact dense), ADR (HNSW), SR (BM25) retrievers.
+
+    passages.py  corpus extraction (docstrings, python3.11-doc reST) and the passage store
+    dense.py     MiniLM encoder, resumable encoding, named faiss vector indexes with exact re-scoring
+    sparse.py    JVM start-up, Anserini indexing, pyserini LuceneSearcher search and candidate scoring
+    kb.py        KnowledgeBase: open/check/warm up, batched search, ScoreCandidates, documents
+    service.py   KnowledgeServicer (proto/knowledge.proto)
+    build.py     CLI: python -m retrieval_service.knowledge.build --out DIR
+"""

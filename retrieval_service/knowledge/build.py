@@ -1,0 +1,251 @@
+"""Build a knowledge base directory: passages, dense embeddings (EDR), HNSW (ADR), Lucene BM25 (SR).
+
+    python -m retrieval_service.knowledge.build --out ~/.cache/ragserve/kb/docs
+    python -m retrieval_service.knowledge.build --out /tmp/kb --limit-passages 2000 --no-rst --retrievers edr,sr
+
+Every output appears atomically (written aside, then renamed) and a rerun resumes: passages are kept when
+the same corpus settings are asked for, embeddings are encoded in chunks that survive an interruption, and an
+index already built for the same passages (and parameters) is kept. kb.json is the manifest, rewritten after
+each stage; KnowledgeBase.open reads it.
+
+Layout: kb.json, passages.jsonl, passages.offsets.npy, dense/{embeddings.npy,meta.json,hnsw.faiss,hnsw.json},
+sparse/{lucene/,meta.json,index.log}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from tqdm import tqdm
+
+from retrieval_service.knowledge import dense, passages as P, sparse
+from retrieval_service.knowledge.kb import DENSE_DIR, MANIFEST, RETRIEVERS, SPARSE_DIR
+
+FORMAT_VERSION = 1
+
+
+def _dir_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def read_passages_jsonl(path: Path) -> Iterable[P.Passage]:
+    """A user-supplied corpus: one {"title", "text"[, "key"]} object per line."""
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f):
+            if line.strip():
+                rec = json.loads(line)
+                yield P.Passage(rec.get("key") or f"jsonl:{n}", rec.get("title", ""), rec["text"])
+
+
+def build_kb(out: str | Path, passages: Iterable[P.Passage] | None = None, *,
+             retrievers: Sequence[str] = RETRIEVERS, corpus: dict | None = None, limit: int | None = None,
+             rst: bool = True, site: bool = True, words: int = P.DEFAULT_WORDS, workers: int = 2,
+             dtype: str = "float32", encoder_dtype: str = "float32", batch_size: int = 64, chunk: int = 4096,
+             hnsw_m: int = 32, hnsw_ef_construction: int = 200, threads: int = 2, omp_threads: int = 1,
+             jvm_heap: str = "", force: bool = False,
+             encoder: dense.Encoder | None = None, progress: bool = True) -> dict:
+    """Build (or finish building) a KB in `out`; returns the manifest.
+
+    passages: an explicit corpus (tests, --passages-jsonl); None = extract docstrings (+ reST) offline.
+    corpus: a description of `passages` for the resume check (same description -> passages are reused).
+    """
+    out = Path(out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    bad = set(retrievers) - set(RETRIEVERS)
+    if bad:
+        raise ValueError(f"retrievers: {sorted(bad)} not in {RETRIEVERS}")
+    manifest_path = out / MANIFEST
+    old = json.loads(manifest_path.read_text()) if manifest_path.is_file() and not force else {}
+    corpus_desc = corpus or ({"source": "docs", "limit": limit, "rst": rst and P.RST_ROOT.is_dir(), "site": site,
+                              "words": words} if passages is None else {"source": "given", "limit": limit})
+    manifest = {"version": FORMAT_VERSION, "corpus": corpus_desc, "retrievers": [], "build": {}}
+
+    # 1. Passages --------------------------------------------------------------------------------------
+    if (old.get("corpus") == corpus_desc and old.get("version") == FORMAT_VERSION
+            and (out / P.PASSAGES_FILE).is_file() and (out / P.OFFSETS_FILE).is_file()
+            and P.fingerprint(out / P.PASSAGES_FILE) == old.get("fingerprint")):
+        n, fp = old["passages"], old["fingerprint"]
+        manifest["build"]["passages"] = old.get("build", {}).get("passages", {})
+        print(f"passages: reusing {n} passages in {out}")
+    else:
+        t0 = time.perf_counter()
+        if passages is None:
+            docs = P.iter_documents(rst=rst, site=site, workers=workers)
+            passages = P.iter_passages(docs, words=words, limit=limit)
+        elif limit is not None:
+            passages = (p for i, p in zip(range(limit), passages))
+        with tqdm(desc="passages", unit=" psg", disable=not progress) as bar:
+            n, fp = P.write_passages(out, passages, progress=bar)
+        manifest["build"]["passages"] = {"seconds": time.perf_counter() - t0}
+        old = {}  # every index depends on the passages
+    if n == 0:
+        raise ValueError("the corpus produced no passages")
+    manifest.update(passages=n, fingerprint=fp)
+    manifest["build"]["passages"]["bytes"] = _dir_bytes(out / P.PASSAGES_FILE) + _dir_bytes(out / P.OFFSETS_FILE)
+    _write_json(manifest_path, manifest)
+    store = P.PassageStore(out)
+
+    def carry(name: str) -> None:
+        if name in old.get("retrievers", []) and old.get("fingerprint") == fp:
+            manifest["build"][name] = old.get("build", {}).get(name, {})
+
+    # 2. Dense embeddings (EDR) and HNSW (ADR) ---------------------------------------------------------
+    dense_dir = out / DENSE_DIR
+    if {"edr", "adr"} & set(retrievers):
+        dense_dir.mkdir(exist_ok=True)
+        meta_path = dense_dir / dense.META_FILE
+        meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+        if (meta.get("fingerprint") == fp and meta.get("n") == n and meta.get("dtype") == dtype
+                and meta.get("encoder_dtype", "float32") == encoder_dtype
+                and (dense_dir / dense.EMBEDDINGS_FILE).is_file()):
+            print("embeddings: up to date")
+            carry("edr")
+        else:
+            t0 = time.perf_counter()
+            enc = encoder or dense.Encoder(threads=omp_threads, cache_size=0, dtype=encoder_dtype)
+            with tqdm(total=n, desc="encode", unit=" psg", smoothing=0.05, disable=not progress) as bar:
+                dense.encode_passages(lambda a, b: store.iter_range(a, b), n, dense_dir, enc, fingerprint=fp,
+                                      dtype=dtype, chunk=chunk, batch_size=batch_size, progress=bar)
+            manifest["build"]["edr"] = {"encode_seconds": time.perf_counter() - t0}
+        manifest["build"].setdefault("edr", {})["bytes"] = _dir_bytes(dense_dir / dense.EMBEDDINGS_FILE)
+        manifest["build"]["edr"]["dtype"] = dtype
+        manifest["build"]["edr"]["encoder_dtype"] = encoder_dtype
+        manifest["retrievers"].append("edr")  # the exact index is built from the embeddings at open
+        _write_json(manifest_path, manifest)
+    if "adr" in retrievers:
+        hnsw_meta_path = dense_dir / "hnsw.json"
+        want = {"fingerprint": fp, "n": n, "M": hnsw_m, "efConstruction": hnsw_ef_construction, "metric": "ip"}
+        have = json.loads(hnsw_meta_path.read_text()) if hnsw_meta_path.is_file() else {}
+        if {k: have.get(k) for k in want} == want and (dense_dir / dense.HNSW_FILE).is_file():
+            print("hnsw: up to date")
+            carry("adr")
+        else:
+            import numpy as np
+
+            dense.configure_faiss(omp_threads)
+            vectors = np.load(dense_dir / dense.EMBEDDINGS_FILE, mmap_mode="r")
+            t0 = time.perf_counter()
+            with tqdm(total=n, desc=f"hnsw M={hnsw_m} efC={hnsw_ef_construction}", unit=" vec",
+                      disable=not progress) as bar:
+                index = dense.build_hnsw(vectors, "ip", hnsw_m, hnsw_ef_construction, progress=bar.update)
+            seconds = time.perf_counter() - t0
+            tmp = dense_dir / (dense.HNSW_FILE + ".tmp")
+            dense.faiss.write_index(index, str(tmp))
+            os.replace(tmp, dense_dir / dense.HNSW_FILE)
+            _write_json(hnsw_meta_path, {**want, "seconds": seconds})
+            manifest["build"]["adr"] = {"seconds": seconds, "M": hnsw_m, "efConstruction": hnsw_ef_construction}
+        manifest["build"].setdefault("adr", {})["bytes"] = _dir_bytes(dense_dir / dense.HNSW_FILE)
+        manifest["retrievers"].append("adr")
+        _write_json(manifest_path, manifest)
+
+    # 3. Lucene BM25 (SR) -------------------------------------------------------------------------------
+    if "sr" in retrievers:
+        sparse_dir = out / SPARSE_DIR
+        sparse_dir.mkdir(exist_ok=True)
+        meta_path = sparse_dir / sparse.META_FILE
+        meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+        index_dir = sparse_dir / sparse.INDEX_DIR
+        if meta.get("fingerprint") == fp and meta.get("n") == n and any(index_dir.glob("segments_*")):
+            print("lucene: up to date")
+            carry("sr")
+        else:
+            t0 = time.perf_counter()
+            coll = sparse_dir / "collection"
+            if coll.exists():
+                shutil.rmtree(coll)
+            records = ((r["id"], r["title"], r["text"]) for r in
+                       tqdm(store.iter_range(0, n), total=n, desc="lucene collection", unit=" psg",
+                            disable=not progress))
+            sparse.write_collection(records, coll, parts=max(1, threads) * 2)
+            print(f"lucene: indexing {n} passages with Anserini (log: {sparse_dir / 'index.log'}) ...", flush=True)
+            sparse.build_lucene_index(coll, index_dir, threads=threads, heap=jvm_heap,
+                                      log_path=sparse_dir / "index.log")
+            shutil.rmtree(coll)
+            seconds = time.perf_counter() - t0
+            _write_json(meta_path, {"fingerprint": fp, "n": n, "seconds": seconds, "k1": 0.9, "b": 0.4,
+                                    "id_width": sparse.ID_WIDTH})
+            manifest["build"]["sr"] = {"seconds": seconds}
+            print(f"lucene: done in {seconds:.1f} s")
+        manifest["build"].setdefault("sr", {})["bytes"] = _dir_bytes(index_dir)
+        manifest["retrievers"].append("sr")
+        _write_json(manifest_path, manifest)
+    # Indexes built by an earlier run for the same passages stay usable even if not asked for this time.
+    for name in old.get("retrievers", []):
+        if name not in manifest["retrievers"] and old.get("fingerprint") == fp:
+            manifest["retrievers"].append(name)
+            carry(name)
+    _write_json(manifest_path, manifest)
+    store.close()
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m retrieval_service.knowledge.build", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="KB directory (created; resumed if it exists)")
+    ap.add_argument("--limit-passages", type=int, default=None, help="stop the corpus after N passages")
+    ap.add_argument("--no-rst", action="store_true", help="skip the python3.11-doc reST sources")
+    ap.add_argument("--no-site", action="store_true", help="docstrings of the standard library only")
+    ap.add_argument("--passages-jsonl", default="", help="use this corpus ({title, text} per line) instead")
+    ap.add_argument("--retrievers", default="edr,adr,sr", help="comma list of edr, adr, sr")
+    ap.add_argument("--words", type=int, default=P.DEFAULT_WORDS, help="words per passage")
+    ap.add_argument("--float16", action="store_true", help="store embeddings as float16 (half the disk)")
+    ap.add_argument("--encoder-dtype", choices=dense.ENCODER_DTYPES, default="float32",
+                    help="encoder compute dtype; bfloat16 is ~2x faster on avx512_bf16 CPUs (queries use the same)")
+    ap.add_argument("--batch-size", type=int, default=64, help="encoder batch size")
+    ap.add_argument("--chunk", type=int, default=4096, help="passages per resumable encoding chunk")
+    ap.add_argument("--hnsw-m", type=int, default=32)
+    ap.add_argument("--hnsw-ef-construction", type=int, default=200)
+    ap.add_argument("--threads", type=int, default=2, help="Anserini indexing threads")
+    ap.add_argument("--omp-threads", type=int, default=1,
+                    help="encoder (torch) and HNSW (faiss) threads; >1 pays only on idle cores")
+    ap.add_argument("--workers", type=int, default=2, help="processes parsing source files")
+    ap.add_argument("--jvm-heap", default="", help="Anserini indexer -Xmx, e.g. 4g")
+    ap.add_argument("--force", action="store_true", help="rebuild everything")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = ap.parse_args(argv)
+    retrievers = [r.strip() for r in args.retrievers.split(",") if r.strip()]
+    if args.limit_passages is not None and args.limit_passages < 1:
+        ap.error(f"--limit-passages: {args.limit_passages} must be >= 1")
+    passages = None
+    corpus = None
+    if args.passages_jsonl:
+        path = Path(args.passages_jsonl)
+        passages = read_passages_jsonl(path)
+        corpus = {"source": "jsonl", "path": str(path.resolve()), "sha256": P.fingerprint(path),
+                  "limit": args.limit_passages}
+    t0 = time.perf_counter()
+    try:
+        manifest = build_kb(args.out, passages, retrievers=retrievers, corpus=corpus, limit=args.limit_passages,
+                            rst=not args.no_rst, site=not args.no_site, words=args.words, workers=args.workers,
+                            dtype="float16" if args.float16 else "float32",
+                            encoder_dtype=args.encoder_dtype, batch_size=args.batch_size,
+                            chunk=args.chunk, hnsw_m=args.hnsw_m, hnsw_ef_construction=args.hnsw_ef_construction,
+                            threads=args.threads, omp_threads=args.omp_threads, jvm_heap=args.jvm_heap,
+                            force=args.force,
+                            progress=not args.no_progress)
+    except ValueError as e:
+        ap.error(str(e))
+    print(f"KB {args.out}: {manifest['passages']} passages, retrievers {','.join(manifest['retrievers'])}, "
+          f"{time.perf_counter() - t0:.1f} s")
+    for name, b in manifest["build"].items():
+        print(f"  {name:8s} " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
+                                          for k, v in sorted(b.items())))
+
+
+if __name__ == "__main__":
+    main()

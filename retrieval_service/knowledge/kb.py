@@ -1,0 +1,384 @@
+"""The knowledge base: passages + the three retrievers (EDR exact dense, ADR HNSW, SR BM25) + named vector
+indexes, behind one typed API that validates its inputs (the gRPC servicer is a thin shell over it).
+
+    kb = KnowledgeBase.open("~/.cache/ragserve/kb/docs", RetrievalConfig())
+    res = kb.search("edr", 10, texts=["how do I parse json"])     # one batched encode + one faiss call
+    res.hits[0].ids, res.hits[0].scores                           # int64 [n], float32 [n], best first
+    kb.score_candidates("sr", res.hits[0].ids, text="how do I parse json").order
+
+Errors: `KBInputError` (bad request field; message starts with the field name) -> INVALID_ARGUMENT,
+`RetrieverUnavailable` (index absent or not loaded) -> UNAVAILABLE, `KBOpenError` from open() for a missing
+or corrupted KB.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from retrieval_service.config import RetrievalConfig
+from retrieval_service.knowledge import dense, sparse
+from retrieval_service.knowledge.passages import PassageStore, fingerprint
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "kb.json"
+DENSE_DIR = "dense"
+SPARSE_DIR = "sparse"
+RETRIEVERS = ("edr", "adr", "sr")
+KB_INDEX = "kb"
+
+
+class KBInputError(ValueError):
+    """A request field is invalid; the message starts with the field name."""
+
+
+class RetrieverUnavailable(LookupError):
+    """The retriever or index asked for is not loaded on this server."""
+
+
+class KBOpenError(RuntimeError):
+    """The knowledge base directory is missing, incomplete or corrupted."""
+
+
+@dataclass
+class Hits:
+    ids: np.ndarray              # int64 [n], best first
+    scores: np.ndarray           # float32 [n]
+
+
+@dataclass
+class SearchResult:
+    hits: list[Hits]             # one per query
+    query_vectors: np.ndarray | None  # [B, D] float32 when the queries were encoded (or given) as vectors
+    encode_ms: float = 0.0
+    search_ms: float = 0.0
+
+
+@dataclass
+class CandidateScores:
+    scores: np.ndarray           # float32 [n], aligned with the given ids
+    order: np.ndarray            # int32 [n], positions best first (ties: smaller id; BM25: unmatched last)
+    matched: np.ndarray          # bool [n]; False only for BM25 docs without a query term
+    query_vector: np.ndarray | None = None
+    encode_ms: float = 0.0
+    score_ms: float = 0.0
+
+
+@dataclass
+class KBLimits:
+    max_batch: int = 1024
+    max_k: int = 1000
+    max_ids: int = 10_000
+    max_query_chars: int = 10_000
+
+    @classmethod
+    def from_config(cls, cfg: RetrievalConfig) -> "KBLimits":
+        return cls(max_batch=cfg.limit_batch, max_k=cfg.kb_limit_k, max_ids=cfg.kb_limit_ids,
+                   max_query_chars=cfg.kb_limit_query_chars)
+
+
+def _which(cfg_value: str) -> set[str]:
+    wanted = {r.strip() for r in cfg_value.split(",") if r.strip()} if cfg_value else set(RETRIEVERS)
+    bad = wanted - set(RETRIEVERS)
+    if bad:
+        raise ValueError(f"kb_retrievers: {sorted(bad)} not in {RETRIEVERS}")
+    return wanted
+
+
+@dataclass
+class KnowledgeBase:
+    path: Path
+    passages: PassageStore
+    manifest: dict
+    limits: KBLimits
+    vector_indexes: dict[str, dense.VectorIndex] = field(default_factory=dict)
+    bm25: sparse.BM25Index | None = None
+    encoder: dense.Encoder | None = None
+    open_s: dict = field(default_factory=dict)
+    warmup_s: float = 10.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    # ------------------------------------------------------------------------------------------- open
+
+    @classmethod
+    def open(cls, path: str | Path, config: RetrievalConfig | None = None, *, warmup: bool = True,
+             encoder: dense.Encoder | None = None) -> "KnowledgeBase":
+        """Load passages and every built index (those named in config.kb_retrievers, default all), check
+        they belong together, and warm them up. Raises KBOpenError naming what is missing or corrupted."""
+        cfg = config or RetrievalConfig()
+        path = Path(path).expanduser()
+        wanted = _which(cfg.kb_retrievers)
+        manifest_path = path / MANIFEST
+        if not manifest_path.is_file():
+            raise KBOpenError(f"knowledge base {path}: no {MANIFEST} (build it with "
+                              f"`python -m retrieval_service.knowledge.build --out {path}`)")
+        try:
+            manifest = json.loads(manifest_path.read_text())
+            store = PassageStore(path)
+        except (OSError, ValueError) as e:
+            raise KBOpenError(f"knowledge base {path}: {e}") from None
+        n = len(store)
+        if manifest.get("passages") != n:
+            raise KBOpenError(f"knowledge base {path}: manifest says {manifest.get('passages')} passages, "
+                              f"passages file has {n}; rebuild")
+        fp = manifest.get("fingerprint", "")
+        if cfg.kb_verify and fingerprint(path / "passages.jsonl") != fp:
+            raise KBOpenError(f"knowledge base {path}: passages.jsonl does not match the manifest fingerprint")
+        kb = cls(path=path, passages=store, manifest=manifest, limits=KBLimits.from_config(cfg),
+                 warmup_s=cfg.kb_warmup_s)
+        built = set(manifest.get("retrievers", []))
+        dense.configure_faiss(cfg.kb_omp_threads)
+        try:
+            if wanted & built & {"edr", "adr"}:
+                t0 = time.perf_counter()
+                vi = dense.open_kb_vectors(path / DENSE_DIR, fingerprint=fp, n=n,
+                                           load_exact="edr" in wanted & built, load_approx="adr" in wanted & built,
+                                           ef_search=cfg.kb_ef_search, rescore_margin=cfg.kb_rescore_margin)
+                kb.vector_indexes[KB_INDEX] = vi
+                kb.encoder = encoder or dense.Encoder(threads=cfg.kb_omp_threads, cache_size=cfg.kb_query_cache,
+                                                      dtype=vi.info["encoder_dtype"])
+                if kb.encoder.dtype != vi.info["encoder_dtype"]:
+                    raise ValueError(f"encoder dtype {kb.encoder.dtype} != {vi.info['encoder_dtype']} used for the "
+                                     "passages (queries must be encoded the same way)")
+                if kb.encoder.dim != vi.dim:
+                    raise ValueError(f"encoder dimension {kb.encoder.dim} != KB embeddings dimension {vi.dim}")
+                kb.open_s["dense"] = time.perf_counter() - t0
+            if "sr" in wanted & built:
+                t0 = time.perf_counter()
+                kb.bm25 = sparse.BM25Index(path / SPARSE_DIR, fingerprint=fp, n=n, threads=cfg.kb_threads,
+                                           heap=cfg.kb_jvm_heap)
+                kb.open_s["sparse"] = time.perf_counter() - t0
+        except (OSError, ValueError, RuntimeError) as e:
+            kb.close()
+            raise KBOpenError(f"knowledge base {path}: {e}") from None
+        kb.check()
+        if warmup:
+            kb.warmup()
+        return kb
+
+    def add_vector_index(self, index: dense.VectorIndex) -> None:
+        """Register another named vector index (e.g. kNN-LM keys); searched with retriever edr/adr + index name."""
+        if not index.name or index.name == KB_INDEX:
+            raise ValueError(f"vector index name {index.name!r} is empty or reserved")
+        with self._lock:
+            self.vector_indexes = {**self.vector_indexes, index.name: index}
+
+    def warmup(self) -> None:
+        t0 = time.perf_counter()
+        if self.encoder is not None:
+            self.encoder.encode(["warm up the encoder", "a second query"] * 4)
+        for vi in self.vector_indexes.values():
+            vi.warmup()
+        if self.bm25 is not None:
+            self.bm25.warmup(seconds=self.warmup_s)
+        if len(self.passages):
+            self.passages.get([0, len(self.passages) - 1])
+        self.open_s["warmup"] = time.perf_counter() - t0
+
+    def check(self) -> None:
+        """Invariant checker: every loaded index covers exactly the passages of this KB."""
+        n = len(self.passages)
+        vi = self.vector_indexes.get(KB_INDEX)
+        if vi is not None and vi.size != n:
+            raise KBOpenError(f"dense index has {vi.size} vectors for {n} passages")
+        if self.bm25 is not None and self.bm25.n != n:
+            raise KBOpenError(f"Lucene index has {self.bm25.n} docs for {n} passages")
+        if n:
+            rec = self.passages.record(n - 1)
+            if rec.get("id") != n - 1:
+                raise KBOpenError(f"passage row {n - 1} carries id {rec.get('id')}")
+
+    def close(self) -> None:
+        if self.bm25 is not None:
+            self.bm25.close()
+        self.passages.close()
+
+    # ------------------------------------------------------------------------------------------ queries
+
+    @property
+    def retrievers(self) -> list[str]:
+        vi = self.vector_indexes.get(KB_INDEX)
+        out = list(vi.retrievers) if vi is not None else []
+        return out + (["sr"] if self.bm25 is not None else [])
+
+    def _vector_index(self, retriever: str, index: str) -> dense.VectorIndex:
+        name = index or KB_INDEX
+        vi = self.vector_indexes.get(name)
+        if vi is None:
+            if name == KB_INDEX:
+                raise RetrieverUnavailable(f"retriever {retriever!r}: this server has no dense KB index")
+            raise KBInputError(f"index: unknown vector index {name!r} (known: {sorted(self.vector_indexes)})")
+        if retriever not in vi.retrievers:
+            raise RetrieverUnavailable(f"retriever {retriever!r}: index {name!r} has no "
+                                       f"{'exact' if retriever == 'edr' else 'HNSW'} index loaded")
+        return vi
+
+    def _check_retriever(self, retriever: str, index: str) -> None:
+        if retriever not in RETRIEVERS:
+            raise KBInputError(f"retriever: {retriever!r} is not one of {', '.join(RETRIEVERS)}")
+        if retriever == "sr":
+            if index and index != KB_INDEX:
+                raise KBInputError(f"index: {index!r} given with retriever 'sr' (BM25 searches the KB passages only)")
+            if self.bm25 is None:
+                raise RetrieverUnavailable("retriever 'sr': this server has no BM25 (Lucene) index")
+
+    def _check_texts(self, texts: Sequence[str], field: str) -> None:
+        for i, t in enumerate(texts):
+            if not t.strip():
+                raise KBInputError(f"{field}[{i}]: query text is empty")
+            if len(t) > self.limits.max_query_chars:
+                raise KBInputError(f"{field}[{i}]: {len(t)} characters exceeds the limit of "
+                                   f"{self.limits.max_query_chars}")
+
+    def _check_vectors(self, vectors: np.ndarray, dim: int, field: str) -> np.ndarray:
+        v = np.asarray(vectors, dtype=np.float32)
+        if v.ndim == 1:
+            v = v[None, :]
+        if v.ndim != 2 or v.shape[1] != dim:
+            raise KBInputError(f"{field}: vectors of dimension {v.shape[-1] if v.ndim else 0} for an index of "
+                               f"dimension {dim}")
+        if not np.all(np.isfinite(v)):
+            raise KBInputError(f"{field}: values must be finite (found NaN or inf)")
+        return np.ascontiguousarray(v)
+
+    def query_dim(self, retriever: str, index: str = "") -> int:
+        """Dimension of vector queries for (retriever, index); raises for sr or an unknown/absent index."""
+        self._check_retriever(retriever, index)
+        if retriever == "sr":
+            raise KBInputError("vectors: retriever 'sr' (BM25) takes text queries only")
+        return self._vector_index(retriever, index).dim
+
+    def stored_dim(self, index: str = "", field: str = "with_vectors") -> int:
+        """Dimension of the stored vectors GetDocuments/with_vectors return for `index` ("" = KB)."""
+        vi = self.vector_indexes.get(index or KB_INDEX)
+        if vi is None:
+            if index and index != KB_INDEX:
+                raise KBInputError(f"index: unknown vector index {index!r} (known: {sorted(self.vector_indexes)})")
+            raise RetrieverUnavailable(f"{field}: vectors asked for, but this server has no dense KB index")
+        return vi.dim
+
+    def check_ids(self, ids: np.ndarray, field: str, size: int | None = None) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64)
+        size = len(self.passages) if size is None else size
+        if ids.ndim != 1 or ids.size == 0:
+            raise KBInputError(f"{field}: must hold at least one doc id")
+        if ids.size > self.limits.max_ids:
+            raise KBInputError(f"{field}: {ids.size} ids exceeds the limit of {self.limits.max_ids}")
+        bad = (ids < 0) | (ids >= size)
+        if bad.any():
+            j = int(np.argmax(bad))
+            raise KBInputError(f"{field}[{j}]: unknown doc id {int(ids[j])} (valid ids are 0..{size - 1})")
+        return ids
+
+    def search(self, retriever: str, k: int, *, texts: Sequence[str] | None = None,
+               vectors: np.ndarray | None = None, index: str = "", ef_search: int = 0) -> SearchResult:
+        """One batched search: B text queries (encoded together for edr/adr) or B query vectors [B, D]."""
+        self._check_retriever(retriever, index)
+        texts = list(texts or [])
+        n_vec = 0 if vectors is None else (1 if np.ndim(vectors) == 1 else len(vectors))
+        if texts and n_vec:
+            raise KBInputError("texts: give either texts or vectors, not both")
+        batch = len(texts) or n_vec
+        if batch == 0:
+            raise KBInputError("texts: empty batch (give at least one text or vector query)")
+        if batch > self.limits.max_batch:
+            raise KBInputError(f"{'texts' if texts else 'vectors'}: batch of {batch} exceeds the limit of "
+                               f"{self.limits.max_batch}")
+        if not 1 <= k <= self.limits.max_k:
+            raise KBInputError(f"k: {k} is outside [1, {self.limits.max_k}]")
+        if ef_search < 0 or ef_search > 1 << 16:
+            raise KBInputError(f"ef_search: {ef_search} is outside [0, 65536]")
+        if texts:
+            self._check_texts(texts, "texts")
+        if retriever == "sr":
+            if not texts:
+                raise KBInputError("vectors: retriever 'sr' (BM25) takes text queries only")
+            t0 = time.perf_counter()
+            hits = self.bm25.search(texts, k)
+            return SearchResult([Hits(i, s) for i, s in hits], None, 0.0, (time.perf_counter() - t0) * 1e3)
+        vi = self._vector_index(retriever, index)
+        encode_ms = 0.0
+        if texts:
+            if vi.name != KB_INDEX or self.encoder is None:
+                raise KBInputError(f"texts: index {vi.name!r} takes vector queries only (no text encoder)")
+            t0 = time.perf_counter()
+            q = self.encoder.encode_queries(texts)  # [B, D]
+            encode_ms = (time.perf_counter() - t0) * 1e3
+        else:
+            q = self._check_vectors(vectors, vi.dim, "vectors")
+        t0 = time.perf_counter()
+        hits = vi.search(q, k, approx=retriever == "adr", ef_search=ef_search)
+        return SearchResult([Hits(i, s) for i, s in hits], q, encode_ms, (time.perf_counter() - t0) * 1e3)
+
+    def score_candidates(self, retriever: str, ids: np.ndarray, *, text: str = "",
+                         vector: np.ndarray | None = None, index: str = "") -> CandidateScores:
+        """Score the given docs for one query with exactly the scores `search` gives them."""
+        self._check_retriever(retriever, index)
+        has_vec = vector is not None and np.size(vector) > 0
+        if bool(text) == has_vec:
+            raise KBInputError("text: give exactly one of text or vector")
+        if text:
+            self._check_texts([text], "text")
+        if retriever == "sr":
+            if has_vec:
+                raise KBInputError("vector: retriever 'sr' (BM25) takes a text query only")
+            ids = self.check_ids(ids, "ids")
+            t0 = time.perf_counter()
+            scores, rank = self.bm25.score(text, ids)
+            ms = (time.perf_counter() - t0) * 1e3
+            # Lucene's own order (raw BM25, then id), not a re-sort of the rounded scores.
+            order = np.lexsort((ids, rank)).astype(np.int32)
+            return CandidateScores(scores, order, rank < len(ids), None, 0.0, ms)
+        vi = self._vector_index(retriever, index)
+        ids = self.check_ids(ids, "ids", vi.size)
+        encode_ms = 0.0
+        if text:
+            if vi.name != KB_INDEX or self.encoder is None:
+                raise KBInputError(f"text: index {vi.name!r} takes vector queries only (no text encoder)")
+            t0 = time.perf_counter()
+            q = self.encoder.encode_queries([text])[0]
+            encode_ms = (time.perf_counter() - t0) * 1e3
+        else:
+            q = self._check_vectors(vector, vi.dim, "vector")
+            if len(q) != 1:
+                raise KBInputError(f"vector: {len(q)} vectors given, ScoreCandidates takes one query")
+            q = q[0]
+        t0 = time.perf_counter()
+        try:
+            scores = vi.score(q, ids)
+        except LookupError as e:
+            raise RetrieverUnavailable(str(e)) from None
+        ms = (time.perf_counter() - t0) * 1e3
+        matched = np.ones(len(ids), dtype=bool)
+        return CandidateScores(scores, dense.rank_order(scores, ids), matched, q, encode_ms, ms)
+
+    def documents(self, ids: np.ndarray, field: str = "ids") -> list[tuple[int, str, str]]:
+        ids = self.check_ids(ids, field)
+        return [(int(i), t, x) for i, (t, x) in zip(ids, self.passages.get(ids))]
+
+    def passage_vectors(self, ids: np.ndarray, field: str = "ids", index: str = "") -> np.ndarray:
+        """ids: [n] -> stored vectors [n, D] float32 of the KB embeddings (or of a named vector index)."""
+        self.stored_dim(index, field)
+        vi = self.vector_indexes[index or KB_INDEX]
+        ids = self.check_ids(ids, "ids", vi.size)
+        return vi.get_vectors(ids)
+
+    def info(self) -> dict:
+        return {
+            "path": str(self.path),
+            "passages": len(self.passages),
+            "retrievers": self.retrievers,
+            "encoder": self.encoder.name if self.encoder else "",
+            "indexes": [{"name": vi.name, "dim": vi.dim, "metric": vi.metric, "size": vi.size,
+                         "retrievers": vi.retrievers, "ef_search": vi.default_ef_search}
+                        for vi in self.vector_indexes.values()],
+            "manifest": self.manifest,
+        }

@@ -24,3 +24,41 @@ class Drafter(Protocol):
     def propose(self, context_ids: np.ndarray, max_nodes: int) -> DraftTree:
         """context_ids: int32 [T] prompt + generated tokens so far -> tree of at most max_nodes nodes."""
         ...
+
+
+class PromptLookupDrafter:
+    """Prompt lookup (`pld`) as a tree drafter: the continuations of every earlier occurrence of the context's
+    longest repeated suffix inside the request's own tokens, merged into one trie. Pure CPU work, in process."""
+
+    name = "pld"
+
+    def __init__(self, max_suffix: int = 16, min_suffix: int | None = None, max_matches: int | None = None,
+                 continuation: int = 10):
+        from retrieval_service.datastore import draft_tree
+
+        self._draft = draft_tree.context_draft
+        self.kwargs = dict(max_suffix=max_suffix, continuation=continuation,
+                           min_suffix=draft_tree.CONTEXT_MIN_SUFFIX if min_suffix is None else min_suffix,
+                           max_matches=draft_tree.CONTEXT_MAX_MATCHES if max_matches is None else max_matches)
+        draft_tree.check_draft_args(max_nodes=0, **self.kwargs)
+
+    def propose(self, context_ids: np.ndarray, max_nodes: int) -> DraftTree:
+        return self._draft(context_ids, max_nodes=max_nodes, **self.kwargs)
+
+
+class DatastoreDrafter:
+    """REST over an in-process suffix-array datastore: source "datastore" (`rest-ds`) or "merged" (`rest`: the
+    datastore's and the request's own continuations in one trie). The server's gRPC drafter does the same remotely."""
+
+    _NAMES = {"datastore": "rest-ds", "merged": "rest"}
+
+    def __init__(self, datastore, source: str = "merged", max_suffix: int = 16, **draft_kwargs):
+        if source not in self._NAMES:
+            raise ValueError(f"source must be one of {sorted(self._NAMES)}, got {source!r}")
+        self.datastore = datastore
+        self.source = source
+        self.name = self._NAMES[source]
+        self.kwargs = dict(max_suffix=max_suffix, **draft_kwargs)
+
+    def propose(self, context_ids: np.ndarray, max_nodes: int) -> DraftTree:
+        return self.datastore.draft(context_ids, max_nodes=max_nodes, source=self.source, **self.kwargs)

@@ -1,0 +1,182 @@
+"""The target model: load any local Hugging Face causal LM (default SmolLM2-135M-Instruct), run forward passes.
+
+bf16 is the CPU default because Sapphire Rapids' AMX makes bf16 matmuls cheap: a 64-node tree costs ~1.7 single
+steps in bf16 but ~3.8 in fp32. Nothing here contacts a model hub.
+
+Bit-identical rows. Lossless speculation needs the verifier's row for a position to equal what the AR loop computes
+for it. Measured on CPU bf16: linear layers give the same row for any M >= 2 but not for M = 1 (a different kernel),
+and SDPA's result depends on the query length; plain matmul attention is row-consistent for every query length. So
+decode passes use `_decode_attention` (matmul + fp32 softmax, the 4D mask added) and always carry >= 2 rows
+(`TargetModel.min_rows`): an AR step is [last, pad] with the pad row masked away and dropped from the cache. With
+that, bf16 AR and tree rows matched bit for bit for trees of 1..129 nodes. Prefill keeps SDPA (memory-efficient
+causal attention for long prompts; AR and speculative runs share it, so it cannot make them differ).
+
+    tm = load_model("", dtype="bf16")      # "" = the default model, prepared on first use
+    warmup(tm)                             # before reporting SERVING: the first passes pay kernel set-up costs
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from generation_service.model_files import load_tokenizer, resolve_model_dir
+from generation_service.tree_attention import tree_mask, tree_position_ids
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+ATTENTION = "ragserve_decode"
+
+
+def _decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """query: [B, H, q, D], key/value: [B, H_kv, kv, D], attention_mask: [1, 1, q, kv] additive float, bool or None.
+
+    Our decode passes send an additive float mask: matmul attention, whose rows do not depend on how many other
+    rows are in the pass. Everything else (causal prefill: None; HF-built boolean masks: chunked prefill, HF
+    generate) goes to SDPA, which is memory-efficient for long queries.
+    """
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    if attention_mask is None or attention_mask.dtype == torch.bool or kwargs.get("s_aux") is not None \
+            or kwargs.get("sinks") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    groups = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # [B, H, kv, D]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scores = torch.matmul(query, key.transpose(2, 3)) * scale  # [B, H, q, kv]
+    softcap = kwargs.get("softcap")
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores + attention_mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    out = torch.matmul(probs, value)  # [B, H, q, D]
+    return out.transpose(1, 2).contiguous(), None  # [B, q, H, D]
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(ATTENTION, _decode_attention)
+    # HF builds SDPA-style masks for our name (None for a plain causal prefill, else boolean), so chunked prefill
+    # and HF generate / its prompt lookup run correctly on the same model object.
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
+
+
+@dataclass
+class TargetModel:
+    model: torch.nn.Module  # a transformers *ForCausalLM in eval mode
+    tokenizer: object  # transformers tokenizer (decode, apply_chat_template)
+    device: torch.device
+    dtype: torch.dtype
+    vocab_size: int  # rows of the output layer (may exceed the tokenizer's vocabulary)
+    eos_token_ids: frozenset[int]
+    max_positions: int  # positions the model supports (prompt + generated)
+    model_dir: str
+    min_rows: int = 2  # every decode pass carries at least this many rows (see the module docstring)
+
+    @property
+    def dtype_name(self) -> str:
+        return {v: k for k, v in _DTYPES.items()}[self.dtype]
+
+
+def pick_device(device: str) -> torch.device:
+    if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
+        raise ValueError(f"device must be auto, cpu or cuda[:N], got {device!r}")
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    return torch.device(device)
+
+
+def _eos_ids(model, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), model.config, tokenizer):
+        eos = getattr(src, "eos_token_id", None)
+        if eos is None:
+            continue
+        ids.update([eos] if isinstance(eos, int) else list(eos))
+    return frozenset(int(i) for i in ids)
+
+
+def load_model(model_dir: str | os.PathLike | None = "", dtype: str = "bf16", device: str = "auto",
+               threads: int = 0) -> TargetModel:
+    """A local HF model directory ("" / None = default model) -> TargetModel in eval mode on `device`."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+        raise ValueError(f"threads must be an integer >= 0 (0 = all cores), got {threads!r}")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    if threads:
+        torch.set_num_threads(threads)
+    dev = pick_device(device)
+    path = resolve_model_dir(model_dir)
+    torch_dtype = _DTYPES[dtype]
+    _register_attention()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, attn_implementation=ATTENTION)
+    model.to(dev).eval()
+    tokenizer = load_tokenizer(path)
+    out = model.get_output_embeddings()
+    vocab = int(out.weight.shape[0]) if out is not None else int(model.config.vocab_size)
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    max_pos = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
+    # fp32 GEMMs are not row-consistent anyway (differences ~1e-7), so the pad row would buy nothing there.
+    min_rows = 2 if torch_dtype != torch.float32 else 1
+    return TargetModel(model, tokenizer, dev, torch_dtype, vocab, _eos_ids(model, tokenizer), max_pos, str(path),
+                       min_rows)
+
+
+def new_cache(tm: TargetModel):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=tm.model.config)
+
+
+def cache_length(cache) -> int:
+    return int(cache.get_seq_length())
+
+
+@torch.inference_mode()
+def forward(tm: TargetModel, input_ids: torch.Tensor, cache, position_ids: torch.Tensor | None = None,
+            mask: torch.Tensor | None = None, logits_to_keep: int = 0) -> torch.Tensor:
+    """input_ids: [q] -> logits [q', V] (q' = logits_to_keep last rows, or all q when 0); appends q rows to `cache`.
+
+    mask: None = causal (plain prefill / single-token step), else a 4D additive mask [1, 1, q, past + q].
+    """
+    out = tm.model(input_ids=input_ids.unsqueeze(0), position_ids=position_ids, attention_mask=mask,
+                   past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep)
+    return out.logits[0]  # [q', V]
+
+
+def warmup(tm: TargetModel, prompt_len: int = 64, tree_sizes: tuple[int, ...] = (8, 32, 64), rounds: int = 2) -> float:
+    """Run prefill, single-token steps and tree passes so one-time kernel set-up (oneDNN/AMX JIT, allocator growth)
+    happens before the server reports SERVING. Returns the seconds it took."""
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(0)
+    ids = torch.from_numpy(rng.integers(0, min(tm.vocab_size, 1000), prompt_len)).to(tm.device)
+    for _ in range(rounds):
+        cache = new_cache(tm)
+        forward(tm, ids, cache, logits_to_keep=1)
+        past = prompt_len
+        forward(tm, ids[:1], cache, position_ids=torch.tensor([[past]], device=tm.device))  # fp32 AR step
+        cache.crop(-1)
+        for n in (1,) + tuple(tree_sizes):
+            # A chain of n nodes is a valid tree; the pass exercises the 4D-mask path at this query length.
+            parents = np.arange(-1, n - 1, dtype=np.int32)
+            q_ids = torch.from_numpy(rng.integers(0, min(tm.vocab_size, 1000), n + 1)).to(tm.device)
+            forward(tm, q_ids, cache, position_ids=tree_position_ids(parents, past, tm.device),
+                    mask=tree_mask(parents, past, tm.dtype, tm.device))
+            cache.crop(-(n + 1))
+    return time.perf_counter() - t0

@@ -1,0 +1,111 @@
+"""Sampling: request parameters, logits processing (temperature, top-k, top-p) and the token draw.
+
+Lossless speculative sampling rests on one rule: every emitted token costs exactly one uniform draw from the
+request's own random stream, taken in emission order. The autoregressive loop and the tree verifier call the same
+`Sampler.pick` on the logits row of the position being emitted, so with the same seed they draw the same u for
+the same position and, given the same distribution, pick the same token (inverse CDF over a deterministic order).
+
+Worked example (top_k=2, temperature=1): logits [2.0, 0.0, 1.0] -> sorted ids [0, 2], probs [0.73, 0.27];
+u=0.5 -> token 0, u=0.9 -> token 2.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+_MAX_SEED = 2**64
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Everything a request says about how to pick tokens and when to stop (vLLM/TGI vocabulary)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy (argmax, no random draws)
+    top_p: float = 1.0  # (0, 1]; 1 = off
+    top_k: int = 0  # 0 = off
+    seed: int | None = None  # None with temperature > 0 = fresh entropy (the chosen seed is kept in `seed_used`)
+    stop: tuple[str, ...] = ()  # text-level stop sequences, not included in the output
+    ignore_eos: bool = False
+    seed_used: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, (int, np.integer)) \
+                or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        t = float(self.temperature)
+        if not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        p = float(self.top_p)
+        if not (0.0 < p <= 1.0):
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))
+                                      or not 0 <= self.seed < _MAX_SEED):
+            raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        for s in stop:
+            if not isinstance(s, str) or s == "":
+                raise ValueError(f"stop sequences must be non-empty strings, got {s!r}")
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "temperature", t)
+        object.__setattr__(self, "top_p", p)
+        seed = self.seed if self.seed is not None else int.from_bytes(os.urandom(8), "little")
+        object.__setattr__(self, "seed_used", int(seed))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def process_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: [V] -> (token ids [K], probs float64 [K]) of the tokens that stay eligible, most likely first.
+
+    Order of operations follows HF / vLLM: temperature, then top-k, then top-p (nucleus over the top-k set).
+    Ties keep ascending token id order (stable sort) so the AR loop and the verifier agree on the order.
+    """
+    scaled = logits.float() / temperature  # [V]
+    values, ids = torch.sort(scaled, descending=True, stable=True)  # [V]
+    if 0 < top_k < values.shape[0]:
+        values, ids = values[:top_k], ids[:top_k]
+    probs = torch.softmax(values.double(), dim=-1)  # [K]
+    if top_p < 1.0:
+        # Keep the smallest prefix whose mass reaches top_p: token i stays if the mass before it is < top_p.
+        before = torch.cumsum(probs, dim=-1) - probs
+        keep = int((before < top_p).sum())  # >= 1: the first token has 0 mass before it
+        ids, probs = ids[:keep], probs[:keep] / probs[:keep].sum()
+    return ids, probs
+
+
+def sample_from(ids: torch.Tensor, probs: torch.Tensor, u: float) -> int:
+    """Inverse CDF: the first token whose cumulative probability exceeds u (u in [0, 1))."""
+    cdf = torch.cumsum(probs, dim=-1)  # [K]
+    target = torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype, device=cdf.device)
+    i = int(torch.searchsorted(cdf, target, right=True))
+    return int(ids[min(i, ids.shape[0] - 1)])
+
+
+class Sampler:
+    """Picks the emitted token from one logits row; owns the request's random stream (one draw per token)."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.greedy = params.greedy
+        # numpy's PCG64 is device independent: CPU and CUDA runs with the same seed draw the same u's.
+        self._rng = np.random.Generator(np.random.PCG64(params.seed_used))
+        self.draws = 0
+
+    def pick(self, logits: torch.Tensor) -> int:
+        """logits: [V] for the position being emitted -> token id."""
+        if self.greedy:
+            return int(torch.argmax(logits))
+        self.draws += 1
+        u = float(self._rng.random())
+        ids, probs = process_logits(logits, self.params.temperature, self.params.top_k, self.params.top_p)
+        return sample_from(ids, probs, u)

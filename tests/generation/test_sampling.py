@@ -1,0 +1,91 @@
+"""Temperature / top-k / top-p processing against a plain reference, the inverse-CDF draw, parameter checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from generation_service.sampling import Sampler, SamplingParams, process_logits, sample_from
+
+
+def ref_process(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> dict[int, float]:
+    """Token -> probability, written the slow obvious way (HF order: temperature, top-k, top-p)."""
+    z = logits.astype(np.float64) / temperature
+    order = sorted(range(len(z)), key=lambda i: (-np.float32(z[i]), i))  # ties by token id
+    if top_k:
+        order = order[:top_k]
+    w = np.exp(np.array([z[i] for i in order]) - max(z[i] for i in order))
+    p = w / w.sum()
+    kept, mass = [], 0.0
+    for i, pi in zip(order, p):
+        if mass >= top_p:
+            break
+        kept.append((i, pi))
+        mass += pi
+    total = sum(pi for _, pi in kept)
+    return {i: pi / total for i, pi in kept}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(-8, 8, width=32), min_size=1, max_size=30),
+       st.sampled_from([0.5, 1.0, 1.7]), st.integers(0, 8), st.sampled_from([1.0, 0.95, 0.6, 0.2, 0.01]))
+def test_process_logits_matches_reference(values, temperature, top_k, top_p):
+    logits = np.array(values, np.float32)
+    ids, probs = process_logits(torch.from_numpy(logits), temperature, top_k, top_p)
+    got = dict(zip(ids.tolist(), probs.tolist()))
+    want = ref_process(logits, temperature, top_k, top_p)
+    # Set boundaries can differ only when the cumulative mass sits within rounding of top_p.
+    if set(got) != set(want):
+        assert abs(sum(sorted(ref_process(logits, temperature, top_k, 1.0).values(), reverse=True)[:len(got)])
+                   - top_p) < 1e-6
+        return
+    for i in want:
+        assert got[i] == pytest.approx(want[i], rel=1e-6, abs=1e-12)
+
+
+@pytest.mark.parametrize("logits, top_k, top_p, u, want", [
+    ([2.0, 0.0, 1.0], 2, 1.0, 0.5, 0),   # sorted [0, 2], probs [.73, .27]
+    ([2.0, 0.0, 1.0], 2, 1.0, 0.9, 2),   # Not 1: top-k removed token 1
+    ([2.0, 0.0, 1.0], 0, 0.5, 0.99, 0),  # top-p 0.5 keeps token 0 alone  # Not 1
+    ([1.0, 1.0, 1.0], 0, 1.0, 0.0, 0),   # ties keep token-id order
+    ([1.0, 1.0, 1.0], 0, 1.0, 0.999, 2),
+])
+def test_draw_scenarios(logits, top_k, top_p, u, want):
+    ids, probs = process_logits(torch.tensor(logits), 1.0, top_k, top_p)
+    assert sample_from(ids, probs, u) == want
+
+
+def test_sampler_one_draw_per_token_and_seeded():
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
+    row = torch.randn(50, generator=torch.Generator().manual_seed(0))
+    a, b = Sampler(params), Sampler(params)
+    picks_a = [a.pick(row) for _ in range(20)]
+    assert a.draws == 20
+    assert picks_a == [b.pick(row) for _ in range(20)]
+    greedy = Sampler(SamplingParams())
+    assert greedy.pick(row) == int(row.argmax()) and greedy.draws == 0  # greedy spends no draws
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"),
+    (dict(seed=-3), "seed"),
+    (dict(seed=2**64), "seed"),
+    (dict(stop=("ok", "")), "stop"),
+])
+def test_params_reject_bad_fields(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_params_unseeded_sampling_picks_a_seed():
+    p = SamplingParams(temperature=1.0)
+    assert p.seed is None and 0 <= p.seed_used < 2**64
+    assert SamplingParams(stop="END").stop == ("END",)

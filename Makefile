@@ -12,7 +12,7 @@ DATASTORE := $(RAGSERVE_HOME)/datastores/stdlib
 PROTOS := $(wildcard proto/*.proto)
 STUBS := $(PROTOS:.proto=_pb2.py)
 
-.PHONY: run test install stubs model datastore system-packages clean-stubs bench-speculative
+.PHONY: run test install stubs model datastore system-packages clean-stubs bench-speculative up down loadtest kb
 
 # Debian packages the project uses (redis-server for the CREST Redis backend, python3.11-doc for the docs corpus).
 # Installed only when running as root and missing; otherwise the features that need them say so.
@@ -57,3 +57,24 @@ run: datastore
 
 test: model
 	$(PYTHON) -m pytest -q
+
+# The docker-compose topology as local processes (serving/launcher.py): redis is optional (--redis), more
+# retrieval replicas with REPLICAS=N. Health-gated like compose; `make down` drains and stops them.
+REPLICAS ?= 1
+up: datastore
+	$(PYTHON) -m serving.launcher up --datastore $(DATASTORE) --replicas $(REPLICAS)
+
+down:
+	$(PYTHON) -m serving.launcher down
+
+# Locust gRPC load test at CI scale (< 1 min of load): starts the services, fails on any failure or a p95 above
+# loadtests/thresholds.toml. Reports in loadtests/reports/. Longer runs: see loadtests/run.py.
+LOAD_ARGS ?= --users 6 --generation-users 1 --spawn-rate 3 --duration 30
+loadtest: datastore
+	$(PYTHON) -m loadtests.run --datastore $(DATASTORE) $(LOAD_ARGS)
+
+# Knowledge base for RaLMSpec / kNN-LM (>= 100 K passages from docstrings + python3.11-doc; ~1 h of encoding on
+# 2 cores, resumable). Small test KBs are built by the tests themselves.
+KB := $(RAGSERVE_HOME)/kb/docs
+kb: install
+	$(PYTHON) -m retrieval_service.knowledge.build --out $(KB) --encoder-dtype bfloat16

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from serving import config_util
 
 _ENV_PREFIX = "RAGSERVE_GENERATION_"
-DECODING_MODES = ("ar", "pld", "rest-ds", "rest")
+DECODING_MODES = ("ar", "pld", "rest-ds", "rest", "knnlm", "crest")
 
 
 @dataclass
@@ -40,6 +40,30 @@ class GenerationConfig:
     workers: int = 32
     grace_s: float = 30.0
     max_message_bytes: int = 16 << 20
+    # Operations (serving/metrics.py, serving/security.py). Prometheus /metrics port on `host`; 0 = off.
+    metrics_port: int = 0
+    # Bearer token every RPC must carry (`authorization: Bearer <token>`; health is exempt); "" = off.
+    # auth_token_file (e.g. /run/secrets/ragserve_token) wins over auth_token.
+    auth_token: str = ""
+    auth_token_file: str = ""
+    # TLS: PEM certificate + key; tls_client_ca also requires client certificates signed by it. "" = plaintext.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    # How the worker calls the retrieval service: token (file wins), CA to trust, client cert/key for mutual TLS.
+    retrieval_auth_token: str = ""
+    retrieval_auth_token_file: str = ""
+    retrieval_tls_ca: str = ""
+    retrieval_tls_cert: str = ""
+    retrieval_tls_key: str = ""
+    # Characters of prompt / messages checked before tokenizing (bounds the CPU a bad request can take).
+    limit_prompt_chars: int = 1 << 20
+    # kNN-LM (generation_service/knnlm.py): the datastore directory built by retrieval_service.knowledge.knn_build
+    # (the worker memory-maps its values/keys; the retrieval service serves its indexes, --kb-knn-datastores);
+    # "" = no kNN-LM. Index name on the retrieval service ("" = the datastore's own name); Search deadline.
+    knnlm_datastore: str = ""
+    knnlm_index: str = ""
+    knnlm_timeout_ms: float = 10_000.0
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bf16", "fp32"):

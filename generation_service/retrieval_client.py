@@ -37,7 +37,9 @@ class _Replica:
 
 class RetrievalClient:
     def __init__(self, target: str, *, timeout_ms: float = 50.0, retry_after_s: float = 1.0,
-                 max_message_bytes: int = 64 << 20):
+                 max_message_bytes: int = 64 << 20, token: str = "",
+                 credentials: grpc.ChannelCredentials | None = None):
+        """token: bearer token sent with every call ("" = none); credentials: TLS (None = plaintext)."""
         targets = split_targets(target)
         if not targets:
             raise ValueError("retrieval: no target given")
@@ -53,12 +55,15 @@ class RetrievalClient:
         ]
         self._replicas = []
         for t in targets:
-            ch = grpc.insecure_channel(t, options=options)
+            ch = grpc.secure_channel(t, credentials, options=options) if credentials else grpc.insecure_channel(
+                t, options=options)
             self._replicas.append(_Replica(t, ch, draft_pb2_grpc.DraftServiceStub(ch)))
         self._next = itertools.cycle(range(len(self._replicas)))
         self._lock = threading.Lock()
         self.timeout_s = timeout_ms / 1e3
         self.retry_after_s = retry_after_s
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._last_error = ""  # why a replica was last marked down (kept in later DraftUnavailable messages)
 
     @property
     def targets(self) -> list[str]:
@@ -80,7 +85,8 @@ class RetrievalClient:
         """Call `method` on the first healthy replica; on failure try the next one within the deadline."""
         replicas = self._pick()
         if not replicas:
-            raise DraftUnavailable("retrieval service unavailable (all replicas failed recently)")
+            raise DraftUnavailable(f"retrieval service unavailable (all replicas failed recently; last error: "
+                                   f"{self._last_error})")
         last = "no replica tried"
         for r in replicas:
             budget = self.timeout_s if timeout_s is None else timeout_s
@@ -89,7 +95,7 @@ class RetrievalClient:
             if budget <= 0:
                 raise DraftUnavailable("request deadline leaves no time for drafting")
             try:
-                return getattr(r.stub, method)(request, timeout=budget)
+                return getattr(r.stub, method)(request, timeout=budget, metadata=self._metadata)
             except grpc.RpcError as e:
                 code = e.code()
                 last = f"{r.target}: {code.name} {e.details() or ''}".strip()
@@ -98,6 +104,7 @@ class RetrievalClient:
                     raise DraftUnavailable(last) from None
                 if code != grpc.StatusCode.DEADLINE_EXCEEDED:
                     r.down_until = time.monotonic() + self.retry_after_s
+                    self._last_error = last
         raise DraftUnavailable(last)
 
     def draft(self, context_ids: np.ndarray, params: draft_pb2.DraftParams, *, deadline: float | None = None) -> DraftTree:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import queue
+import sys
 import threading
 from concurrent import futures
 import time
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
+from generation_service import knnlm
 from generation_service.config import DECODING_MODES, GenerationConfig
 from generation_service.drafters import Drafter, DraftUnavailable, PromptLookupDrafter
 from generation_service.retrieval_client import RemoteDrafter, RetrievalClient
@@ -28,6 +30,7 @@ from generation_service.speculative import StreamChunk, generate_stream
 from proto import generation_pb2, generation_pb2_grpc
 from retrieval_service.datastore.corpus import tokenizer_identity
 from retrieval_service.datastore.draft_tree import warmup_context_draft
+from serving import metrics, security
 from serving.grpc_shell import RunningServer, install_signal_handlers, start_server
 
 log = logging.getLogger("generation_service")
@@ -52,6 +55,8 @@ class Job:
     learn: bool = False  # feed the finished output to online learning
     chunks: "queue.Queue[StreamChunk | BaseException | None]" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.monotonic)  # accepted into the queue (TTFT includes the wait)
+    knnlm: object = None  # knnlm.KnnLmOptions for kNN-LM requests
 
     def is_cancelled(self) -> bool:
         return self.cancelled.is_set() or (self.deadline is not None and time.monotonic() > self.deadline)
@@ -71,8 +76,11 @@ class RetrievalLink:
     """The retrieval service as the worker sees it: a client plus a one-time tokenizer compatibility check."""
 
     def __init__(self, cfg: GenerationConfig, tokenizer_id: str):
-        self.client = (RetrievalClient(cfg.retrieval, timeout_ms=cfg.draft_timeout_ms, retry_after_s=cfg.retry_after_s)
-                       if cfg.retrieval else None)
+        self.client = (RetrievalClient(
+            cfg.retrieval, timeout_ms=cfg.draft_timeout_ms, retry_after_s=cfg.retry_after_s,
+            token=security.read_token(cfg.retrieval_auth_token, cfg.retrieval_auth_token_file),
+            credentials=security.channel_credentials(cfg.retrieval_tls_ca, cfg.retrieval_tls_cert,
+                                                     cfg.retrieval_tls_key)) if cfg.retrieval else None)
         self.tokenizer_id = tokenizer_id
         self._mismatch: str | None = None
         self._checked = False
@@ -109,15 +117,16 @@ class RetrievalLink:
         problem = self.problem()
         if problem is not None:
             return _NoDrafts(decoding, problem)
-        source = {"rest": "merged", "rest-ds": "datastore"}[decoding]
+        source = {"rest": "merged", "rest-ds": "datastore", "crest": "crest"}[decoding]
         return RemoteDrafter(self.client, source, deadline=deadline)
 
 
 class Worker:
     """Runs queued jobs one at a time on the model."""
 
-    def __init__(self, tm, cfg: GenerationConfig, link: RetrievalLink):
+    def __init__(self, tm, cfg: GenerationConfig, link: RetrievalLink, knn=None):
         self.tm, self.cfg, self.link = tm, cfg, link
+        self.knn = knn  # knnlm.KnnBackend when a kNN-LM datastore is configured
         self.jobs: "queue.Queue[Job | None]" = queue.Queue(maxsize=cfg.queue_size)
         self.learner = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="learn")
         self.thread = threading.Thread(target=self._loop, name="generation-worker", daemon=True)
@@ -139,6 +148,13 @@ class Worker:
             return PromptLookupDrafter()
         return self.link.drafter(job.decoding, job.deadline)
 
+    def _stream(self, job: Job):
+        if job.knnlm is not None:
+            return knnlm.generate_stream(self.tm, job.prompt_ids, job.params, job.knnlm, self.knn,
+                                         is_cancelled=job.is_cancelled)
+        return generate_stream(self.tm, job.prompt_ids, job.params, drafter=self._drafter(job),
+                               draft_budget=job.budget, is_cancelled=job.is_cancelled, decoding=job.decoding)
+
     def _loop(self) -> None:
         while True:
             job = self.jobs.get()
@@ -150,12 +166,12 @@ class Worker:
             completion: list[int] = []
             finish = None
             try:
-                for chunk in generate_stream(self.tm, job.prompt_ids, job.params, drafter=self._drafter(job),
-                                             draft_budget=job.budget, is_cancelled=job.is_cancelled,
-                                             decoding=job.decoding):
-                    completion += chunk.token_ids
-                    finish = chunk.finish_reason or finish
-                    job.chunks.put(chunk)
+                with metrics.GenerationObserver(job.decoding, job.submitted) as observed:
+                    for chunk in self._stream(job):
+                        observed.chunk(chunk)
+                        completion += chunk.token_ids
+                        finish = chunk.finish_reason or finish
+                        job.chunks.put(chunk)
             except BaseException as e:  # reported to the caller; the worker keeps serving
                 log.exception("generation failed")
                 job.chunks.put(e)
@@ -175,6 +191,9 @@ def parse_request(request: generation_pb2.GenerateRequest, tm, cfg: GenerationCo
                                         ("prompt_tokens", len(request.prompt_tokens) > 0)) if present]
     if len(given) != 1:
         raise BadRequest(f"prompt: give exactly one of prompt, messages, prompt_tokens (got {given or 'none'})")
+    chars = len(request.prompt) + sum(len(m.content) for m in request.messages)
+    if chars > cfg.limit_prompt_chars:
+        raise BadRequest(f"{given[0]}: {chars} characters exceeds the limit of {cfg.limit_prompt_chars}")
     tok = tm.tokenizer
     if request.prompt:
         ids = tok(request.prompt, add_special_tokens=True)["input_ids"]
@@ -230,8 +249,9 @@ def parse_request(request: generation_pb2.GenerateRequest, tm, cfg: GenerationCo
             stop=tuple(request.stop),
             ignore_eos=request.ignore_eos,
         )
-    except ValueError as e:
-        raise BadRequest(str(e)) from None
+    except ValueError as e:  # "top_p must lie in ..." -> "top_p: must lie in ..." (the field first, as everywhere)
+        name, _, why = str(e).partition(" ")
+        raise BadRequest(f"{name}: {why}") from None
     decoding = request.decoding or cfg.default_decoding
     if decoding not in DECODING_MODES:
         raise BadRequest(f"decoding: {decoding!r} is not one of {', '.join(DECODING_MODES)}")
@@ -241,9 +261,26 @@ def parse_request(request: generation_pb2.GenerateRequest, tm, cfg: GenerationCo
     return prompt_ids, params, decoding, budget
 
 
+def parse_knnlm(request: generation_pb2.GenerateRequest, params: SamplingParams, decoding: str, backend):
+    """kNN-LM options when the request sets `knnlm` or decoding "knnlm" (else None); BadRequest names the field."""
+    if not request.HasField("knnlm") and decoding != "knnlm":
+        return None
+    if request.decoding not in ("", "knnlm"):
+        raise BadRequest(f"decoding: {request.decoding!r} cannot be combined with knnlm options (use \"knnlm\" or "
+                         "leave it empty)")
+    try:
+        return knnlm.request_options(request.knnlm, params, backend)
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+
+
 def stats_proto(chunk: StreamChunk) -> tuple[generation_pb2.Usage, generation_pb2.SpeculationStats]:
     usage = generation_pb2.Usage(prompt_tokens=chunk.prompt_tokens, completion_tokens=chunk.completion_tokens)
-    return usage, generation_pb2.SpeculationStats(**chunk.stats.as_dict())
+    stats = generation_pb2.SpeculationStats(**chunk.stats.as_dict())
+    knn = getattr(chunk, "knnlm", None)  # knnlm.KnnStreamChunk
+    if knn is not None:
+        stats.knnlm.CopyFrom(generation_pb2.KnnLmStats(**knn.as_dict()))
+    return usage, stats
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
@@ -260,12 +297,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
         try:
             prompt_ids, params, decoding, budget = parse_request(request, self.tm, self.cfg)
+            knn = parse_knnlm(request, params, decoding, self.worker.knn)
         except BadRequest as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
         learn = request.learn_from_output if request.HasField("learn_from_output") else self.cfg.learn_from_outputs
-        job = Job(prompt_ids, params, decoding, budget, deadline, learn=learn)
+        job = Job(prompt_ids, params, "knnlm" if knn else decoding, budget, deadline, learn=learn, knnlm=knn)
         try:
             self.worker.submit(job)
         except queue.Full:
@@ -310,6 +348,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             yield msg
 
 
+def _open_knnlm(cfg: GenerationConfig, tm):
+    """The kNN-LM backend (datastore memory-mapped here, Search on cfg.retrieval) or None when not configured."""
+    if not cfg.knnlm_datastore:
+        return None
+    backend = knnlm.KnnBackend.open(
+        cfg.knnlm_datastore, cfg.retrieval, cfg.knnlm_index, timeout_ms=cfg.knnlm_timeout_ms,
+        token=security.read_token(cfg.retrieval_auth_token, cfg.retrieval_auth_token_file),
+        credentials=security.channel_credentials(cfg.retrieval_tls_ca, cfg.retrieval_tls_cert, cfg.retrieval_tls_key))
+    backend.check_model(tm)
+    problem = backend.verify_served()
+    if problem:  # the retrieval service may come up later; Search failures degrade steps to p_LM meanwhile
+        log.warning("kNN-LM: %s", problem)
+    return backend
+
+
 def build_server(cfg: GenerationConfig, *, tm=None) -> tuple[RunningServer, GenerationServicer]:
     """Bind (health NOT_SERVING), load and warm the model, connect retrieval, then report SERVING."""
     from generation_service.model import load_model, warmup
@@ -320,15 +373,20 @@ def build_server(cfg: GenerationConfig, *, tm=None) -> tuple[RunningServer, Gene
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
         return [_SERVICE]
 
+    auth, credentials = security.server_setup(cfg)
     running = start_server(add, host=cfg.host, port=cfg.port, workers=cfg.workers,
-                           max_concurrent_rpcs=cfg.max_concurrent_rpcs, max_message_bytes=cfg.max_message_bytes)
+                           max_concurrent_rpcs=cfg.max_concurrent_rpcs, max_message_bytes=cfg.max_message_bytes,
+                           interceptors=[metrics.MetricsInterceptor(), *auth], credentials=credentials)
     try:
+        running.closers.append(metrics.serve_http(cfg.metrics_port, cfg.host))
         if tm is None:
             tm = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, threads=cfg.threads)
             log.info("model %s (%s) loaded; warm-up took %.1f s", tm.model_dir, cfg.dtype, warmup(tm))
         warmup_context_draft()  # compile/load the prompt-lookup kernel before the first pld request
         link = RetrievalLink(cfg, tokenizer_identity(tm.tokenizer))
-        servicer.attach(tm, Worker(tm, cfg, link))
+        knn = _open_knnlm(cfg, tm)
+        servicer.attach(tm, Worker(tm, cfg, link, knn=knn))
+        metrics.track_queue_depth(servicer.worker.depth)
     except Exception:
         running.stop(0)
         raise
@@ -337,7 +395,12 @@ def build_server(cfg: GenerationConfig, *, tm=None) -> tuple[RunningServer, Gene
 
 
 def serve(cfg: GenerationConfig) -> None:
-    running, servicer = build_server(cfg)
+    try:
+        running, servicer = build_server(cfg)
+    except Exception as e:
+        # Model missing or unloadable: exit non-zero with the loader's message (see retrieval_service.server).
+        log.error("generation service cannot serve: %s", e, exc_info=not isinstance(e, (ValueError, OSError)))
+        sys.exit(2)
     install_signal_handlers(running, cfg.grace_s, on_stop=servicer.worker.stop)
     log.info("generation service SERVING on %s:%d (retrieval %s)", cfg.host, running.port, cfg.retrieval or "none")
     running.wait()

@@ -21,6 +21,14 @@ class RetrievalConfig:
     datastore: str = ""
     # Knowledge base directory (passages + dense/sparse indexes); "" = no knowledge base.
     kb: str = ""
+    # CREST n-gram store (Draft source "crest"): a store file (embedded, memory-mapped) or a redis:// URL, then
+    # crest_namespace names the store inside Redis. crest_fallback: an embedded copy of the same store that
+    # answers while Redis is unavailable ("" = such drafts answer UNAVAILABLE and the worker decodes that step
+    # autoregressively). crest_timeout_ms bounds every Redis call. "" = no CREST store.
+    crest: str = ""
+    crest_namespace: str = "crest"
+    crest_fallback: str = ""
+    crest_timeout_ms: float = 50.0
     # Draft defaults (REST): longest suffix 16 down to 2, 5000 matches, 10-token continuations, 64 nodes.
     max_suffix: int = 16
     min_suffix: int = 2
@@ -62,13 +70,27 @@ class RetrievalConfig:
     kb_query_cache: int = 4096
     # Max heap of the in-process JVM (Lucene); "" = the JVM default (1/4 of RAM).
     kb_jvm_heap: str = ""
-    kb_limit_k: int = 1000
+    kb_limit_k: int = 1024  # kNN-LM asks for up to 1024 neighbours (Khandelwal et al.'s k)
     kb_limit_ids: int = 10_000
     kb_limit_query_chars: int = 10_000
     # Seconds of JIT warm-up for the Lucene search/scoring paths before SERVING (cold calls are ~5x slower).
     kb_warmup_s: float = 10.0
     # Re-hash passages.jsonl at open and compare with the manifest (catches a swapped or edited file).
     kb_verify: bool = True
+    # kNN-LM datastores (retrieval_service/knowledge/knn_build.py), comma-separated directories: each is served
+    # as a named vector index (its knn.json name, default "knnlm"; edr = exact L2, adr = its HNSW), with or
+    # without a knowledge base.
+    kb_knn_datastores: str = ""
+    # Operations (serving/metrics.py, serving/security.py). Prometheus /metrics port on `host`; 0 = off.
+    metrics_port: int = 0
+    # Bearer token every RPC must carry (`authorization: Bearer <token>`; health is exempt); "" = off.
+    # auth_token_file (e.g. /run/secrets/ragserve_token) wins over auth_token.
+    auth_token: str = ""
+    auth_token_file: str = ""
+    # TLS: PEM certificate + key; tls_client_ca also requires client certificates signed by it. "" = plaintext.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "RetrievalConfig":

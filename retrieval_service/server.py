@@ -10,6 +10,7 @@ index is open and its kernels are warmed up.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from dataclasses import dataclass
 
@@ -19,12 +20,14 @@ import numpy as np
 from proto import draft_pb2, draft_pb2_grpc
 from retrieval_service.config import RetrievalConfig
 from retrieval_service.datastore.draft_tree import DraftTree, context_draft
+from retrieval_service.datastore.ngram_store import StoreUnavailable
+from serving import metrics, security
 from serving.grpc_shell import RunningServer, install_signal_handlers, start_server
 from serving.wire import WireError, unpack_tokens
 
 log = logging.getLogger("retrieval_service")
 
-_SOURCES = ("datastore", "merged", "context")
+_SOURCES = ("datastore", "merged", "context", "crest")
 _DRAFT_SERVICE = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 
@@ -80,30 +83,39 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def __init__(self, cfg: RetrievalConfig, datastore=None, vocab_size: int | None = None):
         self._cfg = cfg
         self._ds = None
+        self._crest = None  # CREST n-gram store (embedded / Redis), source="crest"
         self._learner = None
         self._vocab = vocab_size
         self._ready = False
         if datastore is not None or vocab_size is not None:
             self.attach(datastore, vocab_size)
 
-    def attach(self, datastore, vocab_size: int | None = None, learner=None) -> None:
+    def attach(self, datastore, vocab_size: int | None = None, learner=None, crest=None) -> None:
         """Called once the datastore is open and warm; until then calls get UNAVAILABLE."""
         self._ds = datastore
         self._learner = learner
-        self._vocab = datastore.vocab_size if datastore is not None else vocab_size
+        self._crest = crest
+        self._vocab = datastore.vocab_size if datastore is not None else (
+            crest.vocab_size or vocab_size if crest is not None else vocab_size)
         self._ready = True
 
     def _parse(self, request: draft_pb2.DraftRequest, field: str) -> tuple[np.ndarray, DraftLimits]:
         ctx = unpack_tokens(request.context, f"{field}context", vocab_size=self._vocab,
                             max_len=self._cfg.limit_context_tokens)
         limits = resolve_limits(request.params, self._cfg, f"{field}params")
-        if limits.source != "context" and self._ds is None:
+        if limits.source == "crest":
+            if self._crest is None:
+                raise LookupError(f"{field}params.source='crest' needs a CREST store; this server has none "
+                                  f"(start it with --crest FILE|redis://...)")
+        elif limits.source != "context" and self._ds is None:
             raise LookupError(f"{field}params.source={limits.source!r} needs a datastore; this server has none")
         return ctx, limits
 
     def _draft_one(self, ctx: np.ndarray, limits: DraftLimits) -> DraftTree:
         if limits.source == "context":
             return context_draft(ctx, **limits.kwargs())
+        if limits.source == "crest":  # StoreUnavailable (Redis down) -> UNAVAILABLE in the callers
+            return self._crest.lookup(ctx, max_nodes=limits.max_nodes)
         return self._ds.draft(ctx, source=limits.source, **limits.kwargs())
 
     def _check_ready(self, context) -> None:
@@ -119,7 +131,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         except LookupError as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         t0 = time.perf_counter()
-        tree = self._draft_one(ctx, limits)
+        try:
+            tree = self._draft_one(ctx, limits)
+        except StoreUnavailable as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         return tree_to_proto(tree, (time.perf_counter() - t0) * 1e3)
 
     def DraftBatch(self, request, context):
@@ -135,7 +150,14 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         t0 = time.perf_counter()
         limits0 = parsed[0][1]
-        if self._ds is not None and limits0.source != "context" and all(lim == limits0 for _, lim in parsed):
+        same = all(lim == limits0 for _, lim in parsed)
+        if same and limits0.source == "crest":
+            # One call: a Redis store answers the whole batch in one round trip.
+            try:
+                trees = self._crest.lookup_batch([c for c, _ in parsed], max_nodes=limits0.max_nodes)
+            except StoreUnavailable as e:
+                context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        elif self._ds is not None and limits0.source not in ("context", "crest") and same:
             # One call: the datastore spreads the batch over both cores with GIL-free kernels.
             trees = self._ds.draft_batch([c for c, _ in parsed], source=limits0.source, **limits0.kwargs())
         else:
@@ -143,16 +165,21 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             for ctx, lim in parsed:
                 if context.time_remaining() is not None and context.time_remaining() <= 0:
                     context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed during the batch")
-                trees.append(self._draft_one(ctx, lim))
+                try:
+                    trees.append(self._draft_one(ctx, lim))
+                except StoreUnavailable as e:
+                    context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         ms = (time.perf_counter() - t0) * 1e3 / n
         return draft_pb2.DraftBatchResponse(responses=[tree_to_proto(t, ms) for t in trees])
 
     def Info(self, request, context):
         self._check_ready(context)
         ds = self._ds
-        sources = ["context"] + (["datastore", "merged"] if ds is not None else [])
+        sources = ["context"] + (["datastore", "merged"] if ds is not None else []) + (
+            ["crest"] if self._crest is not None else [])
         if ds is None:
-            return draft_pb2.DatastoreInfo(vocab_size=self._vocab or 0, sources=sources)
+            return draft_pb2.DatastoreInfo(vocab_size=self._vocab or 0, sources=sources,
+                                           tokenizer_id=self._crest.tokenizer_id if self._crest is not None else "")
         return draft_pb2.DatastoreInfo(
             tokenizer_id=ds.tokenizer_id, vocab_size=ds.vocab_size, num_tokens=ds.num_tokens,
             num_documents=ds.num_documents, num_shards=ds.num_shards, bytes_on_disk=ds.bytes_on_disk,
@@ -186,18 +213,45 @@ def open_indexes(cfg: RetrievalConfig):
     return datastore
 
 
-def build_server(cfg: RetrievalConfig, *, datastore=None) -> RunningServer:
+def open_crest(cfg: RetrievalConfig, datastore=None):
+    """The configured CREST store (None if none), warmed up. Redis down at start-up is not fatal: the store
+    answers StoreUnavailable (-> UNAVAILABLE) until Redis is back; a missing or corrupted store is."""
+    if not cfg.crest:
+        return None
+    from retrieval_service.datastore.ngram_store import open_ngram_store
+
+    store = open_ngram_store(cfg.crest, namespace=cfg.crest_namespace, timeout_ms=cfg.crest_timeout_ms,
+                             fallback=cfg.crest_fallback,
+                             expected_tokenizer_id=datastore.tokenizer_id if datastore is not None else None)
+    try:
+        store.warmup()
+    except StoreUnavailable as e:
+        log.warning("CREST store not reachable yet (drafts answer UNAVAILABLE until it is): %s", e)
+    return store
+
+
+def build_server(cfg: RetrievalConfig, *, datastore=None, kb=None, crest=None) -> RunningServer:
     """Bind the port first (health answers NOT_SERVING while indexes load), then open indexes, warm up,
-    and report SERVING. A missing or corrupted index stops the server with the loader's error."""
+    and report SERVING. A missing or corrupted index stops the server with the loader's error.
+
+    datastore / kb / crest: already-open indexes (tests, benchmarks) instead of the configured paths.
+    """
+    from retrieval_service.knowledge.service import KnowledgeServicer
+
     draft = DraftServicer(cfg)
+    knowledge = KnowledgeServicer(None, cfg)  # UNAVAILABLE until a knowledge base is attached
 
     def add(server: grpc.Server) -> list[str]:
         draft_pb2_grpc.add_DraftServiceServicer_to_server(draft, server)
-        return [_DRAFT_SERVICE]
+        return [_DRAFT_SERVICE, *knowledge.add_to_server(server)]
 
+    auth, credentials = security.server_setup(cfg)
     running = start_server(add, host=cfg.host, port=cfg.port, workers=cfg.workers,
-                           max_concurrent_rpcs=cfg.max_concurrent_rpcs, max_message_bytes=cfg.max_message_bytes)
+                           max_concurrent_rpcs=cfg.max_concurrent_rpcs, max_message_bytes=cfg.max_message_bytes,
+                           interceptors=[metrics.MetricsInterceptor(metrics.observe_retrieval), *auth],
+                           credentials=credentials)
     try:
+        running.closers.append(metrics.serve_http(cfg.metrics_port, cfg.host))
         ds = datastore if datastore is not None else open_indexes(cfg)
         learner = None
         if cfg.learn and ds is not None:
@@ -205,7 +259,24 @@ def build_server(cfg: RetrievalConfig, *, datastore=None) -> RunningServer:
 
             learner = OnlineLearner(ds, directory=cfg.learn_dir or None, max_tokens=cfg.learn_max_tokens,
                                     compact_tokens=cfg.learn_compact_tokens)
-        draft.attach(ds, vocab_size=None, learner=learner)
+        crest = crest if crest is not None else open_crest(cfg, ds)
+        draft.attach(ds, vocab_size=None, learner=learner, crest=crest)
+        if kb is None and cfg.kb:
+            from retrieval_service.knowledge.kb import KnowledgeBase
+
+            kb = KnowledgeBase.open(cfg.kb, cfg)  # loads, checks and warms every index
+        if cfg.kb_knn_datastores:
+            from retrieval_service.knowledge import knn_build
+            from retrieval_service.knowledge.kb import KnowledgeBase
+
+            kb = kb if kb is not None else KnowledgeBase.vectors_only(cfg)
+            knn_build.add_to_kb(kb, cfg.kb_knn_datastores, cfg)  # opens, checks and warms each kNN-LM index
+        if kb is not None:
+            knowledge.attach(kb)
+            knowledge.warmup()
+            info = kb.info()
+            metrics.set_kb_size(info["passages"], [(i["name"], i["size"]) for i in info["indexes"]])
+        metrics.set_datastore_size(ds, learner)
     except Exception:
         running.stop(0)
         raise
@@ -214,7 +285,16 @@ def build_server(cfg: RetrievalConfig, *, datastore=None) -> RunningServer:
 
 
 def serve(cfg: RetrievalConfig) -> None:
-    running = build_server(cfg)
+    try:
+        running = build_server(cfg)
+    except Exception as e:
+        # A missing or corrupted index: exit non-zero with the loader's message (compose's depends_on then
+        # fails at once and the launcher shows it) instead of a process that looks alive but never serves.
+        from retrieval_service.knowledge.kb import KBOpenError
+
+        log.error("retrieval service cannot serve: %s", e,
+                  exc_info=not isinstance(e, (ValueError, OSError, KBOpenError)))
+        sys.exit(2)
     install_signal_handlers(running, cfg.grace_s)
     log.info("retrieval service SERVING on %s:%d", cfg.host, running.port)
     running.wait()

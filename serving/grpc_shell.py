@@ -6,6 +6,8 @@
 - Backpressure: `maximum_concurrent_rpcs` makes gRPC itself answer RESOURCE_EXHAUSTED beyond the limit.
 - Graceful stop on SIGTERM/SIGINT: health goes NOT_SERVING, new calls are refused, in-flight calls get
   `grace_s` seconds to finish.
+- Requests that do not decode (e.g. invalid UTF-8 in a string field) get INVALID_ARGUMENT naming the field,
+  not gRPC's INTERNAL (serving.security.DecodeErrorInterceptor, always installed, innermost).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from serving.security import DecodeErrorInterceptor
+
 log = logging.getLogger(__name__)
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -33,6 +37,8 @@ class RunningServer:
     port: int
     health: health.HealthServicer
     services: list[str]
+    # Called after the gRPC server stopped (e.g. the metrics HTTP endpoint's shutdown).
+    closers: list[Callable[[], None]] = field(default_factory=list)
     _stopped: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -50,6 +56,8 @@ class RunningServer:
             return
         self.set_serving(False)
         self.server.stop(grace_s).wait()
+        for close in self.closers:
+            close()
         self._stopped.set()
 
     def wait(self) -> None:
@@ -81,7 +89,7 @@ def start_server(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rpc"),
         maximum_concurrent_rpcs=max_concurrent_rpcs or None,
         options=options,
-        interceptors=list(interceptors),
+        interceptors=[*interceptors, DecodeErrorInterceptor()],
     )
     names = list(add_servicers(server))
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
@@ -114,12 +122,13 @@ def install_signal_handlers(running: RunningServer, grace_s: float, on_stop: Cal
     signal.signal(signal.SIGINT, _handler)
 
 
-def wait_until_serving(target: str, timeout_s: float = 60.0, service: str = "") -> bool:
+def wait_until_serving(target: str, timeout_s: float = 60.0, service: str = "",
+                       credentials: grpc.ChannelCredentials | None = None) -> bool:
     """Poll the standard health service until SERVING (used by launchers, tests and compose healthchecks)."""
     import time
 
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(target) as channel:
+    with (grpc.secure_channel(target, credentials) if credentials else grpc.insecure_channel(target)) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             try:

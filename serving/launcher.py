@@ -1,12 +1,16 @@
 """Local launcher: the docker-compose topology as processes on loopback, with the same health gating.
 
     python -m serving.launcher up   [--datastore DIR] [--kb DIR] [--model DIR]   # start, wait for SERVING
+                                    [--replicas N] [--redis] [--token T]         # like docker-compose.yml
     python -m serving.launcher down                                              # SIGTERM, wait, clean up
     python -m serving.launcher status
 
-Each service is started only after the ones it depends on report SERVING through grpc.health.v1
-(retrieval -> generation), exactly like `depends_on: condition: service_healthy`. State (pids, ports, log
-files) lives in $RAGSERVE_HOME/run/launcher.json so `down` works from another shell.
+Each service is started only after the ones it depends on report healthy: redis (PING) -> retrieval
+replicas (grpc.health.v1 SERVING) -> generation, exactly like `depends_on: condition: service_healthy`.
+With several retrieval replicas the worker gets them comma-separated and round-robins (compose uses
+dns:///retrieval:50051 instead). State (pids, ports, argv, log files) lives in
+$RAGSERVE_HOME/run/launcher.json so `down` works from another shell and `restart()` can bring a killed
+process back on its port.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import grpc
 
 from serving.grpc_shell import wait_until_serving
 
@@ -42,6 +48,9 @@ class Proc:
     port: int
     log: str
     argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # on top of the launcher's environment
+    kind: str = "grpc"  # grpc (health-checked) | redis (PING)
+    metrics_port: int = 0  # Prometheus /metrics (0 = off)
 
     @property
     def address(self) -> str:
@@ -55,10 +64,14 @@ class Topology:
     def get(self, name: str) -> Proc:
         return next(p for p in self.procs if p.name == name)
 
+    def retrieval(self) -> list[Proc]:
+        return [p for p in self.procs if p.name.startswith("retrieval")]
+
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps([asdict(p) for p in self.procs], indent=1))
+        tmp.chmod(0o600)  # the services' environment may hold a bearer token
         os.replace(tmp, path)
 
     @staticmethod
@@ -81,22 +94,36 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def start_process(name: str, argv: list[str], port: int, log_dir: Path, env: dict[str, str] | None = None) -> Proc:
+def start_process(name: str, argv: list[str], port: int, log_dir: Path, env: dict[str, str] | None = None,
+                  kind: str = "grpc") -> Proc:
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{name}.log"
     with open(log, "ab") as fh:
         p = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
                              start_new_session=True)
-    return Proc(name=name, pid=p.pid, port=port, log=str(log), argv=argv)
+    return Proc(name=name, pid=p.pid, port=port, log=str(log), argv=argv, env=dict(env or {}), kind=kind)
 
 
-def wait_healthy(proc: Proc, timeout_s: float) -> None:
+def _redis_ping(port: int) -> bool:
+    import redis
+
+    try:
+        return bool(redis.Redis(host="127.0.0.1", port=port, socket_timeout=1.0).ping())
+    except redis.RedisError:
+        return False
+
+
+def wait_healthy(proc: Proc, timeout_s: float, credentials: grpc.ChannelCredentials | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not _alive(proc.pid):
             tail = Path(proc.log).read_text(errors="replace")[-3000:]
             raise RuntimeError(f"{proc.name} exited during start-up; log {proc.log}:\n{tail}")
-        if wait_until_serving(proc.address, timeout_s=1.0):
+        if proc.kind == "redis":
+            if _redis_ping(proc.port):
+                return
+            time.sleep(0.1)
+        elif wait_until_serving(proc.address, timeout_s=1.0, credentials=credentials):
             return
     raise TimeoutError(f"{proc.name} did not report SERVING within {timeout_s:.0f} s (log {proc.log})")
 
@@ -114,36 +141,88 @@ def stop_process(proc: Proc, grace_s: float = 30.0) -> None:
 
 def up(*, datastore: str = "", kb: str = "", model: str = "", dtype: str = "bf16", retrieval_port: int = 0,
        generation_port: int = 0, state: Path | None = None, timeout_s: float = 300.0,
-       extra_retrieval: list[str] | None = None, extra_generation: list[str] | None = None) -> Topology:
-    """Start retrieval, wait for SERVING, then start generation pointed at it and wait again."""
+       extra_retrieval: list[str] | None = None, extra_generation: list[str] | None = None,
+       replicas: int = 1, redis: bool = False, env: dict[str, str] | None = None,
+       tls_ca: str = "", metrics: bool = False, generation: bool = True) -> Topology:
+    """Start [redis,] the retrieval replicas, wait until healthy, then generation pointed at them, wait again.
+
+    env: extra environment of every service (e.g. RAGSERVE_*_AUTH_TOKEN); tls_ca: CA to verify the services'
+    TLS certificates with during health gating (when they serve TLS); metrics: give every service a free
+    Prometheus port (Proc.metrics_port); generation=False starts the retrieval side only.
+    """
+    if replicas < 1:
+        raise ValueError(f"replicas: {replicas} must be >= 1")
     state = state or _home() / "run" / "launcher.json"
     existing = Topology.load(state)
     if any(_alive(p.pid) for p in existing.procs):
         raise RuntimeError(f"services already running (state {state}); run `python -m serving.launcher down` first")
     log_dir = state.parent / "logs"
-    rport = retrieval_port or free_port()
-    retrieval_argv = [sys.executable, "-m", "retrieval_service.server", "--port", str(rport)]
-    if datastore:
-        retrieval_argv += ["--datastore", datastore]
-    if kb:
-        retrieval_argv += ["--kb", kb]
+    creds = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes()) if tls_ca else None
+    env = dict(env or {})
     topo = Topology()
     try:
-        topo.procs.append(start_process("retrieval", retrieval_argv + list(extra_retrieval or []), rport, log_dir))
+        retrieval_env = dict(env)
+        if redis:
+            port = free_port()
+            argv = ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"]
+            topo.procs.append(start_process("redis", argv, port, log_dir, kind="redis"))
+            topo.save(state)
+            wait_healthy(topo.get("redis"), timeout_s)
+            retrieval_env.setdefault("RAGSERVE_RETRIEVAL_REDIS_URL", f"redis://127.0.0.1:{port}/0")
+        targets = []
+        for i in range(replicas):
+            rport = (retrieval_port if i == 0 else 0) or free_port()
+            argv = [sys.executable, "-m", "retrieval_service.server", "--port", str(rport)]
+            if datastore:
+                argv += ["--datastore", datastore]
+            if kb:
+                argv += ["--kb", kb]
+            name = "retrieval" if i == 0 else f"retrieval-{i}"
+            mport = free_port() if metrics else 0
+            argv += ["--metrics-port", str(mport)] if mport else []
+            topo.procs.append(start_process(name, argv + list(extra_retrieval or []), rport, log_dir, retrieval_env))
+            topo.procs[-1].metrics_port = mport
+            targets.append(f"127.0.0.1:{rport}")
         topo.save(state)
-        wait_healthy(topo.get("retrieval"), timeout_s)
+        for proc in topo.retrieval():  # started together, gated together (like replicas in compose)
+            wait_healthy(proc, timeout_s, creds)
+        if not generation:
+            return topo
         gport = generation_port or free_port()
         gen_argv = [sys.executable, "-m", "generation_service.server", "--port", str(gport),
-                    "--retrieval", f"127.0.0.1:{rport}", "--dtype", dtype]
+                    "--retrieval", ",".join(targets), "--dtype", dtype]
         if model:
             gen_argv += ["--model", model]
-        topo.procs.append(start_process("generation", gen_argv + list(extra_generation or []), gport, log_dir))
+        mport = free_port() if metrics else 0
+        gen_argv += ["--metrics-port", str(mport)] if mport else []
+        topo.procs.append(start_process("generation", gen_argv + list(extra_generation or []), gport, log_dir, env))
+        topo.procs[-1].metrics_port = mport
         topo.save(state)
-        wait_healthy(topo.get("generation"), timeout_s)
+        wait_healthy(topo.get("generation"), timeout_s, creds)
     except BaseException:
         down(state=state)
         raise
     return topo
+
+
+def restart(name: str, *, state: Path | None = None, timeout_s: float = 300.0,
+            tls_ca: str = "") -> Proc:
+    """Start a stopped or killed service again with its argv, port and environment; wait until healthy."""
+    state = state or _home() / "run" / "launcher.json"
+    topo = Topology.load(state)
+    old = topo.get(name)
+    deadline = time.monotonic() + 5.0  # a process just killed may not have exited yet
+    while _alive(old.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if _alive(old.pid):
+        raise RuntimeError(f"{name} (pid {old.pid}) is still running")
+    new = start_process(name, old.argv, old.port, Path(old.log).parent, old.env, old.kind)
+    new.metrics_port = old.metrics_port
+    topo.procs[topo.procs.index(old)] = new
+    topo.save(state)
+    creds = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes()) if tls_ca else None
+    wait_healthy(new, timeout_s, creds)
+    return new
 
 
 def down(*, state: Path | None = None, grace_s: float = 30.0) -> None:
@@ -167,21 +246,32 @@ def main(argv: list[str] | None = None) -> None:
     u.add_argument("--dtype", default="bf16")
     u.add_argument("--retrieval-port", type=int, default=50051)
     u.add_argument("--generation-port", type=int, default=50052)
+    u.add_argument("--replicas", type=int, default=1, help="retrieval replicas (the worker round-robins)")
+    u.add_argument("--redis", action="store_true", help="also start a redis-server on loopback (CREST backend)")
+    u.add_argument("--token", default="", help="bearer token both services require (and the worker sends)")
+    u.add_argument("--metrics", action="store_true", help="Prometheus endpoint on a free port per service")
     sub.add_parser("down")
     sub.add_parser("status")
     args = ap.parse_args(argv)
     if args.cmd == "up":
+        env = {}
+        if args.token:
+            env = {"RAGSERVE_RETRIEVAL_AUTH_TOKEN": args.token, "RAGSERVE_GENERATION_AUTH_TOKEN": args.token,
+                   "RAGSERVE_GENERATION_RETRIEVAL_AUTH_TOKEN": args.token}
         topo = up(datastore=args.datastore, kb=args.kb, model=args.model, dtype=args.dtype,
-                  retrieval_port=args.retrieval_port, generation_port=args.generation_port)
+                  retrieval_port=args.retrieval_port, generation_port=args.generation_port,
+                  replicas=args.replicas, redis=args.redis, env=env, metrics=args.metrics)
         for p in topo.procs:
-            print(f"{p.name:<11} SERVING on {p.address}  pid {p.pid}  log {p.log}")
+            extra = f"  metrics http://127.0.0.1:{p.metrics_port}/metrics" if p.metrics_port else ""
+            print(f"{p.name:<12} {'READY' if p.kind == 'redis' else 'SERVING'} on {p.address}  pid {p.pid}  "
+                  f"log {p.log}{extra}")
     elif args.cmd == "down":
         down()
         print("stopped")
     else:
         topo = Topology.load(_home() / "run" / "launcher.json")
         for p in topo.procs:
-            print(f"{p.name:<11} {'up' if _alive(p.pid) else 'DOWN'}  {p.address}  pid {p.pid}")
+            print(f"{p.name:<12} {'up' if _alive(p.pid) else 'DOWN'}  {p.address}  pid {p.pid}")
         if not topo.procs:
             print("nothing running")
 

@@ -93,6 +93,19 @@ def _which(cfg_value: str) -> set[str]:
     return wanted
 
 
+class _NoPassages:
+    """The passage store of a vectors-only KB: empty (doc-id lookups fail validation before reaching it)."""
+
+    def __len__(self) -> int:
+        return 0
+
+    def get(self, ids) -> list[tuple[str, str]]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
 @dataclass
 class KnowledgeBase:
     path: Path
@@ -163,6 +176,14 @@ class KnowledgeBase:
         if warmup:
             kb.warmup()
         return kb
+
+    @classmethod
+    def vectors_only(cls, config: RetrievalConfig | None = None) -> "KnowledgeBase":
+        """A KB without passages that serves named vector indexes only (e.g. a kNN-LM datastore, no --kb)."""
+        cfg = config or RetrievalConfig()
+        dense.configure_faiss(cfg.kb_omp_threads)
+        return cls(path=Path(""), passages=_NoPassages(), manifest={}, limits=KBLimits.from_config(cfg),
+                   warmup_s=cfg.kb_warmup_s)
 
     def add_vector_index(self, index: dense.VectorIndex) -> None:
         """Register another named vector index (e.g. kNN-LM keys); searched with retriever edr/adr + index name."""

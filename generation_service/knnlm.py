@@ -1,0 +1,601 @@
+"""kNN-LM decoding (Khandelwal et al. 2020) with RaLMSpec's token-level speculative retrieval.
+
+Next-token distribution, q = the model's final hidden state at the last position:
+    p(v) = λ·p_kNN(v) + (1 − λ)·p_LM(v),   p_kNN(v) = Σ_{neighbour j: value_j = v} softmax_j(score_j / T)
+score_j = −‖q − key_j‖² as the retrieval service returns it (L2, higher is better) for the k nearest datastore
+entries. Worked example: scores [0, −ln 3], values [2, 4], T = 1 -> p_kNN = {2: 0.75, 4: 0.25}; with λ = 0.4 and a
+uniform p_LM over 5 tokens, p = [0.12, 0.12, 0.42, 0.12, 0.22].
+
+Baseline: one Search per generated token (`speculate=False`).
+RaLMSpec (`speculate=True`): after every real retrieval the local `NeighbourCache` takes the n datastore entries
+that follow each neighbour (entry j+1 continues entry j's text, so it is a likely neighbour of the next query).
+A speculation step takes the k nearest *cached* entries instead of calling the service, picks the token and runs
+the LM on it; after s steps one batched Search verifies all s queries. A step is right when its speculated token
+equals the token the true neighbours give (not the neighbour set); at the first wrong step the KV cache rolls
+back and the true token is emitted. s is fixed or chosen by OS³ (generation_service/os3.py).
+
+Lossless: every emitted token is the greedy pick of the true distribution for a context made of emitted tokens
+only, computed from the same single-token LM pass and the same Search scores as the baseline's, so the output
+equals the baseline's token for token (speculation only decides which LM passes are wasted). Greedy only.
+
+    backend = KnnBackend.open("~/.cache/ragserve/knnlm/docs", "127.0.0.1:50051")
+    tokens, stats = generate_tokens(tm, prompt_ids, SamplingParams(max_new_tokens=64),
+                                    KnnLmOptions(k=1024, speculate=True), backend)
+
+The retrieval service answers Search with entry ids and scores; the worker maps ids to next tokens (and reads the
+keys of cached successor entries) through the datastore's memory-mapped values.npy / keys.npy, which it opens
+read-only (see retrieval_service/knowledge/knn_build.py for why).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import grpc
+import numpy as np
+import torch
+
+from generation_service.kb_client import KBClient, KBUnavailable, parse_search
+from generation_service.model import TargetModel, cache_length, new_cache
+from generation_service.os3 import OS3Config, StrideScheduler
+from generation_service.sampling import SamplingParams
+from generation_service.speculative import (
+    FINISH_CANCELLED,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    SpeculationStats,
+    StreamChunk,
+    TextStream,
+    prefill,
+    verify_tree,
+)
+from generation_service.tree_attention import gather_kv
+from retrieval_service.knowledge.knn_build import KnnDatastore, open_datastore
+
+log = logging.getLogger(__name__)
+
+RETRIEVERS = ("edr", "adr")
+MAX_K = 1024
+MAX_STRIDE = 64
+_EMPTY = np.zeros(0, np.int32)
+
+
+@dataclass(frozen=True)
+class KnnLmOptions:
+    """Per-request kNN-LM settings (proto KnnLmOptions; zero/unset wire fields take these defaults)."""
+
+    retriever: str = "edr"  # edr = exact (faiss IndexFlatL2) | adr = HNSW
+    k: int = 1024  # neighbours per query, 1..1024 and at most the datastore size
+    lam: float = 0.25  # λ, weight of p_kNN
+    temperature: float = 10.0  # T of the softmax over −‖q − key‖² (squared distances here are ~10²..10³)
+    speculate: bool = False  # False = the baseline: one Search per token
+    stride: int = 0  # speculation steps per verification; 0 = OS³
+    cache_next: int = 10  # n: datastore entries after each retrieved one that enter the cache
+    cache_capacity: int = 16384  # cached entries kept (most recently filled first)
+    ef_search: int = 0  # adr: HNSW efSearch (0 = server default; raised to k + margin by the service)
+
+    def __post_init__(self) -> None:
+        if self.retriever not in RETRIEVERS:
+            raise ValueError(f"retriever: {self.retriever!r} is not one of {', '.join(RETRIEVERS)}")
+        _check_int("k", self.k, 1, MAX_K)
+        if not (isinstance(self.lam, (int, float)) and 0.0 <= float(self.lam) <= 1.0):
+            raise ValueError(f"lambda: {self.lam!r} is outside [0, 1]")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature > 0):
+            raise ValueError(f"temperature: {self.temperature!r} must be a finite number > 0")
+        _check_int("stride", self.stride, 0, MAX_STRIDE)
+        _check_int("cache_next", self.cache_next, 1, 64)
+        _check_int("cache_capacity", self.cache_capacity, 1, 1 << 20)
+        _check_int("ef_search", self.ef_search, 0, 1 << 16)
+
+    @property
+    def mode(self) -> str:
+        """The name stats and benchmarks use: base | s<stride> | os3."""
+        return "base" if not self.speculate else ("os3" if self.stride == 0 else f"s{self.stride}")
+
+
+def _check_int(name: str, value, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= value <= hi:
+        raise ValueError(f"{name}: {value!r} is outside [{lo}, {hi}]")
+
+
+@dataclass
+class KnnLmStats:
+    """Per-request kNN-LM statistics (proto KnnLmStats). R = retrieval, G = generation (LM passes)."""
+
+    mode: str = "base"
+    retriever: str = ""
+    k: int = 0
+    tokens: int = 0
+    retrieval_ms: float = 0.0  # R: Search calls (wall, gRPC included) + true next-token distributions
+    generation_ms: float = 0.0  # G: single-token LM passes after prefill
+    speculation_ms: float = 0.0  # cache look-ups, speculative distributions and cache fills
+    prefill_ms: float = 0.0
+    kb_calls: int = 0
+    kb_queries: int = 0
+    speculated: int = 0  # speculation steps that were verified
+    correct: int = 0  # ... whose token was right
+    speculation_accuracy: float = 0.0
+    verifications: int = 0
+    rollbacks: int = 0  # verifications that found a wrong step
+    wasted_passes: int = 0  # LM passes on speculated tokens that were thrown away
+    strides: list[int] = field(default_factory=list)
+    cache_entries: int = 0  # cache size at the end
+    degraded_steps: int = 0  # tokens decided without neighbours because Search failed (p = p_LM)
+    degraded_reason: str = ""
+
+    def as_dict(self) -> dict:
+        """Keyword arguments for generation_pb2.KnnLmStats(**stats.as_dict())."""
+        return asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------------- math
+
+
+def knn_distribution(scores: np.ndarray, values: np.ndarray, temperature: float) -> tuple[np.ndarray, np.ndarray]:
+    """scores: float [k] (−squared distance, higher = closer), values: int [k] -> (tokens int64 [u] ascending,
+    probs float64 [u]) = softmax(scores / T) summed per value.
+
+    knn_distribution([0, -ln 3], [2, 4], 1.0) -> ([2, 4], [0.75, 0.25])   # not [0.5, 0.5]: closer weighs more
+    """
+    if len(scores) == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.float64)
+    z = np.asarray(scores, dtype=np.float64) / temperature  # [k]
+    w = np.exp(z - z.max())
+    w /= w.sum()
+    tokens, inverse = np.unique(np.asarray(values, dtype=np.int64), return_inverse=True)  # [u], [k]
+    return tokens, np.bincount(inverse, weights=w, minlength=tokens.size)
+
+
+def interpolate(lm_logits: torch.Tensor, tokens: np.ndarray, probs: np.ndarray, lam: float) -> torch.Tensor:
+    """lm_logits: [V], (tokens [u], probs [u]) from knn_distribution -> p float64 [V] = λ·p_kNN + (1 − λ)·p_LM.
+    No neighbours (tokens empty): p = (1 − λ)·p_LM, whose argmax is the LM's."""
+    p = torch.softmax(lm_logits.double(), dim=-1) * (1.0 - lam)  # [V]
+    if tokens.size:
+        p.index_add_(0, torch.from_numpy(tokens).to(p.device), torch.from_numpy(probs * lam).to(p.device))
+    return p
+
+
+def next_token(p: torch.Tensor) -> int:
+    """Greedy pick; ties go to the smallest token id (torch.argmax returns the first maximum)."""
+    return int(torch.argmax(p))
+
+
+def mixed_distribution(lm_logits: torch.Tensor, scores: np.ndarray, values: np.ndarray,
+                       opts: KnnLmOptions) -> torch.Tensor:
+    """lm_logits [V] + one query's neighbours (scores [k], values [k]) -> p float64 [V]."""
+    tokens, probs = knn_distribution(scores, values, opts.temperature)
+    return interpolate(lm_logits, tokens, probs, opts.lam)
+
+
+# ------------------------------------------------------------------------------------------ local cache
+
+
+class NeighbourCache:
+    """RaLMSpec's kNN-LM cache: datastore entries (id, key, value) filled by spatial locality.
+
+    fill(ids) adds entries j+1..j+n for every retrieved entry j (not j itself: j's value is the token that
+    followed j's context, j+1 is the entry one token later). The newest fills are kept first when the
+    capacity is exceeded; an entry filled again counts as new. nearest(q, k) is the speculative retrieval:
+    the k cached entries closest to q in L2, best first.
+    """
+
+    def __init__(self, datastore: KnnDatastore, next_n: int = 10, capacity: int = 16384):
+        self.ds, self.next_n, self.capacity = datastore, next_n, capacity
+        d = datastore.dim
+        self.ids = np.zeros(0, np.int64)  # [C]
+        self.keys = np.zeros((0, d), np.float32)  # [C, D]
+        self.norms = np.zeros(0, np.float32)  # [C] ‖key‖²
+        self.values = np.zeros(0, np.int64)  # [C]
+        self.stamp = np.zeros(0, np.int64)  # [C] fill round, for eviction
+        self._round = 0
+
+    def __len__(self) -> int:
+        return int(self.ids.size)
+
+    def successors(self, retrieved: np.ndarray) -> np.ndarray:
+        """retrieved: entry ids [m] -> unique ids j+1..j+n inside the datastore, ascending."""
+        r = np.asarray(retrieved, dtype=np.int64)
+        succ = (r[:, None] + np.arange(1, self.next_n + 1, dtype=np.int64)[None, :]).ravel()  # [m * n]
+        return np.unique(succ[(succ >= 0) & (succ < self.ds.size)])
+
+    def fill(self, retrieved: np.ndarray) -> int:
+        """Add the successors of one query's retrieved entries; returns how many entries were new."""
+        self._round += 1
+        succ = self.successors(retrieved)
+        if succ.size == 0:
+            return 0
+        known = np.isin(self.ids, succ)
+        self.stamp[known] = self._round  # refreshed: kept as long as new entries
+        new = succ[~np.isin(succ, self.ids)] if self.ids.size else succ
+        if new.size:
+            keys = np.asarray(self.ds.keys[new], dtype=np.float32)  # [m, D]; ascending ids read the memmap in order
+            self.ids = np.concatenate((self.ids, new))
+            self.keys = np.concatenate((self.keys, keys))
+            self.norms = np.concatenate((self.norms, np.einsum("ij,ij->i", keys, keys)))
+            self.values = np.concatenate((self.values, np.asarray(self.ds.values[new], dtype=np.int64)))
+            self.stamp = np.concatenate((self.stamp, np.full(new.size, self._round, np.int64)))
+        if self.ids.size > self.capacity:
+            keep = np.sort(np.argsort(-self.stamp, kind="stable")[: self.capacity])
+            self.ids, self.keys, self.norms = self.ids[keep], self.keys[keep], self.norms[keep]
+            self.values, self.stamp = self.values[keep], self.stamp[keep]
+        return int(new.size)
+
+    def nearest(self, query: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """query: float32 [D] -> (ids [m], scores float32 [m] = −‖q − key‖², values [m]), m = min(k, len), best
+        first (ties: smaller id)."""
+        if self.ids.size == 0:
+            return self.ids, np.zeros(0, np.float32), self.values
+        q = np.asarray(query, dtype=np.float32)
+        scores = 2.0 * (self.keys @ q) - self.norms - float(q @ q)  # [C]; one GEMV instead of [C, D] differences
+        m = min(k, scores.size)
+        part = np.argpartition(-scores, m - 1)[:m] if m < scores.size else np.arange(scores.size)
+        order = part[np.lexsort((self.ids[part], -scores[part]))]
+        return self.ids[order], scores[order].astype(np.float32), self.values[order]
+
+
+# ---------------------------------------------------------------------------------------- retrieval side
+
+
+class KnnRetrievalError(RuntimeError):
+    """Search failed (service down, deadline, bad reply); the step degrades to p_LM."""
+
+
+class KnnSearchClient:
+    """Batched vector Search over one named index through the worker's KnowledgeService client (kb_client)."""
+
+    def __init__(self, target: str, index: str = "knnlm", *, timeout_ms: float = 10_000.0, token: str = "",
+                 credentials: grpc.ChannelCredentials | None = None):
+        self.kb = KBClient(target, timeout_ms=timeout_ms, token=token, credentials=credentials)
+        self.target, self.index = target, index
+
+    def search(self, queries: np.ndarray, k: int, retriever: str, ef_search: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+        """queries: float32 [B, D] -> per query (ids int64 [k'], scores float32 [k']), best first.
+        KnnRetrievalError when the service cannot answer; KBRequestError (a bug or a server limit) propagates."""
+        req = KBClient.search_request(retriever, k, vectors=queries, ef_search=ef_search)
+        req.index = self.index
+        try:
+            reply = parse_search(self.kb.call("Search", req))
+        except KBUnavailable as e:
+            raise KnnRetrievalError(str(e)) from None
+        if len(reply.hits) != len(queries):
+            raise KnnRetrievalError(f"Search on {self.target}: {len(reply.hits)} results for {len(queries)} queries")
+        return [(h.ids, h.scores) for h in reply.hits]
+
+    def index_info(self):
+        """The service's VectorIndexInfo for our index, or None if it is not served there (KBUnavailable if down)."""
+        return next((i for i in self.kb.info().indexes if i.name == self.index), None)
+
+    def close(self) -> None:
+        self.kb.close()
+
+
+@dataclass
+class KnnBackend:
+    """What kNN-LM needs besides the model: Search on the retrieval service + the datastore's values/keys."""
+
+    datastore: KnnDatastore
+    client: KnnSearchClient
+
+    @classmethod
+    def open(cls, datastore: str, target: str, index: str = "", **client_kwargs) -> "KnnBackend":
+        ds = open_datastore(datastore)
+        return cls(ds, KnnSearchClient(target, index or ds.name, **client_kwargs))
+
+    def check_model(self, tm: TargetModel) -> None:
+        """The datastore must have been built with this model's tokenizer and hidden size (ValueError if not)."""
+        from retrieval_service.datastore.corpus import tokenizer_identity
+
+        want = self.datastore.meta.get("tokenizer_id")
+        if want and want != tokenizer_identity(tm.tokenizer):
+            raise ValueError(f"knnlm_datastore: {self.datastore.path} was built with tokenizer {want}, the model's "
+                             f"is {tokenizer_identity(tm.tokenizer)}")
+        hidden = tm.model.get_output_embeddings().weight.shape[1]
+        if hidden != self.datastore.dim:
+            raise ValueError(f"knnlm_datastore: keys of dimension {self.datastore.dim}, the model's hidden size is "
+                             f"{hidden}")
+
+    def check(self, opts: KnnLmOptions) -> None:
+        """Request-level limits that depend on the datastore (ValueError naming the field)."""
+        if opts.k > self.datastore.size:
+            raise ValueError(f"k: {opts.k} exceeds the datastore size ({self.datastore.size} entries)")
+
+    def verify_served(self) -> str | None:
+        """None if the retrieval service serves an index matching our datastore, else why not."""
+        try:
+            info = self.client.index_info()
+        except KBUnavailable as e:
+            return f"retrieval service {self.client.target}: {e}"
+        if info is None:
+            return f"retrieval service {self.client.target} has no vector index {self.client.index!r}"
+        if info.size != self.datastore.size or info.dim != self.datastore.dim:
+            return (f"index {info.name!r} on {self.client.target} is {info.size}x{info.dim}, the datastore "
+                    f"{self.datastore.path} is {self.datastore.size}x{self.datastore.dim}")
+        return None
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def true_distributions(backend: KnnBackend, queries: np.ndarray, logits: Sequence[torch.Tensor], opts: KnnLmOptions,
+                       stats: KnnLmStats) -> tuple[list[torch.Tensor], list[np.ndarray]]:
+    """One batched Search for B queries [B, D] -> (p float64 [V] per query, retrieved entry ids per query).
+    A failed Search degrades those tokens to p_LM (no neighbours) and says so in the stats."""
+    t0 = time.perf_counter()
+    try:
+        hits = backend.client.search(queries, opts.k, opts.retriever, opts.ef_search)
+    except KnnRetrievalError as e:
+        stats.degraded_steps += len(queries)
+        stats.degraded_reason = stats.degraded_reason or str(e)[:500]
+        hits = [(np.zeros(0, np.int64), np.zeros(0, np.float32))] * len(queries)
+    stats.kb_calls += 1
+    stats.kb_queries += len(queries)
+    values = backend.datastore.values
+    dists = [mixed_distribution(lg, scores, np.asarray(values[ids]), opts) for lg, (ids, scores) in zip(logits, hits)]
+    stats.retrieval_ms += (time.perf_counter() - t0) * 1e3
+    return dists, [ids for ids, _ in hits]
+
+
+# -------------------------------------------------------------------------------------------- LM passes
+
+
+@contextmanager
+def _output_layer_input(tm: TargetModel):
+    """Capture what the output layer multiplies (the final hidden states [1, q, D]) during the passes inside."""
+    box: list[torch.Tensor] = []
+    handle = tm.model.get_output_embeddings().register_forward_hook(lambda _m, inp, _out: box.append(inp[0]))
+    try:
+        yield box
+    finally:
+        handle.remove()
+
+
+def lm_prefill(tm: TargetModel, kv, prompt: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+    """prompt: int [P] -> (logits [V] of the last position, its final hidden state float32 [D]); kv holds P rows."""
+    with _output_layer_input(tm) as box:
+        logits = prefill(tm, kv, torch.from_numpy(prompt.astype(np.int64)).to(tm.device))
+    return logits, box[-1][0, -1].float().cpu().numpy()
+
+
+def lm_step(tm: TargetModel, kv, token: int) -> tuple[torch.Tensor, np.ndarray]:
+    """One single-token pass (the AR step the other decoding modes use, pad rows included) -> (logits [V],
+    hidden float32 [D]); kv grows by one row."""
+    past = cache_length(kv)
+    with _output_layer_input(tm) as box:
+        logits = verify_tree(tm, kv, token, _EMPTY, _EMPTY)  # [q, V], row 0 = the token
+    gather_kv(kv, past, [])  # drop the pad rows
+    return logits[0], box[-1][0, 0].float().cpu().numpy()
+
+
+def _truncate(kv, length: int) -> None:
+    """Roll the KV cache back to its first `length` rows (transformers' crop takes the rows to drop, negated)."""
+    drop = cache_length(kv) - length
+    if drop > 0:
+        kv.crop(-drop)
+
+
+# ------------------------------------------------------------------------------------------ decode loops
+
+
+def _cut(tokens: list[int], remaining: int, eos: frozenset[int]) -> tuple[list[int], str | None]:
+    """One step's emitted tokens -> (output tokens, finish reason or None): EOS ends (not emitted), budget cuts."""
+    tokens = tokens[:remaining]
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[:i], FINISH_STOP
+    return tokens, (FINISH_LENGTH if len(tokens) >= remaining else None)
+
+
+def _check_prompt(tm: TargetModel, prompt_ids, params: SamplingParams) -> np.ndarray:
+    prompt = np.asarray(prompt_ids)
+    if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
+        raise ValueError(f"prompt_ids: need a non-empty 1-D sequence of token ids, got {prompt.dtype} {prompt.shape}")
+    if int(prompt.min()) < 0 or int(prompt.max()) >= tm.vocab_size:
+        raise ValueError(f"prompt_ids: ids must lie in [0, {tm.vocab_size})")
+    if prompt.size + params.max_new_tokens > tm.max_positions:
+        raise ValueError(f"max_new_tokens: prompt ({prompt.size}) + {params.max_new_tokens} exceeds the model's "
+                         f"{tm.max_positions} positions")
+    if not params.greedy:
+        raise ValueError("temperature: kNN-LM decoding is greedy only (leave temperature unset or 0)")
+    return prompt.astype(np.int64)
+
+
+def decode(tm: TargetModel, prompt_ids, params: SamplingParams, opts: KnnLmOptions, backend: KnnBackend, *,
+           stats: KnnLmStats | None = None, os3: OS3Config | None = None,
+           is_cancelled: Callable[[], bool] | None = None) -> Iterator[tuple[list[int], str | None]]:
+    """Token-level kNN-LM generation: yields (new output tokens, finish reason); the last item has the reason."""
+    prompt = _check_prompt(tm, prompt_ids, params)
+    backend.check(opts)
+    stats = stats if stats is not None else KnnLmStats()
+    stats.mode, stats.retriever, stats.k = opts.mode, opts.retriever, opts.k
+    eos = frozenset() if params.ignore_eos else tm.eos_token_ids
+    cancelled = is_cancelled or (lambda: False)
+    if cancelled():
+        yield [], FINISH_CANCELLED
+        return
+    t0 = time.perf_counter()
+    kv = new_cache(tm)
+    logits, hidden = lm_prefill(tm, kv, prompt)
+    stats.prefill_ms = (time.perf_counter() - t0) * 1e3
+    loop = _speculative if opts.speculate else _baseline
+    yield from loop(tm, kv, logits, hidden, params.max_new_tokens, eos, opts, backend, stats, cancelled, os3)
+
+
+def _baseline(tm, kv, logits, hidden, max_new, eos, opts, backend, stats, cancelled, _os3):
+    """Retrieval at every token: Search(q_t) -> p_t -> token -> LM pass -> q_{t+1}."""
+    n_out = 0
+    while True:
+        if cancelled():
+            yield [], FINISH_CANCELLED
+            return
+        (p,), _ = true_distributions(backend, hidden[None, :], [logits], opts, stats)
+        token = next_token(p)
+        out, finish = _cut([token], max_new - n_out, eos)
+        n_out += len(out)
+        stats.tokens = n_out
+        yield out, finish
+        if finish:
+            return
+        t = time.perf_counter()
+        logits, hidden = lm_step(tm, kv, token)
+        stats.generation_ms += (time.perf_counter() - t) * 1e3
+
+
+def _speculative(tm, kv, logits, hidden, max_new, eos, opts, backend, stats, cancelled, os3):
+    """RaLMSpec rounds: s speculation steps from the cache, one batched verification, roll back at the first
+    wrong step. At the start of a round kv holds every emitted token and (logits, hidden) belong to the last."""
+    cache = NeighbourCache(backend.datastore, opts.cache_next, opts.cache_capacity)
+    sched = StrideScheduler(os3 or OS3Config()) if opts.stride == 0 else None
+    n_out = 0
+    pending_gen_s = 0.0  # the LM pass after the previous verification belongs to this round's first step
+    while True:
+        if cancelled():
+            yield [], FINISH_CANCELLED
+            return
+        remaining = max_new - n_out
+        stride = min(sched.next_stride() if sched is not None else opts.stride, remaining)
+        base = cache_length(kv)
+        queries, step_logits, guesses = [hidden], [logits], []
+        spec_s, gen_s = 0.0, pending_gen_s
+        for i in range(stride):
+            t = time.perf_counter()
+            _, scores, values = cache.nearest(queries[i], opts.k)
+            guesses.append(next_token(mixed_distribution(step_logits[i], scores, values, opts)))
+            spec_s += time.perf_counter() - t
+            if i == stride - 1 or guesses[-1] in eos:
+                break  # the last guess's LM pass waits for the verification (it is wasted if the guess is wrong)
+            t = time.perf_counter()
+            lg, h = lm_step(tm, kv, guesses[-1])
+            gen_s += time.perf_counter() - t
+            step_logits.append(lg)
+            queries.append(h)
+        steps = len(guesses)
+
+        t = time.perf_counter()
+        dists, retrieved = true_distributions(backend, np.stack(queries), step_logits, opts, stats)
+        emitted: list[int] = []
+        for p, guess in zip(dists, guesses):
+            emitted.append(next_token(p))
+            if emitted[-1] != guess:
+                break
+        matched = len(emitted) - (emitted[-1] != guesses[len(emitted) - 1])
+        t_fill = time.perf_counter()
+        for ids in retrieved[:len(emitted)]:  # queries past the first wrong step read a wrong context
+            cache.fill(ids)
+        fill_s = time.perf_counter() - t_fill
+        verify_s = time.perf_counter() - t  # OS³'s b: the batched Search, the true distributions, the fill
+
+        stats.verifications += 1
+        stats.speculated += steps
+        stats.correct += matched
+        stats.rollbacks += matched < steps
+        stats.wasted_passes += (steps - 1) - (len(emitted) - 1)
+        stats.strides.append(stride)
+        stats.speculation_ms += (spec_s + fill_s) * 1e3
+        stats.generation_ms += (gen_s - pending_gen_s) * 1e3
+        stats.speculation_accuracy = stats.correct / stats.speculated
+        stats.cache_entries = len(cache)
+        if sched is not None:
+            sched.record_verification(matched, steps)
+            sched.record_latency(speculation_s=(spec_s + gen_s) / steps, verification_s=verify_s)
+
+        _truncate(kv, base + len(emitted) - 1)  # keep the passes of emitted tokens; the last one is not run yet
+        out, finish = _cut(emitted, remaining, eos)
+        n_out += len(out)
+        stats.tokens = n_out
+        yield out, finish
+        if finish:
+            return
+        t = time.perf_counter()
+        logits, hidden = lm_step(tm, kv, emitted[-1])
+        pending_gen_s = time.perf_counter() - t
+        stats.generation_ms += pending_gen_s * 1e3
+
+
+def generate_tokens(tm: TargetModel, prompt_ids, params: SamplingParams, opts: KnnLmOptions, backend: KnnBackend,
+                    **kwargs) -> tuple[list[int], KnnLmStats]:
+    """decode(), collected: (output tokens, stats)."""
+    stats = KnnLmStats()
+    tokens: list[int] = []
+    for out, _ in decode(tm, prompt_ids, params, opts, backend, stats=stats, **kwargs):
+        tokens += out
+    return tokens, stats
+
+
+# ------------------------------------------------------------------------------------------- text level
+
+
+@dataclass
+class KnnStreamChunk(StreamChunk):
+    knnlm: KnnLmStats | None = None  # final chunk only
+
+
+def generate_stream(tm: TargetModel, prompt_ids, params: SamplingParams, opts: KnnLmOptions, backend: KnnBackend, *,
+                    is_cancelled: Callable[[], bool] | None = None, tokenizer="model") -> Iterator[KnnStreamChunk]:
+    """Stream chunks like speculative.generate_stream; the final chunk carries SpeculationStats and KnnLmStats."""
+    t0 = time.perf_counter()
+    tok = tm.tokenizer if isinstance(tokenizer, str) and tokenizer == "model" else tokenizer
+    if tok is None and params.stop:
+        raise ValueError("stop: stop sequences need a tokenizer to match text")
+    knn = KnnLmStats()
+    steps = decode(tm, prompt_ids, params, opts, backend, stats=knn, is_cancelled=is_cancelled)
+    text = TextStream(tok, np.asarray(prompt_ids), params.stop)
+    finish = FINISH_LENGTH
+    try:
+        for tokens, finish_step in steps:
+            if text.add(tokens):
+                finish = FINISH_STOP
+                break
+            if finish_step:
+                finish = finish_step
+                break
+            ids, delta = text.release(final=False)
+            if ids or delta:
+                yield KnnStreamChunk(ids, delta)
+    finally:
+        steps.close()
+    if (finish != FINISH_STOP or not text.stopped) and text.flush():
+        finish = FINISH_STOP
+    ids, delta = text.release(final=True)
+    stats = SpeculationStats(
+        decoding="knnlm", forward_steps=knn.tokens if not opts.speculate else knn.tokens + knn.wasted_passes,
+        draft_ms=knn.speculation_ms, verify_ms=knn.retrieval_ms + knn.generation_ms, prefill_ms=knn.prefill_ms,
+        total_ms=(time.perf_counter() - t0) * 1e3, draft_tokens_proposed=knn.speculated,
+        draft_tokens_accepted=knn.correct, degraded=knn.degraded_steps > 0, degraded_steps=knn.degraded_steps,
+        degraded_reason=knn.degraded_reason)
+    yield KnnStreamChunk(ids, delta, finish_reason=finish, stats=stats, prompt_tokens=len(prompt_ids),
+                         completion_tokens=len(text.tokens), knnlm=knn)
+
+
+def options_from_proto(msg, defaults: KnnLmOptions | None = None) -> KnnLmOptions:
+    """proto KnnLmOptions -> KnnLmOptions; unset/zero fields keep `defaults`. ValueError 'knnlm.<field>: ...'."""
+    d = defaults or KnnLmOptions()
+    try:
+        return KnnLmOptions(
+            retriever=msg.retriever or d.retriever, k=msg.k or d.k,
+            lam=msg.knn_weight if msg.HasField("knn_weight") else d.lam,
+            temperature=msg.temperature if msg.HasField("temperature") else d.temperature,
+            speculate=msg.speculate, stride=msg.stride, cache_next=msg.cache_next or d.cache_next,
+            cache_capacity=d.cache_capacity, ef_search=msg.ef_search or d.ef_search)
+    except ValueError as e:
+        raise ValueError(f"knnlm.{e}") from None
+
+
+def request_options(msg, params: SamplingParams, backend: KnnBackend | None) -> KnnLmOptions:
+    """A Generate request's kNN-LM options, checked against the sampling settings and the datastore
+    (ValueError whose message starts with the field)."""
+    if backend is None:
+        raise ValueError("knnlm: this server has no kNN-LM datastore (start it with --knnlm-datastore DIR)")
+    if not params.greedy:
+        raise ValueError("temperature: kNN-LM decoding is greedy only (leave temperature unset or 0)")
+    opts = options_from_proto(msg)
+    try:
+        backend.check(opts)
+    except ValueError as e:
+        raise ValueError(f"knnlm.{e}") from None
+    return opts

@@ -1,0 +1,157 @@
+"""OS³, the optimal speculation stride scheduler of RaLMSpec: how many speculative steps to run before one
+batched verification.
+
+Model (the paper's). A speculation step costs `a` seconds (the step's generation plus the speculative retrieval
+from the local cache), a batched verification of s steps costs `b`. Each speculative step is right with
+probability γ, independently. After s steps one verification finds the first mismatch; the steps before it are
+kept and the mismatched one is corrected, so a round verifies i steps when the first mismatch is at step i and s
+when there is none:
+
+    E[verified] = Σ_{i<s} γ^i = (1 − γ^s) / (1 − γ)            (= s when γ = 1)
+    sync:  time = s·a + b
+    async: the verification runs while one more speculation step does; when all s steps were right (γ^s) that
+           step is kept and the round costs (s − 1)·a + max(a, b); otherwise it is thrown away and the round
+           costs s·a + b:
+           time = (s − 1)·a + γ^s·max(a, b) + (1 − γ^s)·(a + b)
+
+OS³ maximizes E[verified] / time over s. γ is estimated from the last w verifications as
+γ̂ = ΣM / (ΣM + #(M < s)) (M = matched speculative steps of a verification of stride s: every matched step is a
+success, every verification that stopped short is one failure), capped at γ_max so a lucky streak cannot send
+s to s_max; a and b are the means of the last w measurements.
+
+Worked example (sync): γ = 0.6, a = 10 ms, b = 30 ms -> verified steps per ms for s = 1, 2, 3, 4:
+1/40 = 0.0250, 1.6/50 = 0.0320, 1.96/60 = 0.0327, 2.176/70 = 0.0311 -> s = 3. With a = 200 ms (generation
+dominates) and b = 30 ms: 1/230 = 0.0043 > 1.6/430 = 0.0037 -> s = 1.
+
+    sched = StrideScheduler(OS3Config())
+    s = sched.next_stride()                      # 1 until the first measurements arrive
+    ... s speculation steps, timed ...;  sched.record_latency(speculation_s=per_step)
+    ... one verification, timed ...;     sched.record_latency(verification_s=t); sched.record_verification(m, s)
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+
+def _check_rate_args(gamma: float, a: float, b: float) -> None:
+    if not (isinstance(gamma, (int, float)) and 0.0 <= gamma <= 1.0):
+        raise ValueError(f"gamma must lie in [0, 1], got {gamma!r}")
+    for name, v in (("a", a), ("b", b)):
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0.0):
+            raise ValueError(f"{name} must be a finite number >= 0 (seconds), got {v!r}")
+    if a == 0.0 and b == 0.0:
+        raise ValueError("a and b must not both be 0 (a round would take no time)")
+
+
+def expected_verified(gamma: float, s: int) -> float:
+    """Expected steps one verification of s speculative steps settles: Σ_{i<s} γ^i."""
+    return float(s) if gamma >= 1.0 else (1.0 - gamma ** s) / (1.0 - gamma)
+
+
+def round_time(gamma: float, s: int, a: float, b: float, async_verify: bool = False) -> float:
+    """Expected seconds of one speculate-s-then-verify round (see the module docstring)."""
+    if not async_verify:
+        return s * a + b
+    hit = gamma ** s
+    return (s - 1) * a + hit * max(a, b) + (1.0 - hit) * (a + b)
+
+
+def expected_rate(gamma: float, s: int, a: float, b: float, async_verify: bool = False) -> float:
+    """Expected verified steps per second with stride s (the OS³ objective).
+
+    sync: (1 − γ^s) / ((1 − γ)(s·a + b)); async: E[verified] / ((s − 1)·a + γ^s·max(a, b) + (1 − γ^s)(a + b)).
+    """
+    _check_rate_args(gamma, a, b)
+    if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+        raise ValueError(f"s must be an integer >= 1, got {s!r}")
+    t = round_time(gamma, s, a, b, async_verify)
+    return math.inf if t == 0.0 else expected_verified(gamma, s) / t
+
+
+def best_stride(gamma: float, a: float, b: float, s_max: int = 16, async_verify: bool = False) -> int:
+    """argmax_{1 <= s <= s_max} expected_rate; ties go to the smaller stride (less work thrown away)."""
+    if isinstance(s_max, bool) or not isinstance(s_max, int) or s_max < 1:
+        raise ValueError(f"s_max must be an integer >= 1, got {s_max!r}")
+    _check_rate_args(gamma, a, b)
+    best, best_rate = 1, -1.0
+    for s in range(1, s_max + 1):
+        r = expected_rate(gamma, s, a, b, async_verify)
+        if r > best_rate * (1.0 + 1e-12):  # a float-level tie is not a reason to speculate further
+            best, best_rate = s, r
+    return best
+
+
+@dataclass
+class OS3Config:
+    window: int = 5  # w: verifications (and latency samples) the estimates look back over
+    gamma_max: float = 0.6  # cap on γ̂
+    s_init: int = 1  # stride before anything was measured
+    s_max: int = 16
+    async_verify: bool = False  # optimize the async objective
+
+    def __post_init__(self) -> None:
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"window must be an integer >= 1, got {self.window!r}")
+        if not (isinstance(self.gamma_max, (int, float)) and 0.0 <= self.gamma_max <= 1.0):
+            raise ValueError(f"gamma_max must lie in [0, 1], got {self.gamma_max!r}")
+        if isinstance(self.s_max, bool) or not isinstance(self.s_max, int) or self.s_max < 1:
+            raise ValueError(f"s_max must be an integer >= 1, got {self.s_max!r}")
+        if isinstance(self.s_init, bool) or not isinstance(self.s_init, int) or not 1 <= self.s_init <= self.s_max:
+            raise ValueError(f"s_init must be an integer in [1, s_max={self.s_max}], got {self.s_init!r}")
+
+
+class StrideScheduler:
+    """Per-request OS³ state: recent verification outcomes and latencies -> the next stride."""
+
+    def __init__(self, cfg: OS3Config | None = None):
+        self.cfg = cfg if cfg is not None else OS3Config()
+        self.history: list[int] = []  # strides chosen, in order (for stats)
+        w = self.cfg.window
+        self._outcomes: deque[tuple[int, int]] = deque(maxlen=w)  # (matched, stride)
+        self._spec: deque[float] = deque(maxlen=w)
+        self._verify: deque[float] = deque(maxlen=w)
+
+    def gamma(self) -> float | None:
+        """γ̂ = ΣM / (ΣM + #(M < s)) over the window, capped at γ_max; None before the first verification."""
+        if not self._outcomes:
+            return None
+        matched = sum(m for m, _ in self._outcomes)
+        failed = sum(1 for m, s in self._outcomes if m < s)
+        g = matched / (matched + failed) if matched + failed else 0.0
+        return min(g, self.cfg.gamma_max)
+
+    def latencies(self) -> tuple[float, float] | None:
+        """(a, b): mean speculation-step and verification latency over the window; None until both exist."""
+        if not self._spec or not self._verify:
+            return None
+        return sum(self._spec) / len(self._spec), sum(self._verify) / len(self._verify)
+
+    def next_stride(self) -> int:
+        g, ab = self.gamma(), self.latencies()
+        if g is None or ab is None or (ab[0] == 0.0 and ab[1] == 0.0):
+            s = self.cfg.s_init
+        else:
+            s = best_stride(g, ab[0], ab[1], self.cfg.s_max, self.cfg.async_verify)
+        self.history.append(s)
+        return s
+
+    def record_verification(self, matched: int, stride: int) -> None:
+        """matched = speculative steps of this batch that were right (0..stride)."""
+        if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
+            raise ValueError(f"stride must be an integer >= 1, got {stride!r}")
+        if isinstance(matched, bool) or not isinstance(matched, int) or not 0 <= matched <= stride:
+            raise ValueError(f"matched must be an integer in [0, stride={stride}], got {matched!r}")
+        self._outcomes.append((matched, stride))
+
+    def record_latency(self, *, speculation_s: float | None = None, verification_s: float | None = None) -> None:
+        """speculation_s: one speculation step; verification_s: one batched verification (seconds)."""
+        for name, v, q in (("speculation_s", speculation_s, self._spec),
+                           ("verification_s", verification_s, self._verify)):
+            if v is None:
+                continue
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0.0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+            q.append(float(v))

@@ -1,0 +1,525 @@
+"""kNN-LM datastore: one entry per corpus token, built with the serving model, served as a named vector index.
+
+Entry of document d at token position p (1 <= p < len(d)):
+    key   = the model's final hidden state (the input of its output layer) after reading d[..p-1]
+    value = d[p], the token that came next
+Entries are numbered document by document, position by position, so entry i + 1 is what followed entry i in the
+corpus. RaLMSpec's kNN-LM cache relies on exactly that spatial locality (after retrieving entry j, cache j+1..j+n).
+
+Why the final hidden state and not the last FFN input (which Khandelwal et al. found slightly better): it is the
+vector the serving pass already computes for its logits, it exists under that meaning for every HF causal LM
+(no hook into one architecture's layers), and build and serving read it the same way.
+
+Why the retrieval service returns entry ids and the worker maps them to next tokens itself: the vector Search
+stays generic (no knowledge.proto change), values cost 4 bytes per entry, and the worker needs the values and
+keys of entries that were *not* hits anyway (the cache's j+1..j+n), which Search cannot return.
+
+Long documents are cut into windows of `window` tokens overlapping by `overlap`: every key after a document's
+first window has seen at least `overlap` tokens of context.
+
+On disk (one directory):
+    keys.npy     float16|float32 [N, D]  memory-mapped by the retrieval service (exact index + re-scoring) and by
+                                         the worker (cache fill)
+    values.npy   int32 [N]               next-token ids
+    tokens.npy   int32 [T]               the tokenized corpus, documents concatenated (checks, held-out split)
+    docs.npy     int64 [n_docs + 1, 2]   (token offset, entry offset) of each document, then the totals
+    hnsw.faiss                           the ADR index (IndexHNSWFlat, L2); the exact index is built at load
+    knn.json                             the manifest, written last: a directory without it is not a datastore
+Build: corpus -> tokens -> key chunks (resumable, written atomically) -> keys/values -> HNSW (checkpointed) -> knn.json
+
+    python -m retrieval_service.knowledge.knn_build --out ~/.cache/ragserve/knnlm/docs --max-entries 1000000
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+KEYS_FILE, VALUES_FILE, TOKENS_FILE, DOCS_FILE = "keys.npy", "values.npy", "tokens.npy", "docs.npy"
+HNSW_FILE, MANIFEST = "hnsw.faiss", "knn.json"
+DEFAULT_NAME = "knnlm"
+DEFAULT_DIR = Path.home() / ".cache" / "ragserve" / "knnlm" / "docs"
+KEY_DTYPES = ("float16", "float32")
+SOURCES = ("rst", "docstrings")
+KEY_KIND = "final_hidden_state"
+
+
+# ------------------------------------------------------------------------------------------- pure cores
+
+def plan_windows(length: int, window: int, overlap: int) -> list[tuple[int, int, int]]:
+    """Windows over one document of `length` tokens -> [(start, stop, keep_from)]: the pass reads
+    tokens[start:stop] and stores the entries whose value position p lies in [max(keep_from, start + 1), stop).
+    Every p in [1, length) is stored exactly once.
+
+    plan_windows(10, 4, 1) -> [(0, 4, 0), (3, 7, 4), (6, 10, 7)]   # not [(0, 4, 0), (4, 8, 4), ...]: no context
+    """
+    if window < 2 or not 0 <= overlap < window:
+        raise ValueError(f"window/overlap: need window >= 2 and 0 <= overlap < window, got {window}/{overlap}")
+    if length < 2:
+        return []
+    out = [(0, min(window, length), 0)]
+    while out[-1][1] < length:
+        keep = out[-1][1]
+        start = keep - overlap
+        out.append((start, min(start + window, length), keep))
+    return out
+
+
+def entry_offsets(doc_lengths: Sequence[int]) -> np.ndarray:
+    """Document token lengths [n] -> entry offsets int64 [n + 1] (a document of L tokens has L - 1 entries)."""
+    per_doc = np.maximum(np.asarray(doc_lengths, dtype=np.int64) - 1, 0)
+    return np.concatenate(([0], np.cumsum(per_doc))).astype(np.int64)
+
+
+def entry_positions(docs: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """docs: int64 [n_docs + 1, 2] (token offset, entry offset); ids: entry ids [m] -> token index [m] of each
+    entry's value in tokens.npy (its context is the tokens of the same document before that index)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    d = np.searchsorted(docs[:, 1], ids, side="right") - 1  # [m] document of each entry
+    return docs[d, 0] + (ids - docs[d, 1]) + 1
+
+
+def stable_rank(key: str) -> int:
+    """A deterministic pseudo-random rank of a document key (the corpus order and the held-out split)."""
+    return int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "little")
+
+
+# --------------------------------------------------------------------------------------------- corpus
+
+def corpus_documents(tokenizer, sources: Sequence[str] = ("rst",), held_out_every: int = 25,
+                     max_entries: int = 0) -> tuple[list[tuple[str, np.ndarray]], list[tuple[str, np.ndarray]]]:
+    """The docs corpus tokenized -> (datastore documents, held-out documents), each [(key, int32 tokens)].
+
+    Documents are shuffled by a hash of their key (so a `max_entries` prefix samples every part of the docs,
+    not just the alphabetically first directories); one in `held_out_every` is held out (perplexity, benchmark
+    prompts) and never enters the datastore. The last datastore document is cut so the total is max_entries.
+    """
+    from retrieval_service.knowledge import passages as P
+
+    bad = set(sources) - set(SOURCES)
+    if bad or not sources:
+        raise ValueError(f"sources: {sorted(bad) or 'none'} not in {SOURCES}")
+    if held_out_every < 2:
+        raise ValueError(f"held_out_every: {held_out_every} must be >= 2")
+    docs = list(P.iter_rst_documents()) if "rst" in sources else []
+    if "docstrings" in sources:
+        docs += list(P.iter_documents(rst=False, site=False))  # the standard library's docstrings
+    docs.sort(key=lambda d: (stable_rank(d.key), d.key))
+    train: list[tuple[str, np.ndarray]] = []
+    held: list[tuple[str, np.ndarray]] = []
+    entries = 0
+    for doc in docs:
+        text = "\n\n".join(doc.sections)
+        ids = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int32)
+        if ids.size < 2:
+            continue
+        if stable_rank("held-out:" + doc.key) % held_out_every == 0:
+            held.append((doc.key, ids))
+            continue
+        if max_entries and entries >= max_entries:
+            continue  # keep scanning: the held-out set must not depend on max_entries
+        if max_entries and entries + ids.size - 1 > max_entries:
+            ids = ids[: max_entries - entries + 1]
+        train.append((doc.key, ids))
+        entries += ids.size - 1
+    return train, held
+
+
+# ------------------------------------------------------------------------------------------ key passes
+
+def decoder_hidden(tm, ids: np.ndarray):
+    """ids: int [L] -> final hidden states float32 [L, D] (row j: after reading ids[..j]), one causal pass.
+
+    The decoder stack without the output layer: its last_hidden_state is what the output layer multiplies (for
+    Llama-style models after the final norm), and skipping the [L, vocab] logits saves ~20 % of the pass.
+    """
+    import torch
+
+    with torch.inference_mode():
+        x = torch.from_numpy(np.asarray(ids, dtype=np.int64))[None].to(tm.device)  # [1, L]
+        out = tm.model.get_decoder()(input_ids=x, use_cache=False)
+        return out.last_hidden_state[0].float().cpu().numpy()  # [L, D]
+
+
+def chunk_plan(doc_lengths: Sequence[int], window: int, overlap: int,
+               chunk_entries: int) -> list[list[tuple[int, int, int, int]]]:
+    """Group the windows of all documents, in order, into chunks of >= chunk_entries entries (the last may be
+    smaller) -> per chunk [(doc, start, stop, keep_from)]. The plan is a pure function of its arguments, so a
+    resumed build cuts the same chunks."""
+    chunks: list[list[tuple[int, int, int, int]]] = [[]]
+    n = 0
+    for d, length in enumerate(doc_lengths):
+        for start, stop, keep in plan_windows(int(length), window, overlap):
+            chunks[-1].append((d, start, stop, keep))
+            n += stop - max(keep, start + 1)
+            if n >= chunk_entries:
+                chunks.append([])
+                n = 0
+    return [c for c in chunks if c]
+
+
+def compute_chunk(tm, tokens: np.ndarray, docs: np.ndarray, windows: list[tuple[int, int, int, int]],
+                  hidden: Callable = decoder_hidden) -> tuple[np.ndarray, np.ndarray]:
+    """One chunk's windows -> (keys float32 [n, D], values int32 [n]) in entry order."""
+    keys, values = [], []
+    for d, start, stop, keep in windows:
+        doc = tokens[docs[d, 0]:docs[d + 1, 0]]
+        h = hidden(tm, doc[start:stop])  # [stop - start, D]
+        p = np.arange(max(keep, start + 1), stop)  # value positions stored by this window
+        keys.append(h[p - 1 - start])
+        values.append(doc[p])
+    return np.concatenate(keys).astype(np.float32), np.concatenate(values).astype(np.int32)
+
+
+# ---------------------------------------------------------------------------------------------- build
+
+def _atomic_save(path: Path, arr: np.ndarray) -> None:
+    tmp = path.with_name(path.name + ".tmp.npy")
+    np.save(tmp, arr)
+    os.replace(tmp, path)
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="entry", unit_scale=True, disable=not enabled, smoothing=0.05)
+
+
+def build_datastore(out: str | Path, docs: Sequence[tuple[str, np.ndarray]], tm, *, name: str = DEFAULT_NAME,
+                    dtype: str = "float16", window: int = 512, overlap: int = 128, chunk_entries: int = 16384,
+                    hnsw: bool = True, hnsw_m: int = 32, hnsw_ef_construction: int = 100,
+                    checkpoint_s: float = 300.0, corpus: dict | None = None, progress: bool = True) -> Path:
+    """Build (or resume building) a datastore in `out` from tokenized documents with the serving model `tm`.
+
+    Resumable: key chunks land atomically in out/chunks/ and are skipped on a rerun with the same plan (same
+    tokens, model, window, dtype); the HNSW build saves a checkpoint every `checkpoint_s` seconds. knn.json is
+    written last.
+    """
+    from retrieval_service.datastore.corpus import tokenizer_identity
+
+    if dtype not in KEY_DTYPES:
+        raise ValueError(f"dtype: {dtype!r} is not one of {KEY_DTYPES}")
+    if chunk_entries < 1:
+        raise ValueError(f"chunk_entries: {chunk_entries} must be >= 1")
+    out = Path(out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / MANIFEST).is_file():
+        (out / MANIFEST).unlink()  # rebuilding: the directory is not a valid datastore until the end
+    t_start = time.perf_counter()
+    lengths = [int(t.size) for _, t in docs]
+    if not lengths or sum(lengths) - len(lengths) < 1:
+        raise ValueError("docs: need at least one document of >= 2 tokens")
+    tokens = np.concatenate([t for _, t in docs]).astype(np.int32)  # [T]
+    doc_table = np.stack([np.concatenate(([0], np.cumsum(lengths))), entry_offsets(lengths)], axis=1)  # [n+1, 2]
+    n = int(doc_table[-1, 1])
+    _atomic_save(out / TOKENS_FILE, tokens)
+    _atomic_save(out / DOCS_FILE, doc_table.astype(np.int64))
+
+    model_id = {"model": str(tm.model_dir), "model_dtype": tm.dtype_name, "tokenizer_id": tokenizer_identity(tm.tokenizer)}
+    plan = {"format": FORMAT, "tokens_sha256": hashlib.sha256(tokens.tobytes()).hexdigest(),
+            "docs_sha256": hashlib.sha256(doc_table.astype(np.int64).tobytes()).hexdigest(), **model_id,
+            "window": window, "overlap": overlap, "chunk_entries": chunk_entries, "dtype": dtype, "key": KEY_KIND}
+    chunks_dir = out / "chunks"
+    plan_path = chunks_dir / "plan.json"
+    if chunks_dir.is_dir() and (not plan_path.is_file() or json.loads(plan_path.read_text()) != plan):
+        log.info("%s: chunks from another plan; starting over", chunks_dir)
+        shutil.rmtree(chunks_dir)
+    chunks_dir.mkdir(exist_ok=True)
+    _atomic_text(plan_path, json.dumps(plan, sort_keys=True))
+
+    # 1. Keys and values, chunk by chunk.
+    t0 = time.perf_counter()
+    dim = int(tm.model.config.get_text_config().hidden_size if hasattr(tm.model.config, "get_text_config")
+              else tm.model.config.hidden_size)
+    plan_chunks = chunk_plan(lengths, window, overlap, chunk_entries)
+    spans, start = [], 0
+    bar = _progress(n, "keys", progress)
+    for windows in plan_chunks:
+        size = sum(stop - max(keep, s + 1) for _, s, stop, keep in windows)
+        stop_ = start + size
+        spans.append((start, stop_))
+        kpath = chunks_dir / f"{start:010d}-{stop_:010d}.keys.npy"
+        vpath = chunks_dir / f"{start:010d}-{stop_:010d}.values.npy"
+        done = False
+        if kpath.is_file() and vpath.is_file():
+            try:
+                done = (np.load(kpath, mmap_mode="r").shape == (size, dim)
+                        and np.load(vpath, mmap_mode="r").shape == (size,))
+            except ValueError:
+                done = False  # torn or foreign file: compute again
+        if not done:
+            keys, values = compute_chunk(tm, tokens, doc_table, windows)
+            keys = keys.astype(dtype)
+            if not np.all(np.isfinite(keys)):
+                raise ValueError(f"keys: non-finite values in entries {start}..{stop_} when stored as {dtype} "
+                                 "(hidden states out of range); rebuild with --dtype float32")
+            _atomic_save(vpath, values)
+            _atomic_save(kpath, keys)  # keys last: their presence marks the chunk complete
+        bar.update(size)
+        start = stop_
+    bar.close()
+    keys_s = time.perf_counter() - t0
+
+    # 2. Assemble one memory-mappable keys.npy / values.npy.
+    tmp_k = out / (KEYS_FILE + ".tmp.npy")
+    keys_mm = np.lib.format.open_memmap(tmp_k, mode="w+", dtype=dtype, shape=(n, dim))
+    values = np.empty(n, np.int32)
+    for s, e in spans:
+        keys_mm[s:e] = np.load(chunks_dir / f"{s:010d}-{e:010d}.keys.npy")
+        values[s:e] = np.load(chunks_dir / f"{s:010d}-{e:010d}.values.npy")
+    keys_mm.flush()
+    del keys_mm
+    os.replace(tmp_k, out / KEYS_FILE)
+    _atomic_save(out / VALUES_FILE, values)
+
+    # 3. HNSW (ADR).
+    hnsw_meta = None
+    if hnsw:
+        t0 = time.perf_counter()
+        keys = np.load(out / KEYS_FILE, mmap_mode="r")
+        build_hnsw(keys, out / HNSW_FILE, m=hnsw_m, ef_construction=hnsw_ef_construction,
+                   fingerprint=plan["tokens_sha256"], checkpoint_s=checkpoint_s, progress=progress)
+        hnsw_meta = {"m": hnsw_m, "ef_construction": hnsw_ef_construction, "build_s": time.perf_counter() - t0}
+    elif (out / HNSW_FILE).exists():
+        (out / HNSW_FILE).unlink()
+
+    manifest = {"format": FORMAT, "name": name, "metric": "l2", "key": KEY_KIND, "n": n, "dim": dim,
+                "dtype": dtype, **model_id, "window": window, "overlap": overlap, "documents": len(docs),
+                "tokens": int(tokens.size), "tokens_sha256": plan["tokens_sha256"], "corpus": corpus or {},
+                "hnsw": hnsw_meta, "keys_s": keys_s, "build_s": time.perf_counter() - t_start,
+                "bytes": {f: (out / f).stat().st_size for f in (KEYS_FILE, VALUES_FILE, TOKENS_FILE, DOCS_FILE, HNSW_FILE)
+                          if (out / f).is_file()}}
+    _atomic_text(out / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+    shutil.rmtree(chunks_dir)
+    return out
+
+
+def build_hnsw(keys: np.ndarray, path: Path, *, m: int, ef_construction: int, fingerprint: str,
+               checkpoint_s: float = 300.0, progress: bool = True, step: int = 16384) -> None:
+    """keys [N, D] -> IndexHNSWFlat(L2) at `path`. Saves path.partial + a state file every checkpoint_s seconds;
+    a rerun with the same keys and parameters continues from the checkpoint."""
+    import faiss
+
+    n, d = keys.shape
+    partial = path.with_name(path.name + ".partial")
+    state_path = path.with_name(path.name + ".partial.json")
+    state = {"fingerprint": fingerprint, "m": m, "ef_construction": ef_construction, "n": n, "d": d}
+    index = None
+    if partial.is_file() and state_path.is_file():
+        saved = json.loads(state_path.read_text())
+        if {k: saved.get(k) for k in state} == state:
+            index = faiss.read_index(str(partial))
+            if index.ntotal != saved.get("added"):
+                index = None  # checkpoint and state disagree: start over
+    if index is None:
+        index = faiss.IndexHNSWFlat(d, m, faiss.METRIC_L2)
+        index.hnsw.efConstruction = ef_construction
+    bar = _progress(n, "hnsw", progress)
+    bar.update(index.ntotal)
+    last = time.monotonic()
+    for s in range(index.ntotal, n, step):
+        index.add(np.ascontiguousarray(keys[s:s + step], dtype=np.float32))
+        bar.update(min(step, n - s))
+        if time.monotonic() - last > checkpoint_s and index.ntotal < n:
+            faiss.write_index(index, str(partial) + ".tmp")
+            os.replace(str(partial) + ".tmp", partial)
+            _atomic_text(state_path, json.dumps({**state, "added": int(index.ntotal)}))
+            last = time.monotonic()
+    bar.close()
+    faiss.write_index(index, str(path) + ".tmp")
+    os.replace(str(path) + ".tmp", path)
+    for p in (partial, state_path):
+        if p.exists():
+            p.unlink()
+
+
+# ----------------------------------------------------------------------------------------------- open
+
+@dataclass
+class KnnDatastore:
+    """A built datastore, memory-mapped read-only."""
+
+    path: Path
+    meta: dict
+    keys: np.ndarray    # float16|float32 [N, D] memmap
+    values: np.ndarray  # int32 [N] memmap
+    tokens: np.ndarray  # int32 [T] memmap
+    docs: np.ndarray    # int64 [n_docs + 1, 2]
+
+    @property
+    def size(self) -> int:
+        return int(self.values.shape[0])
+
+    @property
+    def dim(self) -> int:
+        return int(self.keys.shape[1])
+
+    @property
+    def name(self) -> str:
+        return self.meta.get("name", DEFAULT_NAME)
+
+    def context(self, i: int) -> np.ndarray:
+        """The tokens entry i's key has read (its document up to the value, window cuts aside)."""
+        pos = int(entry_positions(self.docs, np.array([i]))[0])
+        d = int(np.searchsorted(self.docs[:, 0], pos, side="right") - 1)
+        return np.asarray(self.tokens[self.docs[d, 0]:pos])
+
+
+def open_datastore(path: str | Path) -> KnnDatastore:
+    """Open a built datastore; ValueError / FileNotFoundError naming what is missing or inconsistent."""
+    path = Path(path).expanduser()
+    if not (path / MANIFEST).is_file():
+        raise FileNotFoundError(f"kNN-LM datastore {path}: no {MANIFEST} (build it with "
+                                f"`python -m retrieval_service.knowledge.knn_build --out {path}`)")
+    meta = json.loads((path / MANIFEST).read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"kNN-LM datastore {path}: format {meta.get('format')} != {FORMAT}; rebuild")
+    keys = np.load(path / KEYS_FILE, mmap_mode="r")
+    values = np.load(path / VALUES_FILE, mmap_mode="r")
+    tokens = np.load(path / TOKENS_FILE, mmap_mode="r")
+    docs = np.load(path / DOCS_FILE)
+    n, d = meta["n"], meta["dim"]
+    if keys.shape != (n, d) or str(keys.dtype) != meta["dtype"] or values.shape != (n,) or values.dtype != np.int32:
+        raise ValueError(f"kNN-LM datastore {path}: keys {keys.shape} {keys.dtype} / values {values.shape} do not "
+                         f"match the manifest ({n}, {d}) {meta['dtype']}; rebuild")
+    if docs.ndim != 2 or docs.shape[1] != 2 or int(docs[-1, 1]) != n or int(docs[-1, 0]) != tokens.shape[0]:
+        raise ValueError(f"kNN-LM datastore {path}: {DOCS_FILE} does not match the entries/tokens; rebuild")
+    return KnnDatastore(path, meta, keys, values, tokens, docs)
+
+
+def check_datastore(ds: KnnDatastore, sample: int = 0) -> None:
+    """Invariant checker: every entry's value is the token after its context (all entries, or `sample` random
+    ones), offsets are consistent, keys are finite. Raises ValueError naming the first broken entry."""
+    lengths = np.diff(ds.docs[:, 0])
+    if np.any(lengths < 0) or not np.array_equal(ds.docs[:, 1], entry_offsets(lengths)):
+        raise ValueError(f"{ds.path}: document offsets are inconsistent")
+    ids = (np.arange(ds.size) if not sample
+           else np.random.default_rng(0).choice(ds.size, size=min(sample, ds.size), replace=False))
+    pos = entry_positions(ds.docs, ids)
+    bad = np.asarray(ds.tokens)[pos] != np.asarray(ds.values)[ids]
+    if bad.any():
+        i = int(ids[np.argmax(bad)])
+        raise ValueError(f"{ds.path}: entry {i} has value {int(ds.values[i])} but the corpus token after its "
+                         f"context is {int(ds.tokens[pos[np.argmax(bad)]])}")
+    rows = np.asarray(ds.keys[np.sort(ids[: min(len(ids), 4096)])], dtype=np.float32)
+    if not np.all(np.isfinite(rows)):
+        raise ValueError(f"{ds.path}: non-finite keys")
+
+
+def open_vector_index(path: str | Path, *, load_exact: bool = True, load_approx: bool = True,
+                      ef_search: int = 128, rescore_margin: int = 16):
+    """A datastore as the retrieval service's named vector index (metric l2, ids = entry ids): EDR = IndexFlatL2
+    built from keys.npy at load (with cached norms, so a batch of queries costs one pass over the keys), ADR =
+    hnsw.faiss. Search re-scores candidates exactly from the memory-mapped keys."""
+    import faiss
+
+    from retrieval_service.knowledge import dense
+
+    ds = open_datastore(path)
+    exact = None
+    if load_exact:
+        exact = faiss.IndexFlatL2(ds.dim)
+        for s in range(0, ds.size, 65536):
+            exact.add(np.ascontiguousarray(ds.keys[s:s + 65536], dtype=np.float32))
+        # Without cached norms every batched (BLAS) search first recomputes all ||key||^2: a second pass.
+        exact.sync_l2norms()
+    approx = None
+    if load_approx and (ds.path / HNSW_FILE).is_file():
+        approx = faiss.read_index(str(ds.path / HNSW_FILE))
+        if approx.ntotal != ds.size or approx.d != ds.dim:
+            raise ValueError(f"{ds.path / HNSW_FILE}: {approx.ntotal}x{approx.d} for a datastore of "
+                             f"{ds.size}x{ds.dim}; rebuild")
+    if exact is None and approx is None:
+        raise ValueError(f"kNN-LM datastore {ds.path}: neither edr nor adr requested/available")
+    return dense.VectorIndex(ds.name, "l2", exact, approx, ds.keys, default_ef_search=ef_search,
+                             rescore_margin=rescore_margin, info={"path": str(ds.path), "kind": "knnlm"})
+
+
+def add_to_kb(kb, paths: str, cfg) -> None:
+    """Register each comma-separated datastore directory on `kb` as a named vector index (warmed up)."""
+    wanted = {r.strip() for r in cfg.kb_retrievers.split(",") if r.strip()} if cfg.kb_retrievers else {"edr", "adr"}
+    for p in (s.strip() for s in paths.split(",")):
+        if not p:
+            continue
+        t0 = time.perf_counter()
+        vi = open_vector_index(p, load_exact="edr" in wanted, load_approx="adr" in wanted,
+                               ef_search=cfg.kb_ef_search, rescore_margin=cfg.kb_rescore_margin)
+        vi.warmup()
+        kb.add_vector_index(vi)
+        log.info("kNN-LM index %r (%d x %d, %s) from %s ready in %.1f s", vi.name, vi.size, vi.dim,
+                 "+".join(vi.retrievers), p, time.perf_counter() - t0)
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m retrieval_service.knowledge.knn_build",
+                                 description="Build a kNN-LM datastore (keys = the serving model's final hidden "
+                                             "states, values = next tokens) over the docs corpus.")
+    ap.add_argument("--out", default=str(DEFAULT_DIR))
+    ap.add_argument("--model", default="", help="local HF model directory ('' = default SmolLM2-135M-Instruct)")
+    ap.add_argument("--model-dtype", default="bf16", choices=("bf16", "fp32"),
+                    help="build with the dtype the worker serves with")
+    ap.add_argument("--dtype", default="float16", choices=KEY_DTYPES, help="stored key dtype")
+    ap.add_argument("--sources", default="rst", help=f"comma list of {SOURCES}")
+    ap.add_argument("--max-entries", type=int, default=1_000_000, help="0 = the whole corpus")
+    ap.add_argument("--held-out-every", type=int, default=25)
+    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--overlap", type=int, default=128)
+    ap.add_argument("--chunk-entries", type=int, default=16384)
+    ap.add_argument("--no-hnsw", action="store_true")
+    ap.add_argument("--hnsw-m", type=int, default=32)
+    ap.add_argument("--hnsw-ef-construction", type=int, default=100)
+    ap.add_argument("--threads", type=int, default=0, help="torch/faiss threads (0 = all cores)")
+    ap.add_argument("--name", default=DEFAULT_NAME, help="vector index name the retrieval service serves it as")
+    ap.add_argument("--check", action="store_true", help="only run the invariant checker on an existing datastore")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.check:
+        ds = open_datastore(args.out)
+        check_datastore(ds)
+        print(f"{ds.path}: {ds.size} entries x {ds.dim} ({ds.meta['dtype']}) OK")
+        return
+    import faiss
+
+    from generation_service.model import load_model
+
+    if args.threads:
+        faiss.omp_set_num_threads(args.threads)
+    tm = load_model(args.model, dtype=args.model_dtype, threads=args.threads)
+    sources = tuple(s.strip() for s in args.sources.split(",") if s.strip())
+    docs, held = corpus_documents(tm.tokenizer, sources, args.held_out_every, args.max_entries)
+    log.info("%d documents (%d entries) in the datastore, %d held out", len(docs),
+             sum(t.size - 1 for _, t in docs), len(held))
+    out = build_datastore(args.out, docs, tm, name=args.name, dtype=args.dtype, window=args.window,
+                          overlap=args.overlap, chunk_entries=args.chunk_entries, hnsw=not args.no_hnsw,
+                          hnsw_m=args.hnsw_m, hnsw_ef_construction=args.hnsw_ef_construction,
+                          corpus={"sources": list(sources), "max_entries": args.max_entries,
+                                  "held_out_every": args.held_out_every})
+    ds = open_datastore(out)
+    check_datastore(ds, sample=100_000)
+    print(json.dumps({k: ds.meta[k] for k in ("n", "dim", "dtype", "documents", "tokens", "build_s", "hnsw", "bytes")},
+                     indent=1))
+
+
+if __name__ == "__main__":
+    main()

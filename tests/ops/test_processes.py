@@ -1,0 +1,173 @@
+"""Faults with real processes started by the launcher (the docker-compose topology on loopback):
+
+- retrieval replicas are used round-robin;
+- every retrieval replica killed with SIGKILL during a load run -> the worker keeps answering (degraded AR),
+  recovers once they are restarted, and every reply equals the autoregressive reference;
+- SIGTERM on the worker -> not SERVING, no new calls, the in-flight stream finishes, exit code 0;
+- a corrupted datastore -> the retrieval process exits non-zero with the loader's message.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from generation_service.client import GenerationClient
+from serving import launcher
+from tests.integration.conftest import PROMPTS
+
+pytestmark = pytest.mark.model
+N_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def topology(datastore, tmp_path_factory):
+    state = tmp_path_factory.mktemp("run") / "launcher.json"
+    topo = launcher.up(datastore=str(datastore.path), dtype="fp32", state=state, replicas=2, metrics=True,
+                       timeout_s=600, extra_generation=["--retry-after-s", "0.2", "--draft-timeout-ms", "1000",
+                                                        "--threads", "2"],
+                       extra_retrieval=["--workers", "2"])
+    yield topo, state
+    launcher.down(state=state, grace_s=10)
+
+
+def _draft_calls(proc: launcher.Proc) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=10).read().decode()
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "grpc_server_handled_total" and s.labels.get("grpc_method") == "Draft")
+
+
+def _generate(client: GenerationClient, prompt: str, mode: str):
+    return client.generate(prompt, max_new_tokens=N_TOKENS, decoding=mode, ignore_eos=True, timeout=300)
+
+
+def test_replicas_are_used_round_robin(topology):
+    topo, _ = topology
+    gen = topo.get("generation")
+    with GenerationClient(gen.address) as c:
+        for prompt in PROMPTS:
+            assert not _generate(c, prompt, "rest").stats.degraded
+    counts = [_draft_calls(p) for p in topo.retrieval()]
+    assert len(counts) == 2 and all(n > 0 for n in counts), counts  # Not every draft on one replica
+
+
+def test_retrieval_killed_during_load_degrades_and_recovers(topology):
+    topo, state = topology
+    gen = topo.get("generation")
+    with GenerationClient(gen.address) as c:
+        want = {p: list(_generate(c, p, "ar").token_ids) for p in PROMPTS}
+    replies: list[tuple[str, float, object]] = []  # (prompt, finished at, reply or RpcError)
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def user(prompt: str) -> None:
+        with GenerationClient(gen.address) as c:
+            while not stop.is_set():
+                try:
+                    r = _generate(c, prompt, "rest")
+                except grpc.RpcError as e:
+                    r = e
+                with lock:
+                    replies.append((prompt, time.monotonic(), r))
+
+    def wait_for(n: int, timeout_s: float = 300) -> None:
+        deadline = time.monotonic() + timeout_s
+        while len(replies) < n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(replies) >= n, f"only {len(replies)} replies"
+
+    users = [threading.Thread(target=user, args=(p,)) for p in PROMPTS]
+    for t in users:
+        t.start()
+    try:
+        wait_for(2)
+        os.kill(topo.get("retrieval").pid, signal.SIGKILL)  # one replica: the other one takes over
+        wait_for(len(replies) + 2)
+        os.kill(topo.get("retrieval-1").pid, signal.SIGKILL)  # none left: AR steps
+        killed_at = time.monotonic()
+        wait_for(len(replies) + 3)
+        for proc in topo.retrieval():
+            launcher.restart(proc.name, state=state, timeout_s=300)
+        restarted_at = time.monotonic()
+        deadline = restarted_at + 300
+        while time.monotonic() < deadline:  # until a reply that started after the restart drafted again
+            with lock:
+                recovered = [r for _, t, r in replies if t > restarted_at and not isinstance(r, grpc.RpcError)
+                             and not r.stats.degraded]
+            if len(recovered) >= 2:
+                break
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        for t in users:
+            t.join(300)
+    errors = [r for _, _, r in replies if isinstance(r, grpc.RpcError)]
+    assert not errors, [(e.code(), e.details()) for e in errors[:3]]  # no request lost
+    for prompt, _, r in replies:
+        assert list(r.token_ids) == want[prompt]  # Not a different answer, ever
+    degraded = [r for _, t, r in replies if r.stats.degraded]
+    assert degraded and all(r.stats.degraded_reason for r in degraded)
+    assert any(t > killed_at and r.stats.degraded for _, t, r in replies)
+    assert len(recovered) >= 2 and all(r.stats.draft_tokens_accepted > 0 for r in recovered)
+
+
+def test_sigterm_drains_the_worker(topology):
+    topo, _ = topology
+    gen = topo.get("generation")
+    with GenerationClient(gen.address) as c:
+        stream = c.stream(PROMPTS[0], max_new_tokens=64, decoding="ar", ignore_eos=True, timeout=300)
+        first = next(stream)
+        assert first.token_ids
+        os.kill(gen.pid, signal.SIGTERM)
+        # Health goes NOT_SERVING (or the port closes) and new calls are refused ...
+        with grpc.insecure_channel(gen.address) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            deadline = time.monotonic() + 30
+            serving = True
+            while serving and time.monotonic() < deadline:
+                try:
+                    serving = health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
+                        health_pb2.HealthCheckResponse.SERVING
+                except grpc.RpcError:
+                    serving = False
+                time.sleep(0.05)
+            assert not serving
+        with GenerationClient(gen.address) as fresh:
+            with pytest.raises(grpc.RpcError) as err:
+                fresh.generate(PROMPTS[1], max_new_tokens=2, timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        # ... while the in-flight stream runs to its end.
+        rest = list(stream)
+    assert rest[-1].finish_reason == "length"
+    assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) == 64
+    _, status = os.waitpid(gen.pid, 0)  # the launcher started it: our child
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_corrupted_datastore_exits_with_the_loaders_message(datastore, tmp_path):
+    bad = tmp_path / "ds"
+    shutil.copytree(datastore.path, bad)
+    shard = next(bad.glob("shard-*.rsa"))
+    with open(shard, "r+b") as f:  # truncate: a copy that did not finish
+        f.truncate(shard.stat().st_size // 2)
+    port = launcher.free_port()
+    proc = subprocess.run([sys.executable, "-m", "retrieval_service.server", "--datastore", str(bad),
+                           "--port", str(port)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "cannot serve" in last and "corrupted" in last and str(shard) in last, last
+    assert "Traceback" not in proc.stderr  # a clear one-line error, not a stack dump
+    # The launcher (and `make up`) stop at once with the same message instead of waiting for a timeout.
+    with pytest.raises(RuntimeError, match="corrupted"):
+        launcher.up(datastore=str(bad), state=tmp_path / "run" / "launcher.json", timeout_s=300)

@@ -10,7 +10,9 @@ interruption resumes at the first missing shard (the corpus key — files, sizes
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import platform
 import resource
 import sys
 import time
@@ -44,6 +46,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                     help="tokens per shard (default: %(default)s)")
     ap.add_argument("--limit-tokens", type=int, default=None, metavar="N", help="stop after N tokens (sampled stores)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--report", default="", metavar="FILE",
+                    help="write build figures (tokens, bytes, seconds, peak RSS, machine) as JSON here")
     args = ap.parse_args(argv)
     if not (args.input or args.jsonl or args.stdlib or args.site_packages):
         ap.error("give a corpus: --input, --jsonl, --stdlib and/or --site-packages")
@@ -102,10 +106,26 @@ def build(args: argparse.Namespace) -> dict:
     return {**manifest, "seconds": seconds, "peak_rss_mb": peak_mb, "bytes_on_disk": nbytes}
 
 
+def write_report(path: str, result: dict, argv: list[str] | None) -> None:
+    """Build figures as JSON (atomic), for the README's datastore table."""
+    report = {k: v for k, v in result.items() if k not in ("shards", "corpus_key")}
+    report["num_shards"] = len(result.get("shards", []))
+    report["command"] = "python -m retrieval_service.datastore.build " + " ".join(
+        sys.argv[1:] if argv is None else argv)
+    report["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg_end": os.getloadavg()}
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1))
+    tmp.replace(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     try:
-        build(args)
+        result = build(args)
+        if args.report and "seconds" in result:  # a fresh build, not "already built"
+            write_report(args.report, result, argv)
     except (DatastoreError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

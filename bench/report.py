@@ -1,0 +1,198 @@
+"""README benchmark tables, generated from the committed bench JSONs (so every number in the README has a source).
+
+    python -m bench.report                 # all tables, markdown, to stdout
+    python -m bench.report --only kb,ralm  # some of them
+    python -m bench.report --readme README.md   # rewrite the README between its bench markers
+
+Each table names the JSON it reads and the command recorded in it; a missing JSON is reported, not invented.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Callable
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def _f(v, fmt: str = ".2f") -> str:
+    return "–" if v is None else format(v, fmt)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _source(name: str, d: dict) -> str:
+    machine = d.get("machine", {})
+    load = machine.get("loadavg_before") or machine.get("loadavg_start") or machine.get("loadavg")
+    load_s = f"; load average at start {load[0]:.1f}" if load else ""
+    cmd = d.get("command", "")
+    return f"_Source: `bench/results/{name}`{load_s}. Command: `{cmd}`_" if cmd else f"_Source: `bench/results/{name}`_"
+
+
+def speculative(name: str, d: dict) -> str:
+    order = ["hf-ar", "ar", "hf-pld", "pld", "rest-ds", "rest"]
+    methods = d["methods"]
+    rows = []
+    for m in order + sorted(set(methods) - set(order)):
+        if m not in methods or m.startswith("hf-pld:"):
+            continue
+        s = methods[m]
+        label = m + (f" (n={s['setting']})" if "setting" in s else "")
+        ident = "–" if s.get("identical") is None else f"{s['identical']}/{s['n']}"
+        rows.append([label, _f(s["tokens_per_s"]), _f(s["ms_per_token"], ".1f"), _f(s.get("speedup_vs_hf-ar")),
+                     _f(s.get("speedup_vs_ar")), _f(s.get("mean_accepted_length")),
+                     _f(s.get("draft_ms_per_step"), ".3f"), ident])
+    title = f"**{d['workload']}**, {d.get('dtype', '')}, {d.get('limit', methods['ar']['n'] if 'ar' in methods else '')} " \
+            f"prompts × {d.get('max_new_tokens', '')} new tokens"
+    return title + "\n\n" + _table(["method", "tok/s", "ms/token", "× hf-ar", "× ar", "M", "draft ms/step",
+                                    "identical to ar"], rows) + "\n\n" + _source(name, d)
+
+
+def draft_retrieval(name: str, d: dict) -> str:
+    rows = []
+    for size, s in sorted(d["sizes"].items(), key=lambda kv: int(kv[0])):
+        rows.append([f"{int(size) / 1e6:g} M", _f(s["p50_ms"], ".3f"), _f(s["mean_ms"], ".3f"), _f(s.get("p90_ms"), ".3f"),
+                     _f(s["p99_ms"], ".3f"), _f(s.get("search_mean_ms"), ".3f"), _f(s.get("tree_mean_ms"), ".3f"),
+                     _f(s["numpy_p50_ms"], ".2f"), _f(s["numpy_p50_ms"] / s["p50_ms"], ".0f") + "×"])
+    extra = (f"Merged `rest` drafter (datastore + request context) mean {d['merged_mean_ms']:.3f} ms; over gRPC "
+             f"(`Draft`) p50 {d['grpc_p50_ms']:.3f} ms, p99 {d.get('grpc_p99_ms', float('nan')):.3f} ms.")
+    return _table(["datastore", "p50 ms", "mean ms", "p90 ms", "p99 ms", "search mean ms", "tree mean ms",
+                   "NumPy p50 ms", "speed-up"], rows) + "\n\n" + extra + "\n\n" + _source(name, d)
+
+
+def online_learning(name: str, d: dict) -> str:
+    rows = []
+    for p, s in d["passes"].items():
+        for arm in ("learning-off", "learning-on"):
+            v = s[arm]
+            rows.append([p, arm, _f(v["mean_accepted_length"]), _f(v["tokens_per_s"]),
+                         f"{v['identical_across_arms']}/{v['n']}"])
+        rows.append([p, "on / off", _f(s["on_vs_off"]["mean_accepted_length"]) + "×",
+                     _f(s["on_vs_off"]["tokens_per_s"]) + "×", ""])
+    title = f"**{d['workload']}**, {d['limit']} prompts × {d['max_new_tokens']} tokens, base datastore " \
+            f"{d['datastore_tokens'] / 1e6:.1f} M tokens"
+    return title + "\n\n" + _table(["pass", "arm", "M", "tok/s", "same output"], rows) + "\n\n" + _source(name, d)
+
+
+def crest(name: str, d: dict) -> str:
+    rows = [[p["store"], p.get("label", p.get("strategy", "")), f"{p['bytes'] / 1e6:.2f}", _f(p["mean_accepted_length"], ".3f")]
+            for p in sorted(d["points"], key=lambda p: (p["store"], p["bytes"]))]
+    lk = d.get("lookup_p50_ms", {})
+    extra = f"Lookup p50: embedded {_f(lk.get('embedded'), '.4f')} ms, Redis {_f(lk.get('redis'), '.3f')} ms."
+    return f"**{d['workload']}**\n\n" + _table(["store", "variant", "MB on disk", "M"], rows) + "\n\n" + extra + \
+        "\n\n" + _source(name, d)
+
+
+def kb(name: str, d: dict) -> str:
+    batches = sorted({int(b) for r in d["retrievers"].values() for b in r}, key=int)
+    rows = []
+    for ret, per in d["retrievers"].items():
+        for where, key in (("in-process", "ms_per_query"), ("gRPC", "grpc_ms_per_query")):
+            rows.append([ret, where] + [_f(per.get(str(b), {}).get(key)) for b in batches])
+    extra = []
+    if "speedup_batch8" in d:
+        extra.append("Per-query speed-up at batch 8 vs 1: " + ", ".join(
+            f"{k} {json.dumps(v) if isinstance(v, dict) else _f(v)}" for k, v in d["speedup_batch8"].items()))
+    if "hnsw_recall_at_1" in d:
+        extra.append(f"HNSW (efSearch {d.get('hnsw_ef_search')}) recall@1 {d['hnsw_recall_at_1']:.3f}, "
+                     f"recall@10 {d.get('hnsw_recall_at_10', float('nan')):.3f}.")
+    if "score_candidates_ms" in d:
+        extra.append(f"ScoreCandidates (20 docs): {json.dumps(d['score_candidates_ms'])} ms.")
+    if "encode" in d:
+        extra.append(f"Query encoding: {json.dumps(d['encode'])}.")
+    return (f"{d['passages']:,} passages, ms per query by batch size\n\n"
+            + _table(["retriever", "path"] + [str(b) for b in batches], rows) + "\n\n" + "\n".join(
+                f"- {e}" for e in extra) + "\n\n" + _source(name, d))
+
+
+def ralm(name: str, d: dict) -> str:
+    rows = []
+    for ret, per in d["retrievers"].items():
+        base = per.get("B", {}).get("latency_s")
+        for cfg, v in per.items():
+            rows.append([ret, cfg, _f(v["latency_s"]), _f(v["retrieval_s"]), _f(v["generation_s"]),
+                         _f(base / v["latency_s"]) + "×" if base else "–", f"{v['identical']}/{v['n']}"])
+    return _table(["retriever", "config", "latency s", "R s", "G s", "speed-up vs B", "identical"], rows) + \
+        "\n\n" + _source(name, d)
+
+
+def knnlm(name: str, d: dict) -> str:
+    rows = []
+    for ret, per_k in d["retrievers"].items():
+        for k, per in sorted(per_k.items(), key=lambda kv: int(kv[0])):
+            base = per.get("base", {}).get("latency_s")
+            rows.append([ret, k] + [
+                (f"{per[c]['latency_s']:.2f} ({base / per[c]['latency_s']:.2f}×)" if c in per and base else "–")
+                for c in ("base", "s2", "s4", "s8", "os3")])
+    ppl = d.get("perplexity", {})
+    extra = f"Held-out perplexity: LM {_f(ppl.get('lm'))}, kNN-LM {_f(ppl.get('knnlm'))}."
+    return _table(["retriever", "k", "base s", "s=2", "s=4", "s=8", "OS³"], rows) + "\n\n" + extra + "\n\n" + \
+        _source(name, d)
+
+
+def load(name: str, d: dict) -> str:
+    rows = [[e["name"], str(e["requests"]), str(e["failures"]), _f(e["rps"]), _f(e["p50_ms"], ".0f"),
+             _f(e["p95_ms"], ".0f"), _f(e["p99_ms"], ".0f")] for e in d["entries"]]
+    title = (f"{d['users']} users ({d['generation_users']} generating), {d['duration_s']} s, decoding "
+             f"{d['decoding']}, {d['max_new_tokens']} new tokens, {d['replicas']} retrieval replica(s)")
+    return title + "\n\n" + _table(["RPC", "requests", "failures", "RPS", "p50 ms", "p95 ms", "p99 ms"], rows) + \
+        "\n\n" + _source(name, d)
+
+
+TABLES: dict[str, tuple[list[str], Callable[[str, dict], str]]] = {
+    "speculative": (["speculative-humaneval.json", "speculative-mtbench.json"], speculative),
+    "draft-retrieval": (["draft-retrieval.json"], draft_retrieval),
+    "online-learning": (["online-learning.json", "online-learning-humaneval.json"], online_learning),
+    "crest": (["crest-humaneval.json", "crest-mtbench.json"], crest),
+    "kb": (["kb.json"], kb),
+    "ralm": (["ralm.json"], ralm),
+    "knnlm": (["knnlm.json"], knnlm),
+    "load": (["load.json"], load),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default="", help=f"comma-separated subset of: {', '.join(TABLES)}")
+    ap.add_argument("--readme", default="", help="replace the text between <!-- bench:NAME --> and "
+                    "<!-- /bench:NAME --> markers in this file with the NAME table")
+    args = ap.parse_args(argv)
+    wanted = [t for t in args.only.split(",") if t] or list(TABLES)
+    if args.readme:
+        path = Path(args.readme)
+        text = path.read_text()
+        for t in wanted:
+            begin, end = f"<!-- bench:{t} -->", f"<!-- /bench:{t} -->"
+            if begin in text and end in text:
+                head, rest = text.split(begin, 1)
+                _, tail = rest.split(end, 1)
+                text = head + begin + "\n" + render_table(t) + end + tail
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+        return
+    for t in wanted:
+        print(f"### {t}\n")
+        print(render_table(t))
+
+
+def render_table(name: str) -> str:
+    files, render = TABLES[name]
+    parts = []
+    for f in files:
+        path = RESULTS / f
+        if not path.exists():
+            parts.append(f"_`bench/results/{f}` not present._\n")
+            continue
+        parts.append(render(f, json.loads(path.read_text())) + "\n")
+    return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    main()

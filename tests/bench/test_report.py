@@ -1,0 +1,48 @@
+"""The README's benchmark tables come from the committed JSONs: every committed result must render, and every
+table the README shows must have its markers."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import report
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("name", sorted(report.TABLES))
+def test_every_table_renders_from_what_is_committed(name):
+    text = report.render_table(name)
+    files = report.TABLES[name][0]
+    present = [f for f in files if (report.RESULTS / f).exists()]
+    for f in present:
+        assert f"bench/results/{f}" in text  # the source is named under the table
+    for f in set(files) - set(present):
+        assert "not present" in text  # a missing result is said, never invented
+
+
+def test_readme_has_markers_for_every_table():
+    readme = (ROOT / "README.md").read_text()
+    for name in report.TABLES:
+        assert f"<!-- bench:{name} -->" in readme and f"<!-- /bench:{name} -->" in readme, name
+
+
+def test_readme_rewrite_is_idempotent_and_keeps_other_text(tmp_path):
+    doc = tmp_path / "R.md"
+    doc.write_text("intro\n<!-- bench:load -->\nstale table\n<!-- /bench:load -->\noutro\n")
+    report.main(["--readme", str(doc), "--only", "load"])
+    once = doc.read_text()
+    report.main(["--readme", str(doc), "--only", "load"])
+    assert doc.read_text() == once
+    assert once.startswith("intro\n") and once.endswith("outro\n")
+    assert "stale table" not in once
+
+
+def test_draft_retrieval_table_shows_the_json_figures(tmp_path, monkeypatch):
+    d = {"sizes": {"1000000": {"p50_ms": 0.02, "mean_ms": 0.03, "p99_ms": 0.1, "numpy_p50_ms": 2.0}},
+         "merged_mean_ms": 0.05, "grpc_p50_ms": 0.4, "command": "python -m bench.draft_retrieval"}
+    text = report.draft_retrieval("draft-retrieval.json", json.loads(json.dumps(d)))
+    assert "| 1 M | 0.020 | 0.030 |" in text and "100×" in text
+    assert "0.400 ms" in text and "0.050 ms" in text
+    assert "0.010" not in text  # nothing that is not in the JSON

@@ -20,6 +20,7 @@ import numpy as np
 from proto import knowledge_pb2, knowledge_pb2_grpc
 from retrieval_service.config import RetrievalConfig
 from retrieval_service.knowledge.kb import KB_INDEX, KBInputError, KnowledgeBase, RetrieverUnavailable
+from serving.wire import WireError, pack_f32, unpack_f32
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = knowledge_pb2.DESCRIPTOR.services_by_name["KnowledgeService"].full_name
@@ -35,20 +36,6 @@ def unpack_ids(data: bytes, field: str) -> np.ndarray:
     if len(data) % 8:
         raise KBInputError(f"{field}: {len(data)} bytes is not a whole number of int64 doc ids")
     return np.frombuffer(data, dtype="<i8").astype(np.int64)
-
-
-def pack_f32(values: np.ndarray) -> bytes:
-    return np.ascontiguousarray(values, dtype="<f4").tobytes()
-
-
-def unpack_f32(data: bytes, field: str, dim: int) -> np.ndarray:
-    """bytes -> float32 [n, dim]; the dimension must divide the payload."""
-    if len(data) % 4:
-        raise KBInputError(f"{field}: {len(data)} bytes is not a whole number of float32 values")
-    arr = np.frombuffer(data, dtype="<f4")
-    if arr.size == 0 or arr.size % dim:
-        raise KBInputError(f"{field}: {arr.size} floats is not a positive multiple of the index dimension {dim}")
-    return arr.astype(np.float32).reshape(-1, dim)
 
 
 def unpack_i32(data: bytes) -> np.ndarray:
@@ -104,7 +91,7 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
     def _run(context, fn):
         try:
             return fn()
-        except KBInputError as e:
+        except (KBInputError, WireError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RetrieverUnavailable as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
@@ -121,7 +108,7 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
         def run():
             vectors = None
             if request.vectors:
-                vectors = unpack_f32(request.vectors, "vectors", kb.query_dim(request.retriever, request.index))
+                vectors = unpack_f32(request.vectors, "vectors", dim=kb.query_dim(request.retriever, request.index))
             if request.with_text and request.index not in ("", KB_INDEX):
                 raise KBInputError(f"with_text: index {request.index!r} has no passages")
             vec_dim = kb.stored_dim(request.index, "with_vectors") if request.with_vectors else 0
@@ -160,7 +147,7 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
             ids = unpack_ids(request.ids, "ids")
             vector = None
             if request.vector:
-                vector = unpack_f32(request.vector, "vector", kb.query_dim(request.retriever, request.index))
+                vector = unpack_f32(request.vector, "vector", dim=kb.query_dim(request.retriever, request.index))
                 if len(vector) != 1:
                     raise KBInputError(f"vector: {len(vector)} vectors given, ScoreCandidates takes one query")
                 vector = vector[0]

@@ -64,6 +64,12 @@ class GenerationConfig:
     knnlm_datastore: str = ""
     knnlm_index: str = ""
     knnlm_timeout_ms: float = 10_000.0
+    # RaLM (generation_service/ralm.py, GenerateRequest.rag): the knowledge service target(s) ("" = no RAG; by
+    # default the retrieval service, which serves the KB next to the drafts); deadline of a sequential retrieval
+    # and of a speculative call (ScoreCandidates / verification: a slow one falls back to sequential retrieval).
+    kb_target: str = "127.0.0.1:50051"
+    kb_timeout_ms: float = 10_000.0
+    kb_spec_timeout_ms: float = 2_000.0
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bf16", "fp32"):

@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from generation_service import knnlm
+from generation_service import knnlm, ralm_service
 from generation_service.config import DECODING_MODES, GenerationConfig
 from generation_service.drafters import Drafter, DraftUnavailable, PromptLookupDrafter
+from generation_service.kb_client import KBRequestError, KBUnavailable
 from generation_service.retrieval_client import RemoteDrafter, RetrievalClient
 from generation_service.sampling import SamplingParams
 from generation_service.speculative import StreamChunk, generate_stream
@@ -57,6 +58,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)  # accepted into the queue (TTFT includes the wait)
     knnlm: object = None  # knnlm.KnnLmOptions for kNN-LM requests
+    rag: object = None  # ralm.RagParams for RAG requests
 
     def is_cancelled(self) -> bool:
         return self.cancelled.is_set() or (self.deadline is not None and time.monotonic() > self.deadline)
@@ -124,9 +126,10 @@ class RetrievalLink:
 class Worker:
     """Runs queued jobs one at a time on the model."""
 
-    def __init__(self, tm, cfg: GenerationConfig, link: RetrievalLink, knn=None):
+    def __init__(self, tm, cfg: GenerationConfig, link: RetrievalLink, knn=None, rag=None):
         self.tm, self.cfg, self.link = tm, cfg, link
         self.knn = knn  # knnlm.KnnBackend when a kNN-LM datastore is configured
+        self.rag = rag  # ralm_service.RagBackend when a KB target is configured
         self.jobs: "queue.Queue[Job | None]" = queue.Queue(maxsize=cfg.queue_size)
         self.learner = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="learn")
         self.thread = threading.Thread(target=self._loop, name="generation-worker", daemon=True)
@@ -149,6 +152,9 @@ class Worker:
         return self.link.drafter(job.decoding, job.deadline)
 
     def _stream(self, job: Job):
+        if job.rag is not None:
+            return self.rag.stream(self.tm, job.prompt_ids, job.params, job.rag, deadline=job.deadline,
+                                   is_cancelled=job.is_cancelled)
         if job.knnlm is not None:
             return knnlm.generate_stream(self.tm, job.prompt_ids, job.params, job.knnlm, self.knn,
                                          is_cancelled=job.is_cancelled)
@@ -274,12 +280,28 @@ def parse_knnlm(request: generation_pb2.GenerateRequest, params: SamplingParams,
         raise BadRequest(str(e)) from None
 
 
+def parse_rag(request: generation_pb2.GenerateRequest, prompt_ids: np.ndarray, params: SamplingParams, tm,
+              backend):
+    """RAG options when the request sets `rag` (else None); BadRequest names the field."""
+    if not request.HasField("rag"):
+        return None
+    if backend is None:
+        raise BadRequest("rag: this server has no knowledge service (start it with --kb-target HOST:PORT)")
+    try:
+        return ralm_service.request_params(request, len(prompt_ids), params, tm.max_positions)
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+
+
 def stats_proto(chunk: StreamChunk) -> tuple[generation_pb2.Usage, generation_pb2.SpeculationStats]:
     usage = generation_pb2.Usage(prompt_tokens=chunk.prompt_tokens, completion_tokens=chunk.completion_tokens)
     stats = generation_pb2.SpeculationStats(**chunk.stats.as_dict())
     knn = getattr(chunk, "knnlm", None)  # knnlm.KnnStreamChunk
     if knn is not None:
         stats.knnlm.CopyFrom(generation_pb2.KnnLmStats(**knn.as_dict()))
+    rag = getattr(chunk, "rag_stats", None)  # ralm.RagChunk
+    if rag is not None:
+        stats.rag.CopyFrom(ralm_service.stats_proto(rag))
     return usage, stats
 
 
@@ -298,12 +320,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         try:
             prompt_ids, params, decoding, budget = parse_request(request, self.tm, self.cfg)
             knn = parse_knnlm(request, params, decoding, self.worker.knn)
+            rag = parse_rag(request, prompt_ids, params, self.tm, self.worker.rag)
         except BadRequest as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
         learn = request.learn_from_output if request.HasField("learn_from_output") else self.cfg.learn_from_outputs
         job = Job(prompt_ids, params, "knnlm" if knn else decoding, budget, deadline, learn=learn, knnlm=knn)
+        if rag is not None:
+            job.decoding, job.rag = rag.mode, rag
         try:
             self.worker.submit(job)
         except queue.Full:
@@ -319,6 +344,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             item = job.chunks.get()
             if item is None:
                 return
+            if isinstance(item, KBUnavailable):  # a RAG step cannot go on without its passage
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"knowledge service unavailable: {item}")
+            if isinstance(item, KBRequestError):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"rag: the knowledge service rejected it: {item}")
             if isinstance(item, BaseException):
                 context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {type(item).__name__}: {item}")
             yield item
@@ -385,7 +414,10 @@ def build_server(cfg: GenerationConfig, *, tm=None) -> tuple[RunningServer, Gene
         warmup_context_draft()  # compile/load the prompt-lookup kernel before the first pld request
         link = RetrievalLink(cfg, tokenizer_identity(tm.tokenizer))
         knn = _open_knnlm(cfg, tm)
-        servicer.attach(tm, Worker(tm, cfg, link, knn=knn))
+        rag = ralm_service.RagBackend.open(cfg)
+        if rag is not None:
+            running.closers.append(rag.close)
+        servicer.attach(tm, Worker(tm, cfg, link, knn=knn, rag=rag))
         metrics.track_queue_depth(servicer.worker.depth)
     except Exception:
         running.stop(0)

@@ -1,0 +1,607 @@
+"""Iterative retrieval-augmented generation: RaLMSeq (In-Context RALM) and RaLMSpec, which gives the same
+output faster by retrieving speculatively from a per-request cache and verifying in batches.
+
+RaLMSeq, one step per `stride` (k = 4) tokens:
+    query = the last 32 tokens of prompt + output -> KB top-1 -> model input = passage (<= 256 tokens) + prompt
+    (+ passage <= 512) + output -> generate the next k tokens greedily.
+  The passage is prepended, so a new passage invalidates every KV row; while it stays the same the KV cache of
+  the whole prefix is kept and the step only decodes (`reuse_kv`; stats count prefill tokens with and without).
+RaLMSpec, rounds of s speculative steps:
+    speculate    rank the cached passages for the step's query with the retriever's own scoring (ralm_cache.py)
+                 and generate the step with the cache's top-1, checkpointing the model state before it
+    verify       one batched Search with the round's s queries (sync: after the round; async: a gRPC future
+                 started with the round's last step, which runs while it is in flight and is cut short as soon
+                 as the answer says it is wrong)
+    settle       find the first step whose speculated passage is not the KB's top-1, restore the checkpoint
+                 taken before it (KV cache, tokens, random stream), generate that step with the true passage;
+                 add the hits (top-`prefetch` of every query) to the cache
+    OS³          picks s from the measured speculation accuracy and step/verification latencies (os3.py), and,
+                 beyond the paper, may pick s = 0 (a plain sequential step) when speculation costs more than
+                 it saves (`SpeculationGate`): here generation dominates a step and a wrong guess throws
+                 generation away, so speculation only pays where retrieval is slow.
+Every committed step ran with the passage RaLMSeq would have retrieved and the same model computation (same KV
+reuse decisions, same kernels), so the output is identical; only committed tokens are ever emitted. If the KB
+fails during speculation the unverified steps are dropped and the request continues with sequential retrieval;
+if that fails too the request fails with KBUnavailable (UNAVAILABLE), never with a wrong answer.
+
+    for chunk in ralm_stream(tm, prompt_ids, SamplingParams(max_new_tokens=128), RagParams(retriever="edr"), r):
+        ...  # r: a Retriever (ralm_retrieval.KBRetriever); the last chunk carries stats and rag_stats
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+from generation_service.kb_client import Hits, KBUnavailable, SearchReply
+from generation_service.model import TargetModel, cache_length, new_cache
+from generation_service.os3 import OS3Config, StrideScheduler
+from generation_service.ralm_cache import PassageCache
+from generation_service.ralm_retrieval import Query, Retriever
+from generation_service.sampling import Sampler, SamplingParams
+from generation_service.speculative import (
+    FINISH_CANCELLED,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    SpeculationStats,
+    StreamChunk,
+    TextStream,
+    _check_prompt,
+    prefill,
+    verify_tree,
+)
+from generation_service.tree_attention import gather_kv
+
+RETRIEVERS = ("edr", "adr", "sr")
+ENCODERS = ("server", "local")
+MAX_PREFETCH = 256
+_EMPTY = np.zeros(0, np.int32)
+
+
+def _int_in(name: str, value, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= value <= hi:
+        raise ValueError(f"rag.{name}: must be an integer in [{lo}, {hi}], got {value!r}")
+
+
+@dataclass(frozen=True)
+class RagParams:
+    """One RAG request's knobs. Defaults: the paper's setting, RaLMSpec with every component (P, S, A)."""
+
+    retriever: str = "edr"  # edr (exact dense) | adr (HNSW) | sr (BM25)
+    stride: int = 4  # k: tokens generated per retrieval
+    query_tokens: int = 32  # query = the last N tokens of prompt + output
+    max_passage_tokens: int = 256
+    max_prompt_tokens: int = 512  # passage + prompt
+    speculate: bool = True  # RaLMSpec; False = RaLMSeq
+    prefetch: int = 20  # hits of each verification (and sequential search) cached; 0 = the top-1 only
+    os3: bool = True  # OS³ picks the speculation stride; off = fixed spec_stride
+    spec_stride: int = 3
+    async_verify: bool = True
+    encoder: str = "server"  # dense queries encoded by the KB (server) or in the worker (local)
+    reuse_kv: bool = True  # keep the KV cache while the passage stays the same
+    ef_search: int = 0  # adr: efSearch for every call of the request; 0 = ralm_retrieval.ADR_EF_SEARCH
+    cache_capacity: int = 512
+    os3_window: int = 5
+    gamma_max: float = 0.6
+    s_max: int = 16
+    allow_sequential: bool = True  # OS³ may run sequential steps (s = 0) when speculation does not pay
+
+    def __post_init__(self) -> None:
+        if self.retriever not in RETRIEVERS:
+            raise ValueError(f"rag.retriever: {self.retriever!r} is not one of {', '.join(RETRIEVERS)}")
+        if self.encoder not in ENCODERS:
+            raise ValueError(f"rag.encoder: {self.encoder!r} is not one of {', '.join(ENCODERS)}")
+        _int_in("stride", self.stride, 1, 256)
+        _int_in("query_tokens", self.query_tokens, 1, 4096)
+        _int_in("max_passage_tokens", self.max_passage_tokens, 0, 8192)
+        _int_in("max_prompt_tokens", self.max_prompt_tokens, 1, 1 << 20)
+        _int_in("prefetch", self.prefetch, 0, MAX_PREFETCH)
+        _int_in("spec_stride", self.spec_stride, 1, 64)
+        _int_in("ef_search", self.ef_search, 0, 1 << 16)
+        _int_in("cache_capacity", self.cache_capacity, 1, 1 << 16)
+        _int_in("os3_window", self.os3_window, 1, 1024)
+        _int_in("s_max", self.s_max, 1, 64)
+        if not (isinstance(self.gamma_max, (int, float)) and 0.0 <= self.gamma_max <= 1.0):
+            raise ValueError(f"rag.gamma_max: must lie in [0, 1], got {self.gamma_max!r}")
+        for name in ("speculate", "os3", "async_verify", "reuse_kv", "allow_sequential"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"rag.{name}: must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def mode(self) -> str:
+        return "ralmspec" if self.speculate else "ralmseq"
+
+
+@dataclass
+class RagStats:
+    """Per-request RAG statistics; field names match proto RagStats (times in seconds here, ms on the wire)."""
+
+    mode: str = "ralmseq"
+    retriever: str = ""
+    retrieval_s: float = 0.0  # R: retrieval on the critical path (query encoding, searches, cache ranking,
+    #                            waiting for verification, passage texts)
+    generation_s: float = 0.0  # G: model forward passes, including work later thrown away
+    kb_calls: int = 0
+    retrievals: int = 0  # retrieval points of the committed output (steps)
+    speculative_steps: int = 0  # speculated steps that were verified
+    speculation_hits: int = 0  # ... whose speculated passage was the KB's top-1
+    strides: list[int] = field(default_factory=list)  # per round; 0 = a sequential step
+    rollbacks: int = 0
+    wasted_generation_s: float = 0.0  # generation of steps rolled back or cut short
+    prefill_tokens: int = 0
+    prefills: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    cache_size: int = 0
+    fallback: bool = False  # the KB failed during speculation; the rest ran with sequential retrieval
+    fallback_reason: str = ""
+
+    @property
+    def speculation_accuracy(self) -> float:
+        return self.speculation_hits / self.speculative_steps if self.speculative_steps else 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["speculation_accuracy"] = self.speculation_accuracy
+        return d
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model side: one step = k tokens with a given passage; checkpoints for rollback.
+
+
+def decode_one(tm: TargetModel, cache, token: int) -> torch.Tensor:
+    """Feed one token (not yet in the cache) -> logits [V] of the next position; the cache grows by one row.
+
+    verify_tree with an empty tree is the AR step of the speculative loop (pad rows in bf16 included), so a RAG
+    step decodes with exactly the kernels every other decode path uses.
+    """
+    past = cache_length(cache)
+    logits = verify_tree(tm, cache, token, _EMPTY, _EMPTY)  # [q, V]
+    gather_kv(cache, past, [])
+    return logits[0]
+
+
+@dataclass
+class Checkpoint:
+    n_out: int  # output tokens before the step
+    cache: object  # the KV cache object then (a later re-prefill makes a new one; this one is kept intact)
+    cache_len: int
+    cache_doc: object
+    rng_state: dict
+    draws: int
+    generation_s: float  # stats.generation_s then (to measure the generation a rollback throws away)
+
+
+class StepRunner:
+    """The model input is passage + prompt + output; `last` (= out[-1]) is never in the KV cache between steps."""
+
+    def __init__(self, tm: TargetModel, prompt: np.ndarray, params: SamplingParams, rag: RagParams,
+                 stats: RagStats):
+        self.tm, self.prompt, self.params, self.rag, self.stats = tm, prompt, params, rag, stats
+        self.sampler = Sampler(params)
+        self.eos = frozenset() if params.ignore_eos else tm.eos_token_ids
+        self.out: list[int] = []
+        self.cache = None
+        self.cache_doc: object = None
+        self.finish: str | None = None
+
+    def window(self) -> np.ndarray:
+        """The last query_tokens tokens of prompt + output -> int64 [<= query_tokens]."""
+        q = self.rag.query_tokens
+        tail = self.out[-q:]
+        head = self.prompt[max(0, len(self.prompt) - (q - len(tail))):] if len(tail) < q else self.prompt[:0]
+        return np.concatenate([head.astype(np.int64), np.asarray(tail, np.int64)])
+
+    def checkpoint(self) -> Checkpoint:
+        rng = self.sampler._rng.bit_generator
+        return Checkpoint(len(self.out), self.cache, cache_length(self.cache) if self.cache is not None else 0,
+                          self.cache_doc, rng.state, self.sampler.draws, self.stats.generation_s)
+
+    def restore(self, ck: Checkpoint) -> None:
+        del self.out[ck.n_out:]
+        self.cache, self.cache_doc = ck.cache, ck.cache_doc
+        if self.cache is not None:
+            extra = cache_length(self.cache) - ck.cache_len
+            if extra > 0:
+                self.cache.crop(-extra)  # rows before ck.cache_len were never modified after the checkpoint
+        self.sampler._rng.bit_generator.state = ck.rng_state
+        self.sampler.draws = ck.draws
+        self.finish = None
+
+    def step(self, doc: int | None, passage: list[int], abort: Callable[[], bool] | None = None) -> bool:
+        """Generate up to `stride` tokens with `passage` (the tokens of doc) prepended. Returns False if `abort`
+        said stop (checked before every forward pass; the caller then restores a checkpoint)."""
+        n = min(self.rag.stride, self.params.max_new_tokens - len(self.out))
+        t0 = time.perf_counter()
+        try:
+            for i in range(n):
+                if abort is not None and abort():
+                    return False
+                if i == 0 and not (self.rag.reuse_kv and self.cache is not None and self.cache_doc == doc):
+                    ids = np.concatenate([np.asarray(passage, np.int64), self.prompt.astype(np.int64),
+                                          np.asarray(self.out, np.int64)])  # [P] passage + prompt + output
+                    t1 = time.perf_counter()
+                    self.cache, self.cache_doc = new_cache(self.tm), doc
+                    logits = prefill(self.tm, self.cache, torch.from_numpy(ids).to(self.tm.device))  # [V]
+                    self.stats.prefill_s += time.perf_counter() - t1
+                    self.stats.prefill_tokens += int(ids.shape[0])
+                    self.stats.prefills += 1
+                else:
+                    logits = decode_one(self.tm, self.cache, self.out[-1])  # [V]
+                    self.stats.decode_tokens += 1
+                token = self.sampler.pick(logits)
+                if token in self.eos:
+                    self.finish = FINISH_STOP
+                    return True
+                self.out.append(token)
+            if len(self.out) >= self.params.max_new_tokens:
+                self.finish = FINISH_LENGTH
+            return True
+        finally:
+            self.stats.generation_s += time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# OS³ extended with stride 0.
+
+
+class SpeculationGate:
+    """Decides whether to speculate at all (OS³'s s = 0 extension).
+
+    Speculation only changes the retrieval part of a step: the committed generation is the same work either way
+    (same passages, same KV reuse). Per committed step it costs
+        spec = (critical-path retrieval of a round + generation thrown away in it) / steps the round committed
+    against seq = critical-path retrieval of a sequential step. Windowed means of measurements; while
+    sequential wins, a speculative round is still tried every `probe` steps (doubling while it keeps losing) so
+    the estimates follow the request.
+    """
+
+    def __init__(self, window: int = 5, probe: int = 4):
+        self.seq: deque[float] = deque(maxlen=window)
+        self.spec: deque[float] = deque(maxlen=window)
+        self.probe0 = probe
+        self.probe = probe
+        self.since_probe = 0
+
+    def record_sequential(self, retrieval_s: float) -> None:
+        self.seq.append(retrieval_s)
+
+    def record_round(self, overhead_s: float, committed_steps: int) -> None:
+        self.spec.append(overhead_s / max(1, committed_steps))
+
+    def pays(self) -> bool | None:
+        if not self.seq or not self.spec:
+            return None
+        return sum(self.spec) / len(self.spec) < sum(self.seq) / len(self.seq)
+
+    def speculate(self) -> bool:
+        verdict = self.pays()
+        if verdict is None or verdict:
+            self.probe, self.since_probe = self.probe0, 0
+            return True
+        self.since_probe += 1
+        if self.since_probe > self.probe:
+            self.since_probe = 0
+            self.probe *= 2
+            return True
+        return False
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The loops: token level, yield (committed tokens, finish reason or None).
+
+
+def _check_rag_prompt(tm: TargetModel, prompt: np.ndarray, params: SamplingParams, rag: RagParams) -> None:
+    if prompt.shape[0] > rag.max_prompt_tokens:
+        raise ValueError(f"rag.max_prompt_tokens: the prompt has {prompt.shape[0]} tokens, more than "
+                         f"{rag.max_prompt_tokens} (passage + prompt must fit)")
+    total = prompt.shape[0] + passage_budget(prompt.shape[0], rag) + params.max_new_tokens
+    if total > tm.max_positions:
+        raise ValueError(f"max_new_tokens: passage + prompt + max_new_tokens ({total}) exceeds the model's "
+                         f"{tm.max_positions} positions")
+
+
+def passage_budget(prompt_len: int, rag: RagParams) -> int:
+    """Model tokens left for the passage (separator included): <= max_passage_tokens, passage + prompt fits."""
+    return max(0, min(rag.max_passage_tokens, rag.max_prompt_tokens - prompt_len))
+
+
+def ralm_decode(tm: TargetModel, prompt_ids, params: SamplingParams, rag: RagParams, retriever: Retriever, *,
+                stats: RagStats | None = None,
+                is_cancelled: Callable[[], bool] | None = None) -> Iterator[tuple[list[int], str | None]]:
+    """RaLMSeq or RaLMSpec (rag.speculate) at token level: yields (newly committed output tokens, finish reason);
+    the last item carries the finish reason (stop, length, cancelled). Raises KBUnavailable if retrieval fails
+    with nothing to fall back on."""
+    prompt = _check_prompt(tm, prompt_ids, params)
+    _check_rag_prompt(tm, prompt, params, rag)
+    stats = stats if stats is not None else RagStats()
+    stats.mode, stats.retriever = rag.mode, rag.retriever
+    runner = StepRunner(tm, prompt, params, rag, stats)
+    cancelled = is_cancelled or (lambda: False)
+    calls0 = retriever.calls
+    try:
+        loop = _speculative if rag.speculate else _sequential
+        yield from loop(runner, retriever, rag, stats, cancelled)
+    finally:
+        stats.kb_calls = retriever.calls - calls0
+
+
+def _sequential(runner: StepRunner, retr: Retriever, rag: RagParams, stats: RagStats,
+                cancelled: Callable[[], bool]) -> Iterator[tuple[list[int], str | None]]:
+    prev: int | None = None  # passage of the previous step (a blank query keeps it)
+    while runner.finish is None:
+        if cancelled():
+            yield [], FINISH_CANCELLED
+            return
+        t0 = time.perf_counter()
+        q = retr.query(runner.window())
+        doc = prev if q is None else retr.search([q], 1, sequential=True)[0].top1
+        passage = retr.passage(doc)
+        stats.retrieval_s += time.perf_counter() - t0
+        stats.retrievals += 1
+        start = len(runner.out)
+        runner.step(doc, passage)
+        prev = doc
+        yield runner.out[start:], runner.finish
+
+
+def resolve_true(queries: list[Query | None], hits: list[Hits], prev: int | None) -> list[int | None]:
+    """The KB's passage for every step of a round: hits are for the non-blank queries in order; a blank query
+    keeps the previous step's passage (prev = the last committed step's)."""
+    out: list[int | None] = []
+    it = iter(hits)
+    cur = prev
+    for q in queries:
+        if q is not None:
+            cur = next(it).top1
+        out.append(cur)
+    return out
+
+
+def first_mismatch(speculated: list[int | None], true: list[int | None]) -> int | None:
+    """Index of the first step whose speculated passage is not the true one, None if all match.
+
+    first_mismatch([3, 3, 5], [3, 3, 4]) -> 2    # Not None: the last step had the wrong passage
+    """
+    for i, (s, t) in enumerate(zip(speculated, true)):
+        if s != t:
+            return i
+    return None
+
+
+class _Verification:
+    """One round's verification, sync or in flight, parsed once."""
+
+    def __init__(self, retr: Retriever, queries: list[Query | None], k: int, prev: int | None, *, wait: bool):
+        self.queries, self.prev = queries, prev
+        self.asked = [q for q in queries if q is not None]
+        self.future = None
+        self.reply_hits: list[Hits] | None = None
+        self.error = ""
+        self.latency_s: float | None = None
+        self._true: list[int | None] | None = None
+        if not self.asked:
+            self.reply_hits = []
+            self.latency_s = 0.0
+        elif wait:
+            t0 = time.perf_counter()
+            try:
+                self.reply_hits = retr.search(self.asked, k, sequential=False)
+            except KBUnavailable as e:
+                self.error = str(e) or "verification failed"
+            self.latency_s = time.perf_counter() - t0
+        else:
+            self.future = retr.search_async(self.asked, k)
+        self._retr = retr
+
+    def done(self) -> bool:
+        return self.future is None or self.future.done()
+
+    def settle(self) -> list[int | None] | None:
+        """Wait if needed -> the true passage per step (None on failure, see .error)."""
+        if self._true is not None or self.error:
+            return self._true
+        if self.reply_hits is None:
+            try:
+                reply: SearchReply = self.future.result()
+            except KBUnavailable as e:
+                self.error = str(e) or "verification failed"
+                return None
+            self._retr.remember(reply)
+            self.reply_hits = reply.hits
+            self.latency_s = reply.rpc_s
+        self._true = resolve_true(self.queries, self.reply_hits, self.prev)
+        return self._true
+
+
+def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: RagStats,
+                 cancelled: Callable[[], bool]) -> Iterator[tuple[list[int], str | None]]:
+    cache = PassageCache(rag.cache_capacity, retr.dim)
+    sched = StrideScheduler(OS3Config(window=rag.os3_window, gamma_max=rag.gamma_max, s_init=1,
+                                      s_max=rag.s_max, async_verify=rag.async_verify)) if rag.os3 else None
+    gate = SpeculationGate(rag.os3_window) if rag.os3 and rag.allow_sequential else None
+    k_fetch = max(1, rag.prefetch)
+    prev: int | None = None  # true passage of the last committed step
+    committed = 0
+    fallback = ""
+
+    def cache_hits(hits: list[Hits]) -> None:
+        for h in hits:
+            if len(h.ids):
+                cache.add(h.ids[:k_fetch], h.vectors[:k_fetch] if retr.dim else None)
+        stats.cache_size = len(cache)
+
+    def commit() -> list[int]:
+        nonlocal committed
+        toks = runner.out[committed:]
+        committed = len(runner.out)
+        return toks
+
+    while runner.finish is None:
+        if cancelled():
+            yield [], FINISH_CANCELLED
+            return
+        if fallback or len(cache) == 0 or (gate is not None and not gate.speculate()):
+            # A sequential step (RaLMSeq's), fetching k_fetch hits so the cache fills for later speculation.
+            t0 = time.perf_counter()
+            q = retr.query(runner.window())
+            if q is None:
+                doc = prev
+            else:
+                hits = retr.search([q], k_fetch, sequential=True)  # KBUnavailable here fails the request
+                cache_hits(hits)
+                doc = hits[0].top1
+            passage = retr.passage(doc)
+            r = time.perf_counter() - t0
+            stats.retrieval_s += r
+            stats.retrievals += 1
+            stats.strides.append(0)
+            if gate is not None and q is not None:
+                gate.record_sequential(r)
+            runner.step(doc, passage)
+            prev = doc
+            yield commit(), runner.finish
+            continue
+
+        s = sched.next_stride() if sched is not None else rag.spec_stride
+        stats.strides.append(s)
+        ckpts: list[Checkpoint] = []
+        queries: list[Query | None] = []
+        specs: list[int | None] = []
+        step_s: list[float] = []
+        ver: _Verification | None = None
+        r_round = 0.0
+        failure = ""
+        prev_spec = prev
+
+        def abort() -> bool:  # between forward passes of the in-flight step
+            if not ver.done():
+                return False
+            true = ver.settle()
+            return true is None or first_mismatch(specs, true) is not None
+
+        for i in range(s):
+            if runner.finish is not None:
+                break
+            ck = runner.checkpoint()
+            t0 = time.perf_counter()
+            try:
+                q = retr.query(runner.window())
+                d = prev_spec if q is None else retr.speculate(q, cache)
+                passage = retr.passage(d, sequential=False)
+            except KBUnavailable as e:
+                failure = f"speculation: {e}"
+                r_round += time.perf_counter() - t0
+                break
+            ckpts.append(ck)
+            queries.append(q)
+            specs.append(d)
+            if rag.async_verify and i == s - 1:
+                ver = _Verification(retr, queries, k_fetch, prev, wait=False)  # in flight during this step
+            r_round += time.perf_counter() - t0
+            ok = runner.step(d, passage, abort if ver is not None else None)
+            if ok:
+                step_s.append(time.perf_counter() - t0)
+            prev_spec = d
+            if not ok:
+                break
+
+        true = None
+        if not failure and ckpts:
+            t0 = time.perf_counter()
+            if ver is None:  # sync, or the output ended before the round's last step
+                ver = _Verification(retr, queries, k_fetch, prev, wait=True)
+            true = ver.settle()
+            r_round += time.perf_counter() - t0
+            if true is None:
+                failure = f"verification: {ver.error}"
+        if failure:
+            # Nothing unverified may be emitted: drop the whole round, go on with sequential retrieval.
+            if ver is not None and ver.future is not None:
+                ver.future.cancel()
+            if ckpts:
+                runner.restore(ckpts[0])
+            fallback = failure
+            stats.fallback, stats.fallback_reason = True, failure[:500]
+            stats.retrieval_s += r_round
+            continue
+
+        cache_hits(ver.reply_hits)
+        m = first_mismatch(specs, true)
+        matched = len(specs) if m is None else m
+        stats.speculative_steps += len(specs)
+        stats.speculation_hits += matched
+        if sched is not None:
+            sched.record_verification(matched, len(specs))
+            sched.record_latency(speculation_s=sum(step_s) / len(step_s) if step_s else None,
+                                 verification_s=ver.latency_s)
+        waste = 0.0
+        if m is not None:
+            g_before = stats.generation_s
+            runner.restore(ckpts[m])
+            waste = g_before - ckpts[m].generation_s
+            stats.wasted_generation_s += waste
+            stats.rollbacks += 1
+            t0 = time.perf_counter()
+            passage = retr.passage(true[m])  # KBUnavailable here fails the request (nothing to fall back on)
+            r_round += time.perf_counter() - t0
+            runner.step(true[m], passage)  # the passage is known now: not speculative
+        n_committed = len(specs) if m is None else m + 1
+        prev = true[n_committed - 1]
+        stats.retrieval_s += r_round
+        stats.retrievals += n_committed
+        if gate is not None:
+            gate.record_round(r_round + waste, n_committed)
+        yield commit(), runner.finish
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Text level.
+
+
+@dataclass
+class RagChunk(StreamChunk):
+    rag_stats: RagStats | None = None  # final chunk only
+
+
+def ralm_stream(tm: TargetModel, prompt_ids, params: SamplingParams, rag: RagParams, retriever: Retriever, *,
+                is_cancelled: Callable[[], bool] | None = None, tokenizer="model") -> Iterator[RagChunk]:
+    """Stream committed output (about one chunk per step or round); the final chunk has finish_reason, stats
+    (decoding = ralmseq | ralmspec) and rag_stats. tokenizer: "model" = tm.tokenizer, None = ids only."""
+    t0 = time.perf_counter()
+    tok = tm.tokenizer if isinstance(tokenizer, str) and tokenizer == "model" else tokenizer
+    if tok is None and params.stop:
+        raise ValueError("stop: stop sequences need a tokenizer to match text")
+    rstats = RagStats()
+    steps = ralm_decode(tm, prompt_ids, params, rag, retriever, stats=rstats, is_cancelled=is_cancelled)
+    text = TextStream(tok, np.asarray(prompt_ids), params.stop)
+    finish = FINISH_LENGTH
+    try:
+        for tokens, finish_step in steps:
+            if text.add(tokens):
+                finish = FINISH_STOP
+                break
+            if finish_step:
+                finish = finish_step
+                break
+            ids, delta = text.release(final=False)
+            if ids or delta:
+                yield RagChunk(ids, delta)
+    finally:
+        steps.close()
+    if finish != FINISH_STOP or not text.stopped:
+        if text.flush():
+            finish = FINISH_STOP
+    ids, delta = text.release(final=True)
+    total = time.perf_counter() - t0
+    stats = SpeculationStats(decoding=rag.mode, prefill_ms=rstats.prefill_s * 1e3,
+                             verify_ms=rstats.generation_s * 1e3, draft_ms=rstats.retrieval_s * 1e3,
+                             total_ms=total * 1e3, forward_steps=rstats.prefills + rstats.decode_tokens)
+    yield RagChunk(ids, delta, finish_reason=finish, stats=stats, prompt_tokens=len(prompt_ids),
+                   completion_tokens=len(text.tokens), rag_stats=rstats)

@@ -1,0 +1,62 @@
+"""Every RaLMSpec configuration gives RaLMSeq's output token for token (greedy, bf16 -- committed steps run the
+very computation RaLMSeq runs), for every retriever; RaLMSeq with and without KV reuse agree too."""
+
+from __future__ import annotations
+
+import pytest
+
+from generation_service.ralm import RagParams
+from tests.ralm.conftest import run_rag
+
+pytestmark = pytest.mark.model
+STRIDE = 2  # k = 2 in tests: twice the retrieval rounds per generated token (rollback, OS³, async all happen)
+
+CONFIGS = {  # name -> RagParams overrides (speculation on)
+    "S3-sync": dict(os3=False, prefetch=0, async_verify=False),
+    "S3-async": dict(os3=False, prefetch=0, async_verify=True),
+    "PS-sync": dict(os3=True, prefetch=20, async_verify=False),
+    "PSA": dict(os3=True, prefetch=20, async_verify=True),
+    "PA-256": dict(os3=False, prefetch=256, async_verify=True, spec_stride=4),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_edr_configs_equal_ralmseq(tm, kb_client, prompts, reference, name):
+    want = reference("edr", 0, STRIDE)
+    got, st = run_rag(tm, kb_client, prompts[0], RagParams(retriever="edr", stride=STRIDE, **CONFIGS[name]))
+    assert got == want  # Not a continuation written with a speculated (unverified) passage
+    assert st.mode == "ralmspec" and st.speculative_steps > 0 and not st.fallback
+    assert st.retrievals == len(want) // STRIDE  # one committed retrieval point per stride
+    assert st.kb_calls > 0
+
+
+@pytest.mark.parametrize("retriever", ["sr", "adr"])
+@pytest.mark.parametrize("name", ["PSA"])
+def test_other_retrievers_equal_ralmseq(tm, kb_client, prompts, reference, retriever, name):
+    want = reference(retriever, 1, STRIDE)
+    got, st = run_rag(tm, kb_client, prompts[1], RagParams(retriever=retriever, stride=STRIDE, **CONFIGS[name]))
+    assert got == want
+    assert not st.fallback
+
+
+def test_local_encoder_equals_server_encoding(tm, kb_client, prompts, reference):
+    from generation_service.ralm_retrieval import LocalEncoder
+
+    enc = LocalEncoder(LocalEncoder.dtype_of(kb_client))
+    want = reference("edr", 2, STRIDE)
+    got, st = run_rag(tm, kb_client, prompts[2], RagParams(retriever="edr", stride=STRIDE, encoder="local"),
+                      encoder=enc)
+    assert got == want  # dense cache ranked by local inner products
+    b_local, _ = run_rag(tm, kb_client, prompts[2], RagParams(retriever="edr", stride=STRIDE, encoder="local",
+                                                              speculate=False), encoder=enc)
+    assert b_local == want
+
+
+def test_kv_reuse_changes_nothing_but_prefill(tm, kb_client, prompts, reference):
+    want = reference("edr", 0, STRIDE)
+    _, with_reuse = run_rag(tm, kb_client, prompts[0], RagParams(retriever="edr", stride=STRIDE, speculate=False))
+    got, without = run_rag(tm, kb_client, prompts[0], RagParams(retriever="edr", stride=STRIDE, speculate=False,
+                                                                reuse_kv=False))
+    assert got == want
+    assert without.prefills == without.retrievals  # every step re-reads passage + prompt + output
+    assert with_reuse.prefills <= without.prefills and with_reuse.prefill_tokens <= without.prefill_tokens

@@ -1,0 +1,69 @@
+"""The KB slow or down during speculation: the request completes with RaLMSeq's output through sequential
+retrieval, or fails with KBUnavailable (UNAVAILABLE over gRPC) -- it never emits a token written with an
+unverified passage."""
+
+from __future__ import annotations
+
+import pytest
+
+from generation_service.kb_client import KBClient, KBUnavailable
+from generation_service.ralm import RagParams
+from serving.launcher import free_port
+from tests.ralm.conftest import run_rag, start_kb_server
+
+pytestmark = pytest.mark.model
+STRIDE = 2
+
+
+@pytest.mark.parametrize("async_verify", [False, True])
+def test_slow_kb_during_speculation_falls_back_to_sequential(tm, kb_client, prompts, reference, async_verify):
+    want = reference("edr", 0, STRIDE)
+    # Speculative calls (ScoreCandidates, verification) get 0.1 ms: every one of them misses its deadline.
+    rag = RagParams(retriever="edr", stride=STRIDE, os3=False, async_verify=async_verify)
+    got, st = run_rag(tm, kb_client, prompts[0], rag, spec_timeout_s=1e-4)
+    assert got == want  # Not a shorter output or one written with the unverified guess
+    assert st.fallback and "DEADLINE_EXCEEDED" in st.fallback_reason
+    assert st.speculative_steps == 0  # nothing speculative was committed
+
+
+class StopsKB:
+    """The real retriever; after `after` sequential searches the KB server is stopped for real."""
+
+    def __init__(self, inner, server, after: int):
+        self.inner, self.server, self.after, self.searches = inner, server, after, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def search(self, queries, k, *, sequential):
+        hits = self.inner.search(queries, k, sequential=sequential)
+        self.searches += 1
+        if self.searches == self.after:
+            self.server.stop(0)
+        return hits
+
+
+@pytest.mark.parametrize("async_verify", [False, True])
+def test_kb_down_during_speculation_fails_unavailable_never_wrong(tm, rag_kb, prompts, reference, async_verify):
+    want = reference("edr", 0, STRIDE)
+    server = start_kb_server(rag_kb, port=free_port())
+    kb = KBClient(server.address, timeout_ms=3000)
+    emitted: list[int] = []
+    try:
+        from generation_service.ralm import RagStats, passage_budget, ralm_decode
+        from generation_service.ralm_retrieval import KBRetriever
+        from generation_service.sampling import SamplingParams
+
+        rag = RagParams(retriever="edr", stride=STRIDE, async_verify=async_verify)
+        retr = StopsKB(KBRetriever(kb, "edr", tm.tokenizer, passage_budget(len(prompts[0]), rag)), server, after=1)
+        stats = RagStats()
+        with pytest.raises(KBUnavailable):
+            for tokens, _ in ralm_decode(tm, prompts[0], SamplingParams(max_new_tokens=len(want), ignore_eos=True),
+                                         rag, retr, stats=stats):
+                emitted += tokens
+        assert emitted == want[:len(emitted)]  # what came out before the failure is RaLMSeq's prefix
+        assert len(emitted) < len(want)
+        assert stats.fallback  # speculation failed first, then sequential retrieval failed too
+    finally:
+        kb.close()
+        server.stop(0)

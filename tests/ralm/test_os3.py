@@ -1,0 +1,100 @@
+"""OS³: the closed-form objective against brute-force enumeration of every right/wrong pattern of a round, the
+chosen stride against an exhaustive search over s, and the γ̂ estimator on scenario tables."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from generation_service.os3 import (OS3Config, StrideScheduler, best_stride, expected_rate, expected_verified,
+                                    round_time)
+
+
+def brute_force(gamma: float, s: int, a: float, b: float, async_verify: bool) -> tuple[float, float]:
+    """(E[verified steps], E[round time]) by enumerating all 2^s outcomes of s independent speculation steps.
+
+    The round keeps the steps before the first wrong one and redoes that one with the true passage (i + 1 steps
+    settled); all right -> s. Sync: s·a + b. Async: the verification runs while the last step does, so an all-right
+    round costs (s − 1)·a + max(a, b); otherwise the overlapped step is thrown away: (s − 1)·a + a + b.
+    """
+    e_ver = e_time = 0.0
+    for pattern in itertools.product((True, False), repeat=s):
+        p = math.prod(gamma if ok else 1.0 - gamma for ok in pattern)
+        first_wrong = next((i for i, ok in enumerate(pattern) if not ok), None)
+        verified = s if first_wrong is None else first_wrong + 1
+        if not async_verify:
+            t = s * a + b
+        elif first_wrong is None:
+            t = (s - 1) * a + max(a, b)
+        else:
+            t = (s - 1) * a + a + b
+        e_ver += p * verified
+        e_time += p * t
+    return e_ver, e_time
+
+
+GRID = [(g, a, b) for g in (0.0, 0.2, 0.6, 0.9, 1.0) for a, b in ((0.01, 0.03), (0.2, 0.03), (0.05, 0.05),
+                                                                    (0.001, 0.5))]
+
+
+@pytest.mark.parametrize("async_verify", [False, True])
+@pytest.mark.parametrize("gamma,a,b", GRID)
+def test_objective_matches_enumeration(gamma, a, b, async_verify):
+    for s in range(1, 9):
+        e_ver, e_time = brute_force(gamma, s, a, b, async_verify)
+        assert expected_verified(gamma, s) == pytest.approx(e_ver, rel=1e-9)
+        assert round_time(gamma, s, a, b, async_verify) == pytest.approx(e_time, rel=1e-9)
+        assert expected_rate(gamma, s, a, b, async_verify) == pytest.approx(e_ver / e_time, rel=1e-9)
+
+
+@pytest.mark.parametrize("async_verify", [False, True])
+@pytest.mark.parametrize("gamma,a,b", GRID)
+def test_best_stride_is_the_exhaustive_argmax(gamma, a, b, async_verify):
+    rates = {s: (lambda ev, t: ev / t)(*brute_force(gamma, s, a, b, async_verify)) for s in range(1, 11)}
+    best = best_stride(gamma, a, b, s_max=10, async_verify=async_verify)
+    assert rates[best] >= max(rates.values()) * (1 - 1e-9)
+    assert all(rates[s] < rates[best] * (1 + 1e-9) for s in range(1, best))  # ties go to the smaller stride
+
+
+@pytest.mark.parametrize("gamma,a,b,want", [
+    (0.6, 0.010, 0.030, 3),  # the docstring's worked example: retrieval-bound -> speculate 3 steps
+    (0.6, 0.200, 0.030, 1),  # generation-bound (our CPU): Not 3 -- a wrong guess wastes a whole 200 ms step
+    (0.0, 0.010, 0.030, 1),  # never right: one step per verification
+])
+def test_scenarios(gamma, a, b, want):
+    assert best_stride(gamma, a, b) == want
+
+
+def test_async_objective_prefers_overlap():
+    # b == a: async hides the verification behind a step, so at equal stride it is never slower than sync.
+    for g in (0.2, 0.6):
+        for s in range(1, 6):
+            assert round_time(g, s, 0.05, 0.05, True) <= round_time(g, s, 0.05, 0.05, False)
+
+
+def test_scheduler_estimates_and_starts_at_one():
+    sched = StrideScheduler(OS3Config(window=5, gamma_max=0.6))
+    assert sched.next_stride() == 1  # Not 3: OS³ starts at s = 1 before anything is measured
+    sched.record_verification(3, 3)
+    sched.record_verification(1, 3)
+    assert sched.gamma() == 0.6  # MLE 4 / (4 + 1) = 0.8, capped at γ_max; Not 0.8
+    sched.record_latency(speculation_s=0.01, verification_s=0.03)
+    assert sched.next_stride() == best_stride(0.6, 0.01, 0.03, 16)
+    for _ in range(5):
+        sched.record_verification(0, 2)
+    assert sched.gamma() == 0.0  # the window (w = 5) forgot the early successes; Not 4 / 10
+    assert sched.history[0] == 1
+
+
+@pytest.mark.parametrize("outcomes,want", [
+    ([(2, 2), (2, 2)], 0.6),       # all right: 1.0 capped; Not 1.0
+    ([(1, 2), (1, 2)], 0.5),       # 2 matched, 2 failures
+    ([(0, 1), (1, 1), (0, 1)], 1 / 3),
+])
+def test_gamma_mle(outcomes, want):
+    sched = StrideScheduler(OS3Config(window=5, gamma_max=0.6))
+    for m, s in outcomes:
+        sched.record_verification(m, s)
+    assert sched.gamma() == pytest.approx(want)

@@ -52,11 +52,13 @@ def test_local_encoder_equals_server_encoding(tm, kb_client, prompts, reference)
     assert b_local == want
 
 
-def test_kv_reuse_changes_nothing_but_prefill(tm, kb_client, prompts, reference):
-    want = reference("edr", 0, STRIDE)
+def test_kv_reuse_only_saves_prefill(tm, kb_client, prompts):
+    # Outputs are not compared: in bf16 a re-prefill and incremental decoding round differently in the last bits
+    # (a near-tie may flip; bench/results/ralm_kv_reuse.json saw 1 of 3), which is why RaLMSpec repeats RaLMSeq's
+    # own reuse decisions instead of re-prefilling after a rollback.
     _, with_reuse = run_rag(tm, kb_client, prompts[0], RagParams(retriever="edr", stride=STRIDE, speculate=False))
-    got, without = run_rag(tm, kb_client, prompts[0], RagParams(retriever="edr", stride=STRIDE, speculate=False,
-                                                                reuse_kv=False))
-    assert got == want
+    _, without = run_rag(tm, kb_client, prompts[0], RagParams(retriever="edr", stride=STRIDE, speculate=False,
+                                                              reuse_kv=False))
     assert without.prefills == without.retrievals  # every step re-reads passage + prompt + output
+    assert with_reuse.decode_tokens + with_reuse.prefills == without.decode_tokens + without.prefills
     assert with_reuse.prefills <= without.prefills and with_reuse.prefill_tokens <= without.prefill_tokens

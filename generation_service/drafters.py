@@ -62,3 +62,26 @@ class DatastoreDrafter:
 
     def propose(self, context_ids: np.ndarray, max_nodes: int) -> DraftTree:
         return self.datastore.draft(context_ids, max_nodes=max_nodes, source=self.source, **self.kwargs)
+
+
+class CrestDrafter:
+    """CREST (`crest`) in process: the precomputed tree of the context's longest stored n-gram, from an opened
+    n-gram store (EmbeddedNgramStore, RedisNgramStore or FallbackNgramStore; see retrieval_service ngram_store).
+
+    Only the datastore's answer: no merge with the request's own tokens, so a benchmark compares the store alone.
+    A store that cannot answer (Redis down) raises DraftUnavailable: the verify loop decodes that step AR.
+    """
+
+    name = "crest"
+
+    def __init__(self, store):
+        from retrieval_service.datastore.ngram_store import StoreUnavailable
+
+        self.store = store
+        self._unavailable = StoreUnavailable
+
+    def propose(self, context_ids: np.ndarray, max_nodes: int) -> DraftTree:
+        try:
+            return self.store.lookup(context_ids, max_nodes=max_nodes)
+        except self._unavailable as e:
+            raise DraftUnavailable(str(e)) from None

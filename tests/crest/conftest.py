@@ -16,6 +16,9 @@ from retrieval_service.datastore.shards import Shard
 from retrieval_service.datastore.suffix_array import SuffixArrayDatastore
 
 TID = "test-tokenizer"
+# Socket timeout of the Redis clients in tests that are not about timeouts: the production default (50 ms) is
+# exceeded by an ordinary reply on a loaded shared machine, which would read as an outage.
+REDIS_TIMEOUT_MS = 5000.0
 VOCAB = 40
 
 

@@ -9,7 +9,7 @@ from retrieval_service.datastore.ngram_redis import RedisNgramStore, push_to_red
 from retrieval_service.datastore.ngram_store import (EmbeddedNgramStore, FallbackNgramStore, NgramStoreError,
                                                      StoreUnavailable, open_ngram_store)
 
-from .conftest import VOCAB, corpus
+from .conftest import REDIS_TIMEOUT_MS, VOCAB, corpus
 from .test_store import same_tree
 
 
@@ -36,7 +36,8 @@ def test_redis_and_embedded_give_identical_answers(redis_server, stores):
     embedded, _ = stores
     report = push_to_redis(embedded, redis_server.url, "crest:small", batch=7, progress=False)
     assert report["ngrams"] == embedded.num_records
-    remote = RedisNgramStore(redis_server.url, "crest:small", expected_tokenizer_id=embedded.tokenizer_id)
+    remote = RedisNgramStore(redis_server.url, "crest:small", expected_tokenizer_id=embedded.tokenizer_id,
+                             timeout_ms=REDIS_TIMEOUT_MS)
     ctxs = contexts()
     for max_nodes in (64, 3):
         for ctx in ctxs:
@@ -49,7 +50,7 @@ def test_redis_and_embedded_give_identical_answers(redis_server, stores):
 def test_redis_outages_raise_store_unavailable(redis_server, stores):
     embedded, _ = stores
     push_to_redis(embedded, redis_server.url, "crest:small", progress=False)
-    remote = RedisNgramStore(redis_server.url, "crest:small")
+    remote = RedisNgramStore(redis_server.url, "crest:small", timeout_ms=REDIS_TIMEOUT_MS)
     ctx = contexts(1)[0]
     remote.lookup(ctx)
     # Redis restarted empty (no persistence): the sentinel is gone -> unavailable, Not an empty draft.
@@ -84,21 +85,22 @@ def test_a_new_push_replaces_the_old_build(redis_server, stores):
     big, small = stores
     push_to_redis(big, redis_server.url, "crest:small", progress=False)
     push_to_redis(big, redis_server.url, "crest:other", progress=False)  # another store, same Redis
-    remote = RedisNgramStore(redis_server.url, "crest:small")
+    remote = RedisNgramStore(redis_server.url, "crest:small", timeout_ms=REDIS_TIMEOUT_MS)
     ctxs = contexts(50)
     assert all(same_tree(remote.lookup(c), big.lookup(c)) for c in ctxs)
     report = push_to_redis(small, redis_server.url, "crest:small", progress=False)
     assert report["dropped_keys"] == big.num_records + 2  # the old build's n-grams, zdict and sentinel
     # The running reader switches to the new build at its next lookup.
     assert all(same_tree(remote.lookup(c), small.lookup(c)) for c in ctxs)  # Not the old build's trees
-    other = RedisNgramStore(redis_server.url, "crest:other")  # Not dropped with crest:small's old build
+    other = RedisNgramStore(redis_server.url, "crest:other", timeout_ms=REDIS_TIMEOUT_MS)  # Not dropped with crest:small's old build
     assert all(same_tree(other.lookup(c), big.lookup(c)) for c in ctxs)
 
 
 def test_embedded_fallback_answers_while_redis_is_down(redis_server, stores):
     embedded, _ = stores
     push_to_redis(embedded, redis_server.url, "crest:small", progress=False)
-    store = open_ngram_store(redis_server.url, namespace="crest:small", fallback=str(embedded.path))
+    store = open_ngram_store(redis_server.url, namespace="crest:small", fallback=str(embedded.path),
+                             timeout_ms=REDIS_TIMEOUT_MS)
     assert isinstance(store, FallbackNgramStore)
     ctxs = contexts(30)
     assert all(same_tree(store.lookup(c), embedded.lookup(c)) for c in ctxs) and store.fallbacks == 0
@@ -106,5 +108,22 @@ def test_embedded_fallback_answers_while_redis_is_down(redis_server, stores):
     assert all(same_tree(store.lookup(c), embedded.lookup(c)) for c in ctxs)  # Not StoreUnavailable
     assert store.fallbacks == len(ctxs)
     # Redis down already at start-up: the embedded copy's header is used until Redis answers.
-    late = open_ngram_store(redis_server.url, namespace="crest:small", fallback=str(embedded.path))
+    late = open_ngram_store(redis_server.url, namespace="crest:small", fallback=str(embedded.path),
+                             timeout_ms=REDIS_TIMEOUT_MS)
     assert same_tree(late.lookup(ctxs[0]), embedded.lookup(ctxs[0]))
+
+
+def test_crest_drafter_proposes_store_trees_and_reports_outages(redis_server, stores):
+    from generation_service.drafters import CrestDrafter, DraftUnavailable
+
+    embedded, _ = stores
+    push_to_redis(embedded, redis_server.url, "crest:drafter", progress=False)
+    local, remote = CrestDrafter(embedded), CrestDrafter(RedisNgramStore(redis_server.url, "crest:drafter", timeout_ms=REDIS_TIMEOUT_MS))
+    ctxs = [np.asarray(c, np.int32) for c in contexts(40)]
+    for max_nodes in (64, 4):
+        assert all(same_tree(remote.propose(c, max_nodes), embedded.lookup(c, max_nodes)) for c in ctxs)
+        assert all(len(local.propose(c, max_nodes)) <= max_nodes for c in ctxs)  # Not the untrimmed tree
+    redis_server.stop()
+    with pytest.raises(DraftUnavailable, match="Redis unavailable"):  # Not StoreUnavailable: the loop degrades
+        remote.propose(ctxs[0], 64)
+    assert same_tree(local.propose(ctxs[0], 64), embedded.lookup(ctxs[0], 64))

@@ -17,7 +17,7 @@ from retrieval_service.datastore.ngram_store import EmbeddedNgramStore
 from retrieval_service.server import build_server
 from serving.wire import pack_tokens
 
-from .conftest import corpus
+from .conftest import REDIS_TIMEOUT_MS, corpus
 from .test_store import same_tree
 
 
@@ -51,7 +51,8 @@ def test_draft_rpc_serves_crest_from_both_backends(redis_server, store_path):
     push_to_redis(embedded, redis_server.url, "crest:svc", progress=False)
     ctxs = [d[:k] for d in corpus()[:20] for k in (2, 4) if len(d) >= k]
     for cfg in (RetrievalConfig(port=0, crest=str(store_path)),
-                RetrievalConfig(port=0, crest=redis_server.url, crest_namespace="crest:svc")):
+                RetrievalConfig(port=0, crest=redis_server.url, crest_namespace="crest:svc",
+                                crest_timeout_ms=REDIS_TIMEOUT_MS)):
         svc = Service(cfg)
         try:
             info = svc.stub.Info(draft_pb2.DatastoreInfoRequest(), timeout=30)
@@ -69,10 +70,11 @@ def test_draft_rpc_serves_crest_from_both_backends(redis_server, store_path):
 def test_redis_down_answers_unavailable_and_no_store_failed_precondition(redis_server, store_path):
     embedded = EmbeddedNgramStore.open(store_path)
     push_to_redis(embedded, redis_server.url, "crest:svc", progress=False)
-    svc = Service(RetrievalConfig(port=0, crest=redis_server.url, crest_namespace="crest:svc"))
+    svc = Service(RetrievalConfig(port=0, crest=redis_server.url, crest_namespace="crest:svc",
+                                  crest_timeout_ms=REDIS_TIMEOUT_MS))
     plain = Service(RetrievalConfig(port=0))
     fallback = Service(RetrievalConfig(port=0, crest=redis_server.url, crest_namespace="crest:svc",
-                                       crest_fallback=str(store_path)))
+                                       crest_timeout_ms=REDIS_TIMEOUT_MS, crest_fallback=str(store_path)))
     try:
         ctx = corpus()[0][:3]
         draft(svc.stub, ctx)
@@ -152,7 +154,7 @@ def test_generation_survives_redis_dying_mid_run(tm, real_store, redis_server):
     from tests.integration.conftest import PROMPTS, start_generation
 
     push_to_redis(real_store, redis_server.url, "crest:stdlib", progress=False)
-    remote = RedisNgramStore(redis_server.url, "crest:stdlib")
+    remote = RedisNgramStore(redis_server.url, "crest:stdlib", timeout_ms=REDIS_TIMEOUT_MS)
     dying = StopRedisAt(remote, redis_server, k=4)  # three good drafts, then Redis is gone for good
     retrieval = build_server(RetrievalConfig(port=0), crest=dying)
     running, servicer = start_generation(tm, retrieval.address, retry_after_s=0.05, draft_timeout_ms=5000)

@@ -82,7 +82,9 @@ def start_generation(tm, retrieval_address: str, **overrides):
 
 @pytest.fixture(scope="session")
 def generation(tm, retrieval):
-    running, servicer = start_generation(tm, retrieval.address)
+    # A generous draft deadline: on a loaded CI machine the default 50 ms can pass, and these tests assert that
+    # no step was degraded (degraded mode has its own tests).
+    running, servicer = start_generation(tm, retrieval.address, draft_timeout_ms=5000)
     yield running
     running.stop(0)
     servicer.worker.stop()

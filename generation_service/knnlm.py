@@ -1,6 +1,12 @@
 """kNN-LM decoding (Khandelwal et al. 2020) with RaLMSpec's token-level speculative retrieval.
 
-Next-token distribution, q = the model's final hidden state at the last position:
+Key: q = the model's final hidden state at the last position (the input of its output layer, after the final
+norm), not the last FFN input that Khandelwal et al. found slightly better. Why: serving gets it for free from the
+single-token pass it runs anyway (a forward hook on the output layer, no second pass and no hook into one
+architecture's blocks), it means the same thing for every HF causal LM, and the datastore builder
+(retrieval_service/knowledge/knn_build.py) reads the very same tensor, so build and serving cannot drift apart.
+
+Next-token distribution:
     p(v) = λ·p_kNN(v) + (1 − λ)·p_LM(v),   p_kNN(v) = Σ_{neighbour j: value_j = v} softmax_j(score_j / T)
 score_j = −‖q − key_j‖² as the retrieval service returns it (L2, higher is better) for the k nearest datastore
 entries. Worked example: scores [0, −ln 3], values [2, 4], T = 1 -> p_kNN = {2: 0.75, 4: 0.25}; with λ = 0.4 and a
@@ -21,6 +27,10 @@ equals the baseline's token for token (speculation only decides which LM passes 
     backend = KnnBackend.open("~/.cache/ragserve/knnlm/docs", "127.0.0.1:50051")
     tokens, stats = generate_tokens(tm, prompt_ids, SamplingParams(max_new_tokens=64),
                                     KnnLmOptions(k=1024, speculate=True), backend)
+
+Retrieval down: a failed Search raises KnnRetrievalError and the request fails (gRPC UNAVAILABLE), after the
+tokens already streamed (each of which was verified). It does not degrade to p_LM as drafting degrades to AR:
+tokens decided without neighbours would be another model's output under the kNN-LM's name.
 
 The retrieval service answers Search with entry ids and scores; the worker maps ids to next tokens (and reads the
 keys of cached successor entries) through the datastore's memory-mapped values.npy / keys.npy, which it opens
@@ -126,8 +136,6 @@ class KnnLmStats:
     wasted_passes: int = 0  # LM passes on speculated tokens that were thrown away
     strides: list[int] = field(default_factory=list)
     cache_entries: int = 0  # cache size at the end
-    degraded_steps: int = 0  # tokens decided without neighbours because Search failed (p = p_LM)
-    degraded_reason: str = ""
 
     def as_dict(self) -> dict:
         """Keyword arguments for generation_pb2.KnnLmStats(**stats.as_dict())."""
@@ -180,26 +188,37 @@ class NeighbourCache:
     """RaLMSpec's kNN-LM cache: datastore entries (id, key, value) filled by spatial locality.
 
     fill(ids) adds entries j+1..j+n for every retrieved entry j (not j itself: j's value is the token that
-    followed j's context, j+1 is the entry one token later). The newest fills are kept first when the
-    capacity is exceeded; an entry filled again counts as new. nearest(q, k) is the speculative retrieval:
-    the k cached entries closest to q in L2, best first.
+    followed j's context, j+1 is the entry one token later). When full, the entries filled longest ago are
+    replaced (an entry filled again counts as new). nearest(q, k) is the speculative retrieval: the k cached
+    entries closest to q in L2, best first.
+
+    Storage is preallocated [capacity, D] and overwritten in place: with k = 1024 and n = 10 a fill brings
+    ~10^4 entries, and growing arrays by concatenation would copy the whole cache (~40 MB) on every token.
     """
 
     def __init__(self, datastore: KnnDatastore, next_n: int = 10, capacity: int = 16384):
         self.ds, self.next_n, self.capacity = datastore, next_n, capacity
         d = datastore.dim
-        self.ids = np.zeros(0, np.int64)  # [C]
-        self.keys = np.zeros((0, d), np.float32)  # [C, D]
-        self.norms = np.zeros(0, np.float32)  # [C] ‖key‖²
-        self.values = np.zeros(0, np.int64)  # [C]
-        self.stamp = np.zeros(0, np.int64)  # [C] fill round, for eviction
+        self.ids = np.full(capacity, -1, np.int64)  # [C] entry id per slot, -1 = empty
+        self.keys = np.zeros((capacity, d), np.float32)  # [C, D]
+        self.norms = np.zeros(capacity, np.float32)  # [C] ‖key‖²
+        self.values = np.zeros(capacity, np.int64)  # [C]
+        self.stamp = np.full(capacity, -1, np.int64)  # [C] fill round (-1 = empty), for eviction
         self._round = 0
+        self._size = 0
 
     def __len__(self) -> int:
-        return int(self.ids.size)
+        return self._size
+
+    def cached_ids(self) -> np.ndarray:
+        """The entry ids in the cache, ascending (for tests and stats)."""
+        return np.sort(self.ids[self.ids >= 0])
 
     def successors(self, retrieved: np.ndarray) -> np.ndarray:
-        """retrieved: entry ids [m] -> unique ids j+1..j+n inside the datastore, ascending."""
+        """retrieved: entry ids [m] -> unique ids j+1..j+n inside the datastore, ascending.
+
+        successors([5, 6]) with n = 3 -> [6, 7, 8, 9]   # not [5, 6, ...]: a retrieved entry is not its own successor
+        """
         r = np.asarray(retrieved, dtype=np.int64)
         succ = (r[:, None] + np.arange(1, self.next_n + 1, dtype=np.int64)[None, :]).ravel()  # [m * n]
         return np.unique(succ[(succ >= 0) & (succ < self.ds.size)])
@@ -210,40 +229,47 @@ class NeighbourCache:
         succ = self.successors(retrieved)
         if succ.size == 0:
             return 0
-        known = np.isin(self.ids, succ)
+        if succ.size > self.capacity:
+            succ = succ[: self.capacity]  # a fill larger than the cache keeps its first (lowest-id) entries
+        known = np.isin(self.ids, succ)  # [C]
         self.stamp[known] = self._round  # refreshed: kept as long as new entries
-        new = succ[~np.isin(succ, self.ids)] if self.ids.size else succ
+        new = succ[~np.isin(succ, self.ids[known])] if known.any() else succ
         if new.size:
+            # Slots: empty ones first, then the oldest fills (this round's refreshed entries are never evicted
+            # while older ones remain, since their stamp is the largest).
+            slots = np.argpartition(self.stamp, new.size - 1)[: new.size] if new.size < self.capacity \
+                else np.arange(self.capacity)
+            self._size += int(np.count_nonzero(self.ids[slots] < 0))
             keys = np.asarray(self.ds.keys[new], dtype=np.float32)  # [m, D]; ascending ids read the memmap in order
-            self.ids = np.concatenate((self.ids, new))
-            self.keys = np.concatenate((self.keys, keys))
-            self.norms = np.concatenate((self.norms, np.einsum("ij,ij->i", keys, keys)))
-            self.values = np.concatenate((self.values, np.asarray(self.ds.values[new], dtype=np.int64)))
-            self.stamp = np.concatenate((self.stamp, np.full(new.size, self._round, np.int64)))
-        if self.ids.size > self.capacity:
-            keep = np.sort(np.argsort(-self.stamp, kind="stable")[: self.capacity])
-            self.ids, self.keys, self.norms = self.ids[keep], self.keys[keep], self.norms[keep]
-            self.values, self.stamp = self.values[keep], self.stamp[keep]
+            self.ids[slots] = new
+            self.keys[slots] = keys
+            self.norms[slots] = np.einsum("ij,ij->i", keys, keys)
+            self.values[slots] = np.asarray(self.ds.values[new], dtype=np.int64)
+            self.stamp[slots] = self._round
         return int(new.size)
 
     def nearest(self, query: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """query: float32 [D] -> (ids [m], scores float32 [m] = −‖q − key‖², values [m]), m = min(k, len), best
         first (ties: smaller id)."""
-        if self.ids.size == 0:
-            return self.ids, np.zeros(0, np.float32), self.values
+        if self._size == 0:
+            return np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros(0, np.int64)
         q = np.asarray(query, dtype=np.float32)
-        scores = 2.0 * (self.keys @ q) - self.norms - float(q @ q)  # [C]; one GEMV instead of [C, D] differences
+        full = self._size == self.capacity
+        ids = self.ids if full else self.ids[self.ids >= 0]  # [C']
+        keys, norms = (self.keys, self.norms) if full else (self.keys[self.ids >= 0], self.norms[self.ids >= 0])
+        values = self.values if full else self.values[self.ids >= 0]
+        scores = 2.0 * (keys @ q) - norms - float(q @ q)  # [C']; one GEMV instead of [C', D] differences
         m = min(k, scores.size)
         part = np.argpartition(-scores, m - 1)[:m] if m < scores.size else np.arange(scores.size)
-        order = part[np.lexsort((self.ids[part], -scores[part]))]
-        return self.ids[order], scores[order].astype(np.float32), self.values[order]
+        order = part[np.lexsort((ids[part], -scores[part]))]
+        return ids[order], scores[order].astype(np.float32), values[order]
 
 
 # ---------------------------------------------------------------------------------------- retrieval side
 
 
 class KnnRetrievalError(RuntimeError):
-    """Search failed (service down, deadline, bad reply); the step degrades to p_LM."""
+    """Search failed (service down, deadline, bad reply): the request fails (gRPC UNAVAILABLE)."""
 
 
 class KnnSearchClient:
@@ -325,14 +351,13 @@ class KnnBackend:
 def true_distributions(backend: KnnBackend, queries: np.ndarray, logits: Sequence[torch.Tensor], opts: KnnLmOptions,
                        stats: KnnLmStats) -> tuple[list[torch.Tensor], list[np.ndarray]]:
     """One batched Search for B queries [B, D] -> (p float64 [V] per query, retrieved entry ids per query).
-    A failed Search degrades those tokens to p_LM (no neighbours) and says so in the stats."""
+
+    A failed Search raises KnnRetrievalError (the request fails with UNAVAILABLE). It does not fall back to p_LM:
+    unlike a missing draft, which only costs speed, a token decided without its neighbours is a different
+    model's answer, and the client asked for the kNN-LM's.
+    """
     t0 = time.perf_counter()
-    try:
-        hits = backend.client.search(queries, opts.k, opts.retriever, opts.ef_search)
-    except KnnRetrievalError as e:
-        stats.degraded_steps += len(queries)
-        stats.degraded_reason = stats.degraded_reason or str(e)[:500]
-        hits = [(np.zeros(0, np.int64), np.zeros(0, np.float32))] * len(queries)
+    hits = backend.client.search(queries, opts.k, opts.retriever, opts.ef_search)
     stats.kb_calls += 1
     stats.kb_queries += len(queries)
     values = backend.datastore.values
@@ -566,8 +591,7 @@ def generate_stream(tm: TargetModel, prompt_ids, params: SamplingParams, opts: K
         decoding="knnlm", forward_steps=knn.tokens if not opts.speculate else knn.tokens + knn.wasted_passes,
         draft_ms=knn.speculation_ms, verify_ms=knn.retrieval_ms + knn.generation_ms, prefill_ms=knn.prefill_ms,
         total_ms=(time.perf_counter() - t0) * 1e3, draft_tokens_proposed=knn.speculated,
-        draft_tokens_accepted=knn.correct, degraded=knn.degraded_steps > 0, degraded_steps=knn.degraded_steps,
-        degraded_reason=knn.degraded_reason)
+        draft_tokens_accepted=knn.correct)
     yield KnnStreamChunk(ids, delta, finish_reason=finish, stats=stats, prompt_tokens=len(prompt_ids),
                          completion_tokens=len(text.tokens), knnlm=knn)
 

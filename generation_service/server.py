@@ -348,6 +348,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"knowledge service unavailable: {item}")
             if isinstance(item, KBRequestError):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"rag: the knowledge service rejected it: {item}")
+            if isinstance(item, knnlm.KnnRetrievalError):  # kNN-LM cannot answer without its neighbours
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"kNN-LM retrieval failed: {item}")
             if isinstance(item, BaseException):
                 context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {type(item).__name__}: {item}")
             yield item
@@ -387,7 +389,7 @@ def _open_knnlm(cfg: GenerationConfig, tm):
         credentials=security.channel_credentials(cfg.retrieval_tls_ca, cfg.retrieval_tls_cert, cfg.retrieval_tls_key))
     backend.check_model(tm)
     problem = backend.verify_served()
-    if problem:  # the retrieval service may come up later; Search failures degrade steps to p_LM meanwhile
+    if problem:  # the retrieval service may come up later; kNN-LM requests fail with UNAVAILABLE meanwhile
         log.warning("kNN-LM: %s", problem)
     return backend
 

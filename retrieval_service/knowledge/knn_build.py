@@ -25,9 +25,16 @@ On disk (one directory):
     docs.npy     int64 [n_docs + 1, 2]   (token offset, entry offset) of each document, then the totals
     hnsw.faiss                           the ADR index (IndexHNSWFlat, L2); the exact index is built at load
     knn.json                             the manifest, written last: a directory without it is not a datastore
+    heldout.npy, heldout_docs.npy         held-out documents (int32 tokens, offsets): perplexity text, prompts
 Build: corpus -> tokens -> key chunks (resumable, written atomically) -> keys/values -> HNSW (checkpointed) -> knn.json
+Chunk files are named by their entry range and a hash of the tokens they read, so a rerun with another
+--max-entries reuses every chunk before the cut. On a machine with spare cores two helper processes shorten the
+build: --keys-from-end computes the missing chunks backwards, --hnsw-follow inserts chunks into the HNSW
+checkpoint as they land (the build resumes from it). One torch thread per process: on an oversubscribed CPU a
+multi-threaded pass stalls at every barrier (measured under load 12 on 2 cores: 2 threads >10x slower than 1).
 
-    python -m retrieval_service.knowledge.knn_build --out ~/.cache/ragserve/knnlm/docs --max-entries 1000000
+    python -m retrieval_service.knowledge.knn_build --out ~/.cache/ragserve/knnlm/docs --max-entries 400000 \
+        --threads 1 --window 256 --overlap 32 --chunk-entries 4096 --hnsw-m 16 --hnsw-ef-construction 48
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ log = logging.getLogger(__name__)
 FORMAT = 1
 KEYS_FILE, VALUES_FILE, TOKENS_FILE, DOCS_FILE = "keys.npy", "values.npy", "tokens.npy", "docs.npy"
 HNSW_FILE, MANIFEST = "hnsw.faiss", "knn.json"
+HELD_OUT_FILE, HELD_OUT_DOCS_FILE = "heldout.npy", "heldout_docs.npy"
 DEFAULT_NAME = "knnlm"
 DEFAULT_DIR = Path.home() / ".cache" / "ragserve" / "knnlm" / "docs"
 KEY_DTYPES = ("float16", "float32")
@@ -184,6 +192,24 @@ def compute_chunk(tm, tokens: np.ndarray, docs: np.ndarray, windows: list[tuple[
     return np.concatenate(keys).astype(np.float32), np.concatenate(values).astype(np.int32)
 
 
+def chunk_spans(tokens: np.ndarray, docs: np.ndarray, window: int, overlap: int,
+                chunk_entries: int) -> list[tuple[list[tuple[int, int, int, int]], int, int, str]]:
+    """The build's chunks -> [(windows, first entry, end entry, file stem)]. The stem names the entry range and a
+    hash of the tokens the chunk's windows read, so a chunk file stays valid for any corpus that contains the
+    same windows at the same entry offsets (a larger or smaller --max-entries shares every chunk before the cut)."""
+    lengths = np.diff(docs[:, 0]).tolist()
+    out, start = [], 0
+    for windows in chunk_plan(lengths, window, overlap, chunk_entries):
+        size = sum(stop - max(keep, s + 1) for _, s, stop, keep in windows)
+        h = hashlib.sha256()
+        for d, s, stop, keep in windows:
+            h.update(np.asarray(tokens[docs[d, 0] + s:docs[d, 0] + stop], dtype=np.int32).tobytes())
+            h.update(np.array([s, stop, keep], np.int64).tobytes())
+        out.append((windows, start, start + size, f"{start:010d}-{start + size:010d}-{h.hexdigest()[:16]}"))
+        start += size
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- build
 
 def _atomic_save(path: Path, arr: np.ndarray) -> None:
@@ -240,7 +266,9 @@ def build_datastore(out: str | Path, docs: Sequence[tuple[str, np.ndarray]], tm,
             "window": window, "overlap": overlap, "chunk_entries": chunk_entries, "dtype": dtype, "key": KEY_KIND}
     chunks_dir = out / "chunks"
     plan_path = chunks_dir / "plan.json"
-    if chunks_dir.is_dir() and (not plan_path.is_file() or json.loads(plan_path.read_text()) != plan):
+    corpus_free = lambda p: {k: v for k, v in p.items() if k not in ("tokens_sha256", "docs_sha256")}  # noqa: E731
+    if chunks_dir.is_dir() and (not plan_path.is_file()
+                                or corpus_free(json.loads(plan_path.read_text())) != corpus_free(plan)):
         log.info("%s: chunks from another plan; starting over", chunks_dir)
         shutil.rmtree(chunks_dir)
     chunks_dir.mkdir(exist_ok=True)
@@ -250,15 +278,12 @@ def build_datastore(out: str | Path, docs: Sequence[tuple[str, np.ndarray]], tm,
     t0 = time.perf_counter()
     dim = int(tm.model.config.get_text_config().hidden_size if hasattr(tm.model.config, "get_text_config")
               else tm.model.config.hidden_size)
-    plan_chunks = chunk_plan(lengths, window, overlap, chunk_entries)
-    spans, start = [], 0
+    spans = chunk_spans(tokens, doc_table, window, overlap, chunk_entries)
     bar = _progress(n, "keys", progress)
-    for windows in plan_chunks:
-        size = sum(stop - max(keep, s + 1) for _, s, stop, keep in windows)
-        stop_ = start + size
-        spans.append((start, stop_))
-        kpath = chunks_dir / f"{start:010d}-{stop_:010d}.keys.npy"
-        vpath = chunks_dir / f"{start:010d}-{stop_:010d}.values.npy"
+    for windows, start, stop_, stem in spans:
+        size = stop_ - start
+        kpath = chunks_dir / f"{stem}.keys.npy"
+        vpath = chunks_dir / f"{stem}.values.npy"
         done = False
         if kpath.is_file() and vpath.is_file():
             try:
@@ -275,7 +300,6 @@ def build_datastore(out: str | Path, docs: Sequence[tuple[str, np.ndarray]], tm,
             _atomic_save(vpath, values)
             _atomic_save(kpath, keys)  # keys last: their presence marks the chunk complete
         bar.update(size)
-        start = stop_
     bar.close()
     keys_s = time.perf_counter() - t0
 
@@ -283,9 +307,9 @@ def build_datastore(out: str | Path, docs: Sequence[tuple[str, np.ndarray]], tm,
     tmp_k = out / (KEYS_FILE + ".tmp.npy")
     keys_mm = np.lib.format.open_memmap(tmp_k, mode="w+", dtype=dtype, shape=(n, dim))
     values = np.empty(n, np.int32)
-    for s, e in spans:
-        keys_mm[s:e] = np.load(chunks_dir / f"{s:010d}-{e:010d}.keys.npy")
-        values[s:e] = np.load(chunks_dir / f"{s:010d}-{e:010d}.values.npy")
+    for _, s, e, stem in spans:
+        keys_mm[s:e] = np.load(chunks_dir / f"{stem}.keys.npy")
+        values[s:e] = np.load(chunks_dir / f"{stem}.values.npy")
     keys_mm.flush()
     del keys_mm
     os.replace(tmp_k, out / KEYS_FILE)
@@ -324,12 +348,16 @@ def build_hnsw(keys: np.ndarray, path: Path, *, m: int, ef_construction: int, fi
     state_path = path.with_name(path.name + ".partial.json")
     state = {"fingerprint": fingerprint, "m": m, "ef_construction": ef_construction, "n": n, "d": d}
     index = None
-    if partial.is_file() and state_path.is_file():
+    for _ in range(3):
+        if not (partial.is_file() and state_path.is_file()):
+            break
         saved = json.loads(state_path.read_text())
-        if {k: saved.get(k) for k in state} == state:
-            index = faiss.read_index(str(partial))
-            if index.ntotal != saved.get("added"):
-                index = None  # checkpoint and state disagree: start over
+        if {k: saved.get(k) for k in state} != state:
+            break
+        index = faiss.read_index(str(partial))
+        if index.ntotal == saved.get("added"):
+            break
+        index = None  # a follower (follow_hnsw) replaced the checkpoint between the two reads: read again
     if index is None:
         index = faiss.IndexHNSWFlat(d, m, faiss.METRIC_L2)
         index.hnsw.efConstruction = ef_construction
@@ -350,6 +378,107 @@ def build_hnsw(keys: np.ndarray, path: Path, *, m: int, ef_construction: int, fi
     for p in (partial, state_path):
         if p.exists():
             p.unlink()
+
+
+def save_held_out(out: str | Path, held: Sequence[tuple[str, np.ndarray]]) -> None:
+    """Held-out documents -> out/heldout.npy (int32 tokens, concatenated) + out/heldout_docs.npy (int64 offsets
+    [n + 1]): the perplexity text and benchmark prompts, never in the datastore."""
+    out = Path(out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    lengths = [int(t.size) for _, t in held]
+    _atomic_save(out / HELD_OUT_FILE, np.concatenate([t for _, t in held]).astype(np.int32) if held
+                 else np.zeros(0, np.int32))
+    _atomic_save(out / HELD_OUT_DOCS_FILE, np.concatenate(([0], np.cumsum(lengths))).astype(np.int64))
+
+
+def load_held_out(path: str | Path) -> list[np.ndarray]:
+    """The held-out documents saved next to a datastore -> [int32 tokens]."""
+    path = Path(path).expanduser()
+    tokens = np.load(path / HELD_OUT_FILE)
+    offsets = np.load(path / HELD_OUT_DOCS_FILE)
+    return [tokens[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
+
+
+def keys_from_end(out: str | Path, docs: Sequence[tuple[str, np.ndarray]], tm, progress: bool = True) -> int:
+    """A second key process for a build running in `out`: compute its missing key chunks from the last one
+    backwards, and stop at the first chunk that already exists (the forward process got there). Chunks are
+    written atomically under the names the build expects, so the build skips them; at most one chunk is
+    computed twice where the two meet. Returns the number of chunks computed."""
+    out = Path(out).expanduser()
+    plan_path = out / "chunks" / "plan.json"
+    if not plan_path.is_file():
+        raise FileNotFoundError(f"{plan_path}: start the build first")
+    plan = json.loads(plan_path.read_text())
+    lengths = [int(t.size) for _, t in docs]
+    tokens = np.concatenate([t for _, t in docs]).astype(np.int32)
+    if hashlib.sha256(tokens.tobytes()).hexdigest() != plan["tokens_sha256"]:
+        raise ValueError(f"{out}: the running build reads another corpus (same --sources/--max-entries needed)")
+    doc_table = np.stack([np.concatenate(([0], np.cumsum(lengths))), entry_offsets(lengths)], axis=1)
+    spans = chunk_spans(tokens, doc_table, plan["window"], plan["overlap"], plan["chunk_entries"])
+    bar = _progress(len(spans), "keys-from-end", progress)
+    done = 0
+    for windows, s, e, stem in reversed(spans):
+        kpath = out / "chunks" / f"{stem}.keys.npy"
+        if kpath.is_file() or not plan_path.is_file():
+            break
+        keys, values = compute_chunk(tm, tokens, doc_table, windows)
+        keys = keys.astype(plan["dtype"])
+        if not np.all(np.isfinite(keys)):
+            raise ValueError(f"keys: non-finite values in entries {s}..{e} when stored as {plan['dtype']}")
+        _atomic_save(out / "chunks" / f"{stem}.values.npy", values)
+        _atomic_save(kpath, keys)
+        done += 1
+        bar.update(1)
+    bar.close()
+    return done
+
+
+def follow_hnsw(out: str | Path, *, m: int, ef_construction: int, poll_s: float = 2.0, checkpoint_s: float = 60.0,
+                progress: bool = True) -> None:
+    """Pre-build the HNSW checkpoint while a build process in `out` is still computing key chunks.
+
+    The key pass is bound by the model and the HNSW insertion by faiss; on a machine with spare cores a second
+    process inserting each chunk as soon as it lands takes the HNSW step off the end of the build. It writes
+    exactly the checkpoint build_hnsw resumes from (hnsw.faiss.partial + state), so the build process picks it up
+    (or, if it gets there first, ignores a stale one and continues its own). Run it with the same m/ef.
+    """
+    import faiss
+
+    out = Path(out).expanduser()
+    plan_path = out / "chunks" / "plan.json"
+    while not plan_path.is_file():
+        time.sleep(poll_s)
+    plan = json.loads(plan_path.read_text())
+    docs = np.load(out / DOCS_FILE)
+    n = int(docs[-1, 1])
+    spans = chunk_spans(np.load(out / TOKENS_FILE, mmap_mode="r"), docs, plan["window"], plan["overlap"],
+                        plan["chunk_entries"])
+    path = out / HNSW_FILE
+    partial = path.with_name(path.name + ".partial")
+    state_path = path.with_name(path.name + ".partial.json")
+    index = None
+    bar = _progress(n, "hnsw-follow", progress)
+    last = time.monotonic()
+    for _, s, e, stem in spans:
+        kpath = out / "chunks" / f"{stem}.keys.npy"
+        while not kpath.is_file():
+            if (out / MANIFEST).is_file() or not (out / "chunks").is_dir():
+                return  # the build finished (or restarted) without us
+            time.sleep(poll_s)
+        keys = np.load(kpath).astype(np.float32)
+        if index is None:
+            index = faiss.IndexHNSWFlat(keys.shape[1], m, faiss.METRIC_L2)
+            index.hnsw.efConstruction = ef_construction
+        index.add(keys)
+        bar.update(e - s)
+        if time.monotonic() - last > checkpoint_s or e == n:
+            faiss.write_index(index, str(partial) + ".tmp")
+            os.replace(str(partial) + ".tmp", partial)
+            _atomic_text(state_path, json.dumps({"fingerprint": plan["tokens_sha256"], "m": m,
+                                                 "ef_construction": ef_construction, "n": n, "d": index.d,
+                                                 "added": int(index.ntotal)}))
+            last = time.monotonic()
+    bar.close()
 
 
 # ----------------------------------------------------------------------------------------------- open
@@ -492,8 +621,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch/faiss threads (0 = all cores)")
     ap.add_argument("--name", default=DEFAULT_NAME, help="vector index name the retrieval service serves it as")
     ap.add_argument("--check", action="store_true", help="only run the invariant checker on an existing datastore")
+    ap.add_argument("--keys-from-end", action="store_true",
+                    help="second process: compute a running build's key chunks from the end (same corpus flags)")
+    ap.add_argument("--hnsw-follow", action="store_true",
+                    help="second process: insert key chunks into the HNSW checkpoint while a build runs in --out")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.hnsw_follow:
+        import faiss
+
+        faiss.omp_set_num_threads(max(1, args.threads))
+        follow_hnsw(args.out, m=args.hnsw_m, ef_construction=args.hnsw_ef_construction)
+        return
     if args.check:
         ds = open_datastore(args.out)
         check_datastore(ds)
@@ -510,6 +649,10 @@ def main(argv: list[str] | None = None) -> None:
     docs, held = corpus_documents(tm.tokenizer, sources, args.held_out_every, args.max_entries)
     log.info("%d documents (%d entries) in the datastore, %d held out", len(docs),
              sum(t.size - 1 for _, t in docs), len(held))
+    if args.keys_from_end:
+        print(f"{keys_from_end(args.out, docs, tm)} chunks computed from the end")
+        return
+    save_held_out(args.out, held)
     out = build_datastore(args.out, docs, tm, name=args.name, dtype=args.dtype, window=args.window,
                           overlap=args.overlap, chunk_entries=args.chunk_entries, hnsw=not args.no_hnsw,
                           hnsw_m=args.hnsw_m, hnsw_ef_construction=args.hnsw_ef_construction,

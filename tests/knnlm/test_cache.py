@@ -1,0 +1,73 @@
+"""RaLMSpec's kNN-LM cache: spatial-locality fill (entries j+1..j+n after each retrieved j), eviction of the
+oldest fills, and exact nearest-neighbour look-up among the cached entries (brute force as the reference)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from generation_service.knnlm import NeighbourCache
+
+
+@pytest.mark.parametrize("retrieved, n, expected", [
+    ([5], 3, [6, 7, 8]),               # Not [5, 6, 7]: entry j itself predicted the *current* token
+    ([5, 6], 3, [6, 7, 8, 9]),         # overlapping runs are cached once
+    ([5, 100], 2, [6, 7, 101, 102]),   # one run per retrieved entry
+    ("last", 3, []),                   # nothing after the last entry
+    ("near_end", 3, ["n-1"]),          # a run is clipped at the datastore's end, not wrapped to entry 0
+])
+def test_fill_takes_the_next_n_entries(ds, retrieved, n, expected):
+    size = ds.size
+    if retrieved == "last":
+        retrieved = [size - 1]
+    elif retrieved == "near_end":
+        retrieved = [size - 2]
+    expected = [size - 1 if e == "n-1" else e for e in expected]
+    cache = NeighbourCache(ds, next_n=n, capacity=64)
+    assert cache.fill(np.array(retrieved)) == len(expected)
+    assert cache.cached_ids().tolist() == expected
+    # Cached keys/values are the datastore's rows of those ids.
+    slots = np.argsort(cache.ids)[-len(expected):] if expected else []
+    for s in slots:
+        j = int(cache.ids[s])
+        assert int(cache.values[s]) == int(ds.values[j])
+        np.testing.assert_array_equal(cache.keys[s], np.asarray(ds.keys[j], np.float32))
+
+
+def test_refill_counts_only_new_entries(ds):
+    cache = NeighbourCache(ds, next_n=4, capacity=64)
+    assert cache.fill(np.array([10])) == 4   # 11..14
+    assert cache.fill(np.array([11])) == 1   # 12..15: only 15 is new
+    assert cache.cached_ids().tolist() == [11, 12, 13, 14, 15]
+    assert len(cache) == 5
+
+
+def test_eviction_drops_the_oldest_fill(ds):
+    cache = NeighbourCache(ds, next_n=3, capacity=6)
+    cache.fill(np.array([0]))    # round 1: 1, 2, 3
+    cache.fill(np.array([10]))   # round 2: 11, 12, 13 (full)
+    cache.fill(np.array([0]))    # round 3: 1, 2, 3 refreshed, nothing new
+    cache.fill(np.array([20]))   # round 4: 21, 22, 23 replace round 2's entries
+    assert cache.cached_ids().tolist() == [1, 2, 3, 21, 22, 23]  # Not [11, 12, 13, ...]: those are the oldest
+    assert len(cache) == 6
+
+
+@pytest.mark.parametrize("k", [1, 5, 40, 1000])
+def test_nearest_matches_brute_force(ds, k):
+    cache = NeighbourCache(ds, next_n=10, capacity=4096)
+    cache.fill(np.arange(0, ds.size, 17))
+    ids = cache.cached_ids()
+    query = np.asarray(ds.keys[ids[3]], np.float32) + 0.01  # close to a cached entry
+    got_ids, got_scores, got_values = cache.nearest(query, k)
+    keys = np.asarray(ds.keys[ids], np.float64)
+    d = ((keys - query.astype(np.float64)) ** 2).sum(1)
+    want = ids[np.lexsort((ids, d))][:k]
+    assert got_ids.tolist() == want.tolist()
+    assert got_ids[0] == ids[3]  # Not another entry: the query sits on this one
+    np.testing.assert_allclose(-got_scores, np.sort(d)[: len(want)], rtol=1e-3, atol=1e-2)
+    assert got_values.tolist() == np.asarray(ds.values[want]).tolist()
+
+
+def test_empty_cache_returns_nothing(ds):
+    ids, scores, values = NeighbourCache(ds).nearest(np.zeros(ds.dim, np.float32), 8)
+    assert ids.size == scores.size == values.size == 0

@@ -1,0 +1,131 @@
+"""kNN-LM decoding against the real retrieval service (faiss exact + HNSW over the tiny datastore):
+
+- the baseline (one Search per token) equals a brute-force kNN-LM (numpy distances to every key);
+- RaLMSpec (cache speculation, batched verification, rollback) equals the baseline token for token, for fixed
+  strides and OS³, while really speculating (some steps right, some rolled back);
+- k larger than the datastore is rejected before any work; retrieval down is an error, never p_LM's answer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from generation_service.knnlm import (
+    KnnBackend,
+    KnnLmOptions,
+    KnnRetrievalError,
+    generate_tokens,
+    lm_prefill,
+    lm_step,
+    mixed_distribution,
+    next_token,
+)
+from generation_service.model import new_cache
+from generation_service.os3 import OS3Config
+from generation_service.sampling import SamplingParams
+
+NEW = 10
+
+
+def reference_decode(tm, ds, prompt: np.ndarray, n: int, opts: KnnLmOptions) -> list[int]:
+    """Brute-force kNN-LM: exact float64 distances to all keys (ties -> smaller id), scores rounded to float32
+    as the service returns them, the same single-token LM passes."""
+    keys = np.asarray(ds.keys, np.float64)  # [N, D]
+    kv = new_cache(tm)
+    logits, hidden = lm_prefill(tm, kv, prompt)
+    out: list[int] = []
+    for _ in range(n):
+        d = ((keys - hidden.astype(np.float64)) ** 2).sum(1)  # [N]
+        top = np.lexsort((np.arange(ds.size), d))[: opts.k]
+        tok = next_token(mixed_distribution(logits, (-d[top]).astype(np.float32), np.asarray(ds.values[top]), opts))
+        out.append(tok)
+        logits, hidden = lm_step(tm, kv, tok)
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompts(tm, doc_tokens) -> dict[str, np.ndarray]:
+    other = np.asarray(tm.tokenizer("The weather in Paris in spring is", add_special_tokens=False)["input_ids"])
+    return {"doc0": doc_tokens[0][:24].astype(np.int64), "doc2": doc_tokens[2][:40].astype(np.int64),
+            "unrelated": other.astype(np.int64)}
+
+
+def run(tm, backend, prompt, opts, n=NEW, **kw):
+    return generate_tokens(tm, prompt, SamplingParams(max_new_tokens=n, ignore_eos=True), opts, backend, **kw)
+
+
+# (prompt, options) scenarios; λ = 0.9 makes the neighbours decide most tokens, so speculation can be wrong.
+SCENARIOS = [
+    ("doc0", dict(k=16, lam=0.9, temperature=10.0)),
+    ("doc2", dict(k=1, lam=0.5, temperature=10.0)),
+    ("unrelated", dict(k=64, lam=0.9, temperature=100.0)),
+    ("doc2", dict(k=256, lam=0.25, temperature=10.0, retriever="adr")),
+]
+
+
+@pytest.fixture(scope="module")
+def baselines(tm, ds, backend, prompts):
+    out = {}
+    for i, (name, kw) in enumerate(SCENARIOS):
+        tokens, stats = run(tm, backend, prompts[name], KnnLmOptions(**kw))
+        assert stats.kb_calls == stats.kb_queries == NEW  # one Search per token
+        out[i] = tokens
+    return out
+
+
+@pytest.mark.parametrize("i", range(3))  # exact retriever scenarios (HNSW is not the brute force)
+def test_baseline_equals_brute_force(tm, ds, prompts, baselines, i):
+    name, kw = SCENARIOS[i]
+    assert baselines[i] == reference_decode(tm, ds, prompts[name], NEW, KnnLmOptions(**kw))
+
+
+def test_neighbours_change_the_output(tm, backend, prompts, doc_tokens, baselines):
+    # λ = 0.9 on a datastore document's prefix: the kNN-LM continues the document it has memorized ...
+    assert baselines[0] == doc_tokens[0][24:24 + NEW].tolist()
+    # ... which the LM alone (λ = 0) does not.
+    lm_only, _ = run(tm, backend, prompts["doc0"], KnnLmOptions(k=16, lam=0.0))
+    assert lm_only != baselines[0]
+
+
+@pytest.mark.parametrize("stride", [2, 4, 8, 0])  # 0 = OS³
+def test_speculative_equals_baseline(tm, backend, prompts, baselines, stride):
+    speculated = correct = rollbacks = 0
+    for i, (name, kw) in enumerate(SCENARIOS):
+        os3 = OS3Config(s_init=2) if stride == 0 else None  # start above 1 so OS³ rounds speculate from the start
+        tokens, stats = run(tm, backend, prompts[name], KnnLmOptions(**kw, speculate=True, stride=stride), os3=os3)
+        assert tokens == baselines[i], (name, kw, stride)  # Not the cache's guesses
+        assert stats.tokens == NEW and stats.kb_queries >= NEW
+        assert stats.kb_calls == stats.verifications <= NEW
+        assert stats.correct <= stats.speculated and sum(stats.strides) >= stats.speculated
+        speculated, correct, rollbacks = speculated + stats.speculated, correct + stats.correct, \
+            rollbacks + stats.rollbacks
+    if stride > 1:
+        assert correct > 0 and rollbacks > 0  # both paths (keep, roll back) were exercised
+        assert speculated > correct
+
+
+def test_stops_at_the_budget_mid_round(tm, backend, prompts, baselines):
+    tokens, stats = run(tm, backend, prompts["doc0"], KnnLmOptions(**SCENARIOS[0][1], speculate=True, stride=8), n=5)
+    assert tokens == baselines[0][:5]  # Not 8 tokens: the last round is cut to the budget
+    assert stats.tokens == 5
+
+
+def test_k_larger_than_datastore_is_rejected(tm, ds, backend, prompts):
+    with pytest.raises(ValueError, match=f"^k: {ds.size + 1} exceeds the datastore size"):
+        run(tm, backend, prompts["doc0"], KnnLmOptions(k=ds.size + 1))
+
+
+def test_k_equal_to_datastore_is_served(tm, ds, backend, prompts):
+    tokens, stats = run(tm, backend, prompts["doc0"], KnnLmOptions(k=ds.size), n=2)
+    assert len(tokens) == 2 and stats.kb_calls == 2
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_retrieval_down_is_an_error(tm, ds_path, prompts, speculate):
+    down = KnnBackend.open(str(ds_path), "127.0.0.1:1", timeout_ms=2000)  # nothing listens on port 1
+    try:
+        with pytest.raises(KnnRetrievalError, match="127.0.0.1:1"):
+            run(tm, down, prompts["doc0"], KnnLmOptions(k=4, speculate=speculate, stride=4))
+    finally:
+        down.close()

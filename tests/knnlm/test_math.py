@@ -1,0 +1,63 @@
+"""p = λ·p_kNN + (1 − λ)·p_LM against hand-computed numbers."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from generation_service.knnlm import KnnLmOptions, interpolate, knn_distribution, mixed_distribution, next_token
+
+
+@pytest.mark.parametrize("scores, values, temperature, tokens, probs", [
+    ([0.0, -math.log(3)], [2, 4], 1.0, [2, 4], [0.75, 0.25]),       # Not [0.5, 0.5]: the closer one weighs more
+    ([0.0, -math.log(3)], [4, 2], 1.0, [2, 4], [0.25, 0.75]),       # tokens come out sorted, weights follow them
+    ([-1.0, -1.0, -1.0 - math.log(2)], [7, 7, 3], 1.0, [3, 7], [0.2, 0.8]),  # equal tokens add up: 2/5 + 2/5
+    ([0.0, -2 * math.log(3)], [2, 4], 2.0, [2, 4], [0.75, 0.25]),   # T = 2 halves the scores first
+    ([-1e4, -1e4 - 10.0], [1, 2], 10.0, [1, 2], [1 / (1 + math.exp(-1)), 1 - 1 / (1 + math.exp(-1))]),  # no underflow
+])
+def test_knn_distribution(scores, values, temperature, tokens, probs):
+    t, p = knn_distribution(np.array(scores), np.array(values), temperature)
+    assert t.tolist() == tokens
+    np.testing.assert_allclose(p, probs, rtol=1e-12)
+
+
+def test_interpolation_hand_example():
+    # p_kNN = {2: 0.75, 4: 0.25}, p_LM uniform over 5 tokens, λ = 0.4:
+    # p = 0.6·0.2 + 0.4·p_kNN = [0.12, 0.12, 0.12 + 0.3, 0.12, 0.12 + 0.1]
+    lm = torch.zeros(5)
+    p = mixed_distribution(lm, np.array([0.0, -math.log(3)]), np.array([2, 4]), KnnLmOptions(lam=0.4, temperature=1.0))
+    np.testing.assert_allclose(p.numpy(), [0.12, 0.12, 0.42, 0.12, 0.22], rtol=1e-12)
+    assert next_token(p) == 2  # Not 0 (the LM's first-index argmax of a flat distribution)
+    assert math.isclose(float(p.sum()), 1.0, rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("lam, expected_token", [
+    (0.0, 1),   # λ = 0 is the LM: its argmax 1, not the neighbours' 3
+    (0.2, 1),   # 0.8·0.5 = 0.40 > 0.8·0.1 + 0.2 = 0.28
+    (0.6, 3),   # 0.4·0.5 = 0.20 < 0.4·0.1 + 0.6 = 0.64
+    (1.0, 3),   # λ = 1 is the kNN distribution alone
+])
+def test_lambda_moves_the_argmax(lam, expected_token):
+    p_lm = torch.tensor([0.1, 0.5, 0.2, 0.1, 0.1], dtype=torch.float64)
+    p = interpolate(p_lm.log(), np.array([3]), np.array([1.0]), lam)
+    assert next_token(p) == expected_token
+    np.testing.assert_allclose(p.numpy(), (1 - lam) * p_lm.numpy() + lam * np.eye(5)[3], rtol=1e-12)
+
+
+def test_no_neighbours_keeps_the_lm_argmax():
+    lm = torch.tensor([0.0, 3.0, 1.0])
+    p = interpolate(lm, np.zeros(0, np.int64), np.zeros(0), 0.9)
+    assert next_token(p) == 1
+    np.testing.assert_allclose(p.numpy(), 0.1 * torch.softmax(lm.double(), -1).numpy(), rtol=1e-12)
+
+
+@pytest.mark.parametrize("field, kwargs", [
+    ("k", {"k": 0}), ("k", {"k": 1025}), ("lambda", {"lam": 1.5}), ("temperature", {"temperature": 0.0}),
+    ("stride", {"stride": -1}), ("retriever", {"retriever": "sr"}), ("cache_next", {"cache_next": 0}),
+])
+def test_options_name_the_bad_field(field, kwargs):
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        KnnLmOptions(**kwargs)

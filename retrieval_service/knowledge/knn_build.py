@@ -213,13 +213,14 @@ def chunk_spans(tokens: np.ndarray, docs: np.ndarray, window: int, overlap: int,
 # ---------------------------------------------------------------------------------------------- build
 
 def _atomic_save(path: Path, arr: np.ndarray) -> None:
-    tmp = path.with_name(path.name + ".tmp.npy")
+    # The pid keeps two builder processes that race for the same chunk (--keys-from-end) off each other's tmp.
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp.npy")
     np.save(tmp, arr)
     os.replace(tmp, path)
 
 
 def _atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
 

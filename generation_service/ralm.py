@@ -19,6 +19,9 @@ RaLMSpec, rounds of s speculative steps:
                  beyond the paper, may pick s = 0 (a plain sequential step) when speculation costs more than
                  it saves (`SpeculationGate`): here generation dominates a step and a wrong guess throws
                  generation away, so speculation only pays where retrieval is slow.
+    sequential   a step of RaLMSpec without speculation (the first one, s = 0, after a KB failure) waits only for
+                 RaLMSeq's own top-1 Search; its top-`prefetch` cache fill is a Search future that runs while
+                 the step generates and is cached at a later step when it has arrived.
 Every committed step ran with the passage RaLMSeq would have retrieved and the same model computation (same KV
 reuse decisions, same kernels), so the output is identical; only committed tokens are ever emitted. If the KB
 fails during speculation the unverified steps are dropped and the request continues with sequential retrieval;
@@ -38,7 +41,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from generation_service.kb_client import Hits, KBUnavailable, SearchReply
+from generation_service.kb_client import Hits, KBRequestError, KBUnavailable, SearchFuture, SearchReply
 from generation_service.model import TargetModel, cache_length, new_cache
 from generation_service.os3 import OS3Config, StrideScheduler
 from generation_service.ralm_cache import PassageCache
@@ -78,7 +81,7 @@ class RagParams:
     max_passage_tokens: int = 256
     max_prompt_tokens: int = 512  # passage + prompt
     speculate: bool = True  # RaLMSpec; False = RaLMSeq
-    prefetch: int = 20  # hits of each verification (and sequential search) cached; 0 = the top-1 only
+    prefetch: int = 20  # hits cached per verified query (sequential steps: in the background); 0 = top-1
     os3: bool = True  # OS³ picks the speculation stride; off = fixed spec_stride
     spec_stride: int = 3
     async_verify: bool = True
@@ -140,6 +143,14 @@ class RagStats:
     cache_size: int = 0
     fallback: bool = False  # the KB failed during speculation; the rest ran with sequential retrieval
     fallback_reason: str = ""
+    # In-process only (not on the wire):
+    prefetches: int = 0  # background cache fills of sequential steps that arrived and were cached
+    prefetch_failures: int = 0
+    # R split: sequential steps (RaLMSeq's search) + speculative ranking (query, cache top-1, passage, starting an
+    # async verification) + waiting for verifications (and a mismatched step's passage) = retrieval_s
+    sequential_retrieval_s: float = 0.0
+    speculation_retrieval_s: float = 0.0
+    verification_wait_s: float = 0.0
 
     @property
     def speculation_accuracy(self) -> float:
@@ -437,128 +448,161 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
                 cache.add(h.ids[:k_fetch], h.vectors[:k_fetch] if retr.dim else None)
         stats.cache_size = len(cache)
 
+    pending: list[SearchFuture] = []  # prefetches of sequential steps, in flight
+
+    def drain_prefetch() -> None:
+        """Cache the hits of prefetches that have arrived; never waits (a late one lands at a later step)."""
+        while pending and pending[0].done():
+            fut = pending.pop(0)
+            try:
+                reply = fut.result()
+            except (KBUnavailable, KBRequestError):
+                stats.prefetch_failures += 1  # only a cache fill: speculation or the next search will meet it
+                continue
+            retr.remember(reply)
+            cache_hits(reply.hits)
+            stats.prefetches += 1
+
     def commit() -> list[int]:
         nonlocal committed
         toks = runner.out[committed:]
         committed = len(runner.out)
         return toks
 
-    while runner.finish is None:
-        if cancelled():
-            yield [], FINISH_CANCELLED
-            return
-        if fallback or len(cache) == 0 or (gate is not None and not gate.speculate()):
-            # A sequential step (RaLMSeq's), fetching k_fetch hits so the cache fills for later speculation.
-            t0 = time.perf_counter()
-            q = retr.query(runner.window())
-            if q is None:
-                doc = prev
-            else:
-                hits = retr.search([q], k_fetch, sequential=True)  # KBUnavailable here fails the request
-                cache_hits(hits)
-                doc = hits[0].top1
-            passage = retr.passage(doc)
-            r = time.perf_counter() - t0
-            stats.retrieval_s += r
-            stats.retrievals += 1
-            stats.strides.append(0)
-            if gate is not None and q is not None:
-                gate.record_sequential(r)
-            runner.step(doc, passage)
-            prev = doc
-            yield commit(), runner.finish
-            continue
-
-        s = sched.next_stride() if sched is not None else rag.spec_stride
-        stats.strides.append(s)
-        ckpts: list[Checkpoint] = []
-        queries: list[Query | None] = []
-        specs: list[int | None] = []
-        step_s: list[float] = []
-        ver: _Verification | None = None
-        r_round = 0.0
-        failure = ""
-        prev_spec = prev
-
-        def abort() -> bool:  # between forward passes of the in-flight step
-            if not ver.done():
-                return False
-            true = ver.settle()
-            return true is None or first_mismatch(specs, true) is not None
-
-        for i in range(s):
-            if runner.finish is not None:
-                break
-            ck = runner.checkpoint()
-            t0 = time.perf_counter()
-            try:
+    try:
+        while runner.finish is None:
+            if cancelled():
+                yield [], FINISH_CANCELLED
+                return
+            drain_prefetch()
+            if fallback or len(cache) == 0 or (gate is not None and not gate.speculate()):
+                # A sequential step: on the critical path exactly RaLMSeq's retrieval (top-1 with its text), so a
+                # step the gate runs sequentially costs what B's step costs. The cache fill (top-k_fetch) is a
+                # Search future that runs while the step generates and lands in the cache at a later step.
+                t0 = time.perf_counter()
                 q = retr.query(runner.window())
-                d = prev_spec if q is None else retr.speculate(q, cache)
-                passage = retr.passage(d, sequential=False)
-            except KBUnavailable as e:
-                failure = f"speculation: {e}"
-                r_round += time.perf_counter() - t0
-                break
-            ckpts.append(ck)
-            queries.append(q)
-            specs.append(d)
-            if rag.async_verify and i == s - 1:
-                ver = _Verification(retr, queries, k_fetch, prev, wait=False)  # in flight during this step
-            r_round += time.perf_counter() - t0
-            ok = runner.step(d, passage, abort if ver is not None else None)
-            if ok:
-                step_s.append(time.perf_counter() - t0)
-            prev_spec = d
-            if not ok:
-                break
+                if q is None:
+                    doc = prev
+                else:
+                    hits = retr.search([q], 1, sequential=True)  # KBUnavailable here fails the request
+                    cache_hits(hits)  # the top-1 at least: speculation can start at the next step
+                    doc = hits[0].top1
+                    if k_fetch > 1 and not fallback:
+                        pending.append(retr.search_async([q], k_fetch))
+                passage = retr.passage(doc)
+                r = time.perf_counter() - t0
+                stats.retrieval_s += r
+                stats.sequential_retrieval_s += r
+                stats.retrievals += 1
+                stats.strides.append(0)
+                if gate is not None and q is not None:
+                    gate.record_sequential(r)
+                runner.step(doc, passage)
+                prev = doc
+                yield commit(), runner.finish
+                continue
 
-        true = None
-        if not failure and ckpts:
-            t0 = time.perf_counter()
-            if ver is None:  # sync, or the output ended before the round's last step
-                ver = _Verification(retr, queries, k_fetch, prev, wait=True)
-            true = ver.settle()
-            r_round += time.perf_counter() - t0
-            if true is None:
-                failure = f"verification: {ver.error}"
-        if failure:
-            # Nothing unverified may be emitted: drop the whole round, go on with sequential retrieval.
-            if ver is not None and ver.future is not None:
-                ver.future.cancel()
-            if ckpts:
-                runner.restore(ckpts[0])
-            fallback = failure
-            stats.fallback, stats.fallback_reason = True, failure[:500]
+            s = sched.next_stride() if sched is not None else rag.spec_stride
+            stats.strides.append(s)
+            ckpts: list[Checkpoint] = []
+            queries: list[Query | None] = []
+            specs: list[int | None] = []
+            step_s: list[float] = []
+            ver: _Verification | None = None
+            r_round = 0.0
+            failure = ""
+            prev_spec = prev
+
+            def abort() -> bool:  # between forward passes of the in-flight step
+                if not ver.done():
+                    return False
+                true = ver.settle()
+                return true is None or first_mismatch(specs, true) is not None
+
+            for i in range(s):
+                if runner.finish is not None:
+                    break
+                ck = runner.checkpoint()
+                t0 = time.perf_counter()
+                try:
+                    q = retr.query(runner.window())
+                    d = prev_spec if q is None else retr.speculate(q, cache)
+                    passage = retr.passage(d, sequential=False)
+                except KBUnavailable as e:
+                    failure = f"speculation: {e}"
+                    dt = time.perf_counter() - t0
+                    r_round += dt
+                    stats.speculation_retrieval_s += dt
+                    break
+                ckpts.append(ck)
+                queries.append(q)
+                specs.append(d)
+                if rag.async_verify and i == s - 1:
+                    ver = _Verification(retr, queries, k_fetch, prev, wait=False)  # in flight during this step
+                dt = time.perf_counter() - t0
+                r_round += dt
+                stats.speculation_retrieval_s += dt
+                ok = runner.step(d, passage, abort if ver is not None else None)
+                if ok:
+                    step_s.append(time.perf_counter() - t0)
+                prev_spec = d
+                if not ok:
+                    break
+
+            true = None
+            if not failure and ckpts:
+                t0 = time.perf_counter()
+                if ver is None:  # sync, or the output ended before the round's last step
+                    ver = _Verification(retr, queries, k_fetch, prev, wait=True)
+                true = ver.settle()
+                dt = time.perf_counter() - t0
+                r_round += dt
+                stats.verification_wait_s += dt
+                if true is None:
+                    failure = f"verification: {ver.error}"
+            if failure:
+                # Nothing unverified may be emitted: drop the whole round, go on with sequential retrieval.
+                if ver is not None and ver.future is not None:
+                    ver.future.cancel()
+                if ckpts:
+                    runner.restore(ckpts[0])
+                fallback = failure
+                stats.fallback, stats.fallback_reason = True, failure[:500]
+                stats.retrieval_s += r_round
+                continue
+
+            cache_hits(ver.reply_hits)
+            m = first_mismatch(specs, true)
+            matched = len(specs) if m is None else m
+            stats.speculative_steps += len(specs)
+            stats.speculation_hits += matched
+            if sched is not None:
+                sched.record_verification(matched, len(specs))
+                sched.record_latency(speculation_s=sum(step_s) / len(step_s) if step_s else None,
+                                     verification_s=ver.latency_s)
+            waste = 0.0
+            if m is not None:
+                g_before = stats.generation_s
+                runner.restore(ckpts[m])
+                waste = g_before - ckpts[m].generation_s
+                stats.wasted_generation_s += waste
+                stats.rollbacks += 1
+                t0 = time.perf_counter()
+                passage = retr.passage(true[m])  # KBUnavailable here fails the request (nothing to fall back on)
+                dt = time.perf_counter() - t0
+                r_round += dt
+                stats.verification_wait_s += dt
+                runner.step(true[m], passage)  # the passage is known now: not speculative
+            n_committed = len(specs) if m is None else m + 1
+            prev = true[n_committed - 1]
             stats.retrieval_s += r_round
-            continue
-
-        cache_hits(ver.reply_hits)
-        m = first_mismatch(specs, true)
-        matched = len(specs) if m is None else m
-        stats.speculative_steps += len(specs)
-        stats.speculation_hits += matched
-        if sched is not None:
-            sched.record_verification(matched, len(specs))
-            sched.record_latency(speculation_s=sum(step_s) / len(step_s) if step_s else None,
-                                 verification_s=ver.latency_s)
-        waste = 0.0
-        if m is not None:
-            g_before = stats.generation_s
-            runner.restore(ckpts[m])
-            waste = g_before - ckpts[m].generation_s
-            stats.wasted_generation_s += waste
-            stats.rollbacks += 1
-            t0 = time.perf_counter()
-            passage = retr.passage(true[m])  # KBUnavailable here fails the request (nothing to fall back on)
-            r_round += time.perf_counter() - t0
-            runner.step(true[m], passage)  # the passage is known now: not speculative
-        n_committed = len(specs) if m is None else m + 1
-        prev = true[n_committed - 1]
-        stats.retrieval_s += r_round
-        stats.retrievals += n_committed
-        if gate is not None:
-            gate.record_round(r_round + waste, n_committed)
-        yield commit(), runner.finish
+            stats.retrievals += n_committed
+            if gate is not None:
+                gate.record_round(r_round + waste, n_committed)
+            yield commit(), runner.finish
+    finally:
+        for fut in pending:  # the request is over (or failed): nobody will read them
+            fut.cancel()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,124 @@
+"""Sequential steps inside RaLMSpec (the first step, and every step the SpeculationGate runs as s = 0) put only
+RaLMSeq's retrieval on the critical path -- one top-1 Search -- and fill the cache with a Search future that
+runs while the step generates. Output stays RaLMSeq's; the prefetched hits still reach the cache."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from generation_service.ralm import RagParams, SpeculationGate
+from generation_service.ralm_retrieval import KBRetriever, Query
+from tests.ralm.conftest import run_rag
+
+pytestmark = pytest.mark.model
+STRIDE = 2
+
+
+class Recorder:
+    """The real KBRetriever, recording every Search (k, blocking or future, queries) and optionally slowing each
+    speculative cache ranking down by `spec_delay_s` (a slow ScoreCandidates: the gate must then stop
+    speculating and run sequential steps)."""
+
+    def __init__(self, inner: KBRetriever, spec_delay_s: float = 0.0):
+        self.inner, self.spec_delay_s = inner, spec_delay_s
+        self.blocking: list[tuple[int, bool, int]] = []  # (k, sequential, queries)
+        self.futures: list[tuple[int, int]] = []  # (k, queries)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def search(self, queries: list[Query], k: int, *, sequential: bool):
+        self.blocking.append((k, sequential, len(queries)))
+        return self.inner.search(queries, k, sequential=sequential)
+
+    def search_async(self, queries: list[Query], k: int):
+        self.futures.append((k, len(queries)))
+        return self.inner.search_async(queries, k)
+
+    def speculate(self, query: Query, cache) -> int | None:
+        if self.spec_delay_s:
+            time.sleep(self.spec_delay_s)
+        return self.inner.speculate(query, cache)
+
+
+@pytest.mark.parametrize("prefetch,spec_delay_s,min_sequential", [
+    (20, 0.3, 3),  # slow speculation: the gate runs most steps sequentially; each must cost what B's costs
+    (20, 0.0, 1),  # only the first step (empty cache) is sequential
+    (0, 0.3, 3),   # no prefetch: the top-1 alone, and no background Search either
+])
+def test_sequential_steps_fetch_top1_and_prefetch_in_the_background(tm, kb_client, prompts, reference, prefetch,
+                                                                      spec_delay_s, min_sequential):
+    want = reference("edr", 0, STRIDE)
+    rag = RagParams(retriever="edr", stride=STRIDE, os3=True, async_verify=False, prefetch=prefetch)
+    box: dict = {}
+    got, st = run_rag(tm, kb_client, prompts[0], rag,
+                      wrap=lambda r: box.setdefault("r", Recorder(r, spec_delay_s)))
+    rec: Recorder = box["r"]
+    assert got == want  # Not an output changed by when the cache filled
+    n_seq = st.strides.count(0)
+    assert n_seq >= min_sequential
+    seq_searches = [(k, n) for k, sequential, n in rec.blocking if sequential]
+    assert len(seq_searches) == n_seq  # one Search per sequential step (no blank queries in this prompt)
+    assert all(k == 1 and n == 1 for k, n in seq_searches), seq_searches  # Not k = 20 on the critical path
+    split = st.sequential_retrieval_s + st.speculation_retrieval_s + st.verification_wait_s
+    assert split == pytest.approx(st.retrieval_s, rel=1e-9)  # the R split accounts for all of R
+    if spec_delay_s:
+        assert st.speculation_retrieval_s >= spec_delay_s  # the slowed ranking is speculative R, Not sequential R
+    if prefetch > 1:
+        # sync verification: every future is a sequential step's prefetch of the full top-k
+        assert rec.futures == [(prefetch, 1)] * n_seq
+        assert st.prefetches >= 1 and st.prefetch_failures == 0
+        assert st.cache_size > st.retrievals  # Not only the top-1s: the prefetched hits landed in the cache
+    else:
+        assert rec.futures == [] and st.prefetches == 0  # Not a background Search nobody asked for
+
+
+def test_psa_with_prefetch_equals_ralmseq_when_the_gate_goes_sequential(tm, kb_client, prompts, reference):
+    # Async verification and background prefetches in flight together, speculation slowed so the gate mixes
+    # sequential steps and speculative rounds.
+    want = reference("edr", 1, STRIDE)
+    rag = RagParams(retriever="edr", stride=STRIDE, os3=True, async_verify=True, prefetch=20)
+    got, st = run_rag(tm, kb_client, prompts[1], rag, wrap=lambda r: Recorder(r, 0.15))
+    assert got == want
+    assert 0 in st.strides and any(s > 0 for s in st.strides)  # both kinds of step ran
+    assert not st.fallback
+
+
+@pytest.mark.parametrize("seq,spec,want", [
+    ([0.03], [0.30], False),        # speculation costs 10x a sequential step: go sequential
+    ([0.03], [0.01], True),         # cheap speculation: speculate
+    ([], [0.30], True),             # nothing measured sequentially yet: keep speculating (no verdict)
+])
+def test_gate_verdicts(seq, spec, want):
+    gate = SpeculationGate(window=5, probe=4)
+    for r in seq:
+        gate.record_sequential(r)
+    for r in spec:
+        gate.record_round(r, 1)
+    assert gate.speculate() is want
+
+
+def test_gate_probes_speculation_while_sequential_wins():
+    gate = SpeculationGate(window=5, probe=2)
+    gate.record_sequential(0.03)
+    gate.record_round(0.30, 1)
+    picks = [gate.speculate() for _ in range(9)]
+    # sequential twice, then a probe; the interval doubles while speculation keeps losing (no new measurements)
+    assert picks == [False, False, True, False, False, False, False, True, False]  # Not a probe every 2 steps
+
+
+def test_reply_texts_are_tokenized_only_when_prepended(tm, kb_client, prompts):
+    from generation_service.ralm import passage_budget
+
+    rag = RagParams(retriever="edr")
+    retr = KBRetriever(kb_client, "edr", tm.tokenizer, passage_budget(len(prompts[0]), rag))
+    reply = kb_client.search("edr", 20, texts=["push an item onto a heap"], with_text=True)
+    retr.remember(reply)
+    assert retr._tokens == {}  # Not 20 passages tokenized on the critical path when the reply arrived
+    calls = retr.calls
+    doc = reply.hits[0].top1
+    want = retr._tokenize(reply.hits[0].documents[0].title, reply.hits[0].documents[0].text)
+    assert retr.passage(doc) == want and retr.calls == calls  # the stored text, Not a GetDocuments round trip
+    assert list(retr._tokens) == [doc]

@@ -283,6 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     result: dict = {
         "command": "python -m bench.knnlm " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "env": {k: os.environ.get(k) for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")},
         "loadavg_start": list(os.getloadavg()),
         "datastore": {k: ds.meta.get(k) for k in ("n", "dim", "dtype", "key", "documents", "tokens", "hnsw",
                                                   "model_dtype", "window", "overlap", "build_s", "keys_s", "bytes")},

@@ -47,10 +47,10 @@ def speculative(name: str, d: dict) -> str:
         ident = "–" if s.get("identical") is None else f"{s['identical']}/{s['n']}"
         rows.append([label, _f(s["tokens_per_s"]), _f(s["ms_per_token"], ".1f"), _f(s.get("speedup_vs_hf-ar")),
                      _f(s.get("speedup_vs_ar")), _f(s.get("mean_accepted_length")),
-                     _f(s.get("draft_ms_per_step"), ".3f"), ident])
+                     _f(s.get("draft_nodes_per_step"), ".1f"), _f(s.get("draft_ms_per_step"), ".3f"), ident])
     title = f"**{d['workload']}**, {d.get('dtype', '')}, {d.get('limit', methods['ar']['n'] if 'ar' in methods else '')} " \
             f"prompts × {d.get('max_new_tokens', '')} new tokens"
-    return title + "\n\n" + _table(["method", "tok/s", "ms/token", "× hf-ar", "× ar", "M", "draft ms/step",
+    return title + "\n\n" + _table(["method", "tok/s", "ms/token", "× hf-ar", "× ar", "M", "nodes/step", "draft ms/step",
                                     "identical to ar"], rows) + "\n\n" + _source(name, d)
 
 

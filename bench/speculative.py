@@ -87,12 +87,13 @@ def hf_runner(tm: TargetModel, max_new: int, ignore_eos: bool, lookup_tokens: in
     return run
 
 
-def our_runner(tm: TargetModel, max_new: int, ignore_eos: bool, drafter, budget: int):
+def our_runner(tm: TargetModel, max_new: int, ignore_eos: bool, drafter, budget: int, adaptive: bool = True):
     params = SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos)
 
     def run(prompt: list[int]):
         t = time.perf_counter()
-        res = generate(tm, prompt, params, drafter=drafter, draft_budget=budget, tokenizer=None)
+        res = generate(tm, prompt, params, drafter=drafter, draft_budget=budget, tokenizer=None,
+                       adaptive_budget=adaptive)
         seconds = time.perf_counter() - t
         eos = [min(tm.eos_token_ids)] if res.finish_reason == "stop" else []
         return res.token_ids + eos, seconds, res.stats
@@ -106,6 +107,7 @@ def build_runners(tm: TargetModel, args) -> dict:
     for spec in args.methods:
         m, _, b = spec.partition("@")  # "rest@64": rest with a 64-node draft budget
         budget = int(b) if b else args.draft_budget
+        m, fixed = (m[:-len("+fixed")], True) if m.endswith("+fixed") else (m, False)  # "rest+fixed": no sizer
         if m == "hf-ar":
             runners[m] = hf_runner(tm, args.max_new_tokens, args.ignore_eos)
         elif m == "hf-pld":
@@ -114,7 +116,8 @@ def build_runners(tm: TargetModel, args) -> dict:
         elif m == "ar":
             runners[spec] = our_runner(tm, args.max_new_tokens, args.ignore_eos, None, budget)
         elif m == "pld":
-            runners[spec] = our_runner(tm, args.max_new_tokens, args.ignore_eos, PromptLookupDrafter(), budget)
+            runners[spec] = our_runner(tm, args.max_new_tokens, args.ignore_eos, PromptLookupDrafter(), budget,
+                                       not fixed)
         elif m in ("rest-ds", "rest"):
             if not args.datastore:
                 raise SystemExit(f"method {m} needs --datastore")
@@ -125,7 +128,7 @@ def build_runners(tm: TargetModel, args) -> dict:
                 datastore.warmup()
             source = "datastore" if m == "rest-ds" else "merged"
             runners[spec] = our_runner(tm, args.max_new_tokens, args.ignore_eos, DatastoreDrafter(datastore, source),
-                                       budget)
+                                       budget, not fixed)
         else:
             raise SystemExit(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
     return runners
@@ -192,6 +195,7 @@ def summarize(records: dict, dtype: str) -> dict:
             "prefill_ms_mean": sum(s["prefill_ms"] for s in stats) / len(stats) if stats else None,
             "draft_tokens_proposed": sum(s["draft_tokens_proposed"] for s in stats) if stats else None,
             "draft_tokens_accepted": sum(s["draft_tokens_accepted"] for s in stats) if stats else None,
+            "draft_nodes_per_step": sum(s["draft_tokens_proposed"] for s in stats) / steps if steps else None,
             "identical": sum(1 for r in recs if r.get("identical")) if "identical" in (recs[0] if recs else {}) else None,
             "divergences": len(divs),
             "divergences_near_tie": sum(1 for d in divs if d["near_tie"]),
@@ -282,7 +286,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", default="humaneval", choices=("humaneval", "mtbench"))
     ap.add_argument("--methods", default="hf-ar,ar,pld",
-                    help=f"comma-separated from {','.join(METHODS)}; our methods take @N for a draft budget (rest@64)")
+                    help=f"comma-separated from {','.join(METHODS)}; our methods take @N for a draft budget (rest@64) "
+                         "and +fixed to verify the whole budget every step (rest+fixed)")
     ap.add_argument("--limit", type=int, default=10, help="number of prompts")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from generation_service.draft_budget import DEFAULT_NODE_COST
 from generation_service.model_files import load_tokenizer, resolve_model_dir
 from generation_service.tree_attention import tree_mask, tree_position_ids
 
@@ -81,6 +82,8 @@ class TargetModel:
     max_positions: int  # positions the model supports (prompt + generated)
     model_dir: str
     min_rows: int = 2  # every decode pass carries at least this many rows (see the module docstring)
+    # Relative cost of one more draft-tree node in a decode pass (draft_budget.py); warmup() measures it.
+    node_cost: float = DEFAULT_NODE_COST
 
     @property
     def dtype_name(self) -> str:
@@ -179,4 +182,27 @@ def warmup(tm: TargetModel, prompt_len: int = 64, tree_sizes: tuple[int, ...] = 
             forward(tm, q_ids, cache, position_ids=tree_position_ids(parents, past, tm.device),
                     mask=tree_mask(parents, past, tm.dtype, tm.device))
             cache.crop(-(n + 1))
+    tm.node_cost = measure_node_cost(tm)
     return time.perf_counter() - t0
+
+
+def measure_node_cost(tm: TargetModel, past: int = 200, nodes: int = 32, reps: int = 5) -> float:
+    """Relative extra cost per draft node: (t(pass with `nodes` nodes) / t(AR pass) - 1) / nodes, medians of
+    interleaved passes after a `past`-token prefix."""
+    rng = np.random.default_rng(1)
+    cache = new_cache(tm)
+    forward(tm, torch.from_numpy(rng.integers(0, min(tm.vocab_size, 1000), past)).to(tm.device), cache,
+            logits_to_keep=1)
+    times: dict[int, list[float]] = {0: [], nodes: []}
+    for _ in range(reps):
+        for n in times:
+            rows = max(n + 1, tm.min_rows)  # what verify_tree sends: [last] + nodes, padded to min_rows
+            parents = np.arange(-1, rows - 2, dtype=np.int32)
+            ids = torch.from_numpy(rng.integers(0, min(tm.vocab_size, 1000), rows)).to(tm.device)
+            t = time.perf_counter()
+            forward(tm, ids, cache, position_ids=tree_position_ids(parents, past, tm.device),
+                    mask=tree_mask(parents, past, tm.dtype, tm.device))
+            times[n].append(time.perf_counter() - t)
+            cache.crop(-rows)
+    ratio = float(np.median(times[nodes]) / np.median(times[0]))
+    return min(max((ratio - 1.0) / nodes, 1e-3), 0.1)  # clamp: a noisy machine must not disable drafting

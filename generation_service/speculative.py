@@ -27,6 +27,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
+from generation_service.draft_budget import DraftSizer
 from generation_service.drafters import Drafter, DraftUnavailable
 from generation_service.model import TargetModel, cache_length, forward, new_cache
 from generation_service.sampling import Sampler, SamplingParams
@@ -183,15 +184,18 @@ def _check_tree(tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray, voc
 
 
 def draft(drafter: Drafter, context: np.ndarray, budget: int, max_depth: int,
-          vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+          vocab_size: int, sizer: DraftSizer | None = None) -> tuple[np.ndarray, np.ndarray]:
     """context: int32 [T] -> (tokens int32 [n], parents int32 [n]) in verifier layout (depth first, best child
-    first), n <= budget, depth <= max_depth."""
+    first), n <= budget, depth <= max_depth; a sizer then keeps only the cost-effective part of the tree."""
     tree = drafter.propose(context, budget)
     # The first `budget` nodes of a tree with parents[i] < i are again such a tree.
     tokens, parents, scores = tree.tokens[:budget], tree.parents[:budget], tree.scores[:budget]
     _check_tree(tokens, parents, scores, vocab_size)
     keep, parents = prune_depth(parents, max_depth)
-    return dfs_layout(tokens[keep], parents, scores[keep])
+    tokens, scores = tokens[keep], scores[keep]
+    if sizer is not None:
+        tokens, parents, scores = sizer.shrink(tokens, parents, scores)
+    return dfs_layout(tokens, parents, scores)
 
 
 def _cut(tokens: list[int], remaining: int, eos: frozenset[int]) -> tuple[list[int], str | None]:
@@ -205,9 +209,13 @@ def _cut(tokens: list[int], remaining: int, eos: frozenset[int]) -> tuple[list[i
 
 def decode(tm: TargetModel, prompt_ids, params: SamplingParams, *, drafter: Drafter | None = None,
            draft_budget: int = DEFAULT_DRAFT_BUDGET, stats: SpeculationStats | None = None,
-           is_cancelled: Callable[[], bool] | None = None) -> Iterator[tuple[list[int], str | None]]:
+           is_cancelled: Callable[[], bool] | None = None,
+           adaptive_budget: bool = True) -> Iterator[tuple[list[int], str | None]]:
     """Token-level generation: yields (new output tokens, finish reason) once per forward pass; the last item
-    carries the finish reason (stop = EOS, length, cancelled). EOS is not part of the output."""
+    carries the finish reason (stop = EOS, length, cancelled). EOS is not part of the output.
+
+    adaptive_budget: verify only the cost-effective part of each draft tree (draft_budget.py); False = always
+    verify up to draft_budget nodes. Either way the output is the same."""
     prompt = _check_prompt(tm, prompt_ids, params)
     if isinstance(draft_budget, bool) or not isinstance(draft_budget, (int, np.integer)) or draft_budget < 0:
         raise ValueError(f"draft_budget must be an integer >= 0 (0 = no drafting), got {draft_budget!r}")
@@ -219,6 +227,7 @@ def decode(tm: TargetModel, prompt_ids, params: SamplingParams, *, drafter: Draf
     context[:n_prompt] = prompt
     n_ctx = n_prompt
     cancelled = is_cancelled or (lambda: False)
+    sizer = DraftSizer(tm.node_cost) if adaptive_budget and drafter is not None else None
 
     if cancelled():
         yield [], FINISH_CANCELLED
@@ -250,7 +259,8 @@ def decode(tm: TargetModel, prompt_ids, params: SamplingParams, *, drafter: Draf
             t = time.perf_counter()
             try:
                 # One step emits at most depth + 1 tokens: deeper nodes could never be used.
-                tokens, parents = draft(drafter, context[:n_ctx], draft_budget, remaining - 1, tm.vocab_size)
+                tokens, parents = draft(drafter, context[:n_ctx], draft_budget, remaining - 1, tm.vocab_size,
+                                        sizer)
             except DraftUnavailable as e:
                 _degrade(stats, str(e))
             except Exception as e:  # a drafter bug must not fail the request; AR is always correct
@@ -267,6 +277,8 @@ def decode(tm: TargetModel, prompt_ids, params: SamplingParams, *, drafter: Draf
         stats.draft_tokens_proposed += int(tokens.shape[0])
         stats.draft_tokens_accepted += len(path)
         stats.record_step(len(emitted))
+        if sizer is not None:
+            sizer.observe(len(path))
 
         last = emitted[-1]
         context[n_ctx:n_ctx + len(emitted)] = emitted
@@ -442,7 +454,8 @@ class TextStream:
 
 def generate_stream(tm: TargetModel, prompt_ids, params: SamplingParams, *, drafter: Drafter | None = None,
                     draft_budget: int = DEFAULT_DRAFT_BUDGET, is_cancelled: Callable[[], bool] | None = None,
-                    tokenizer="model", decoding: str | None = None) -> Iterator[StreamChunk]:
+                    tokenizer="model", decoding: str | None = None,
+                    adaptive_budget: bool = True) -> Iterator[StreamChunk]:
     """Stream output chunks (about one per forward pass); the final chunk has finish_reason, stats and usage.
 
     tokenizer: "model" = tm.tokenizer; None = token ids only (no text, stop sequences not allowed).
@@ -454,7 +467,7 @@ def generate_stream(tm: TargetModel, prompt_ids, params: SamplingParams, *, draf
         raise ValueError("stop: stop sequences need a tokenizer to match text")
     stats = SpeculationStats(decoding=decoding or (drafter.name if drafter is not None else "ar"))
     steps = decode(tm, prompt_ids, params, drafter=drafter, draft_budget=draft_budget, stats=stats,
-                   is_cancelled=is_cancelled)
+                   is_cancelled=is_cancelled, adaptive_budget=adaptive_budget)
     text = TextStream(tok, np.asarray(prompt_ids), params.stop)
     finish = FINISH_LENGTH
     try:

@@ -17,6 +17,8 @@ import copy
 import gzip
 import importlib.util
 import json
+import os
+import platform
 import sys
 import time
 from dataclasses import asdict
@@ -311,7 +313,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"model {tm.model_dir} ({args.dtype}, {tm.device}); warm-up {warmup(tm):.1f} s", file=sys.stderr)
     result: dict = {"workload": args.workload, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
                     "draft_budget": args.draft_budget, "ignore_eos": args.ignore_eos, "datastore": args.datastore,
-                    "torch_threads": torch.get_num_threads(), "methods": {}}
+                    "torch_threads": torch.get_num_threads(), "node_cost": tm.node_cost, "limit": args.limit,
+                    "command": "python -m bench.speculative " + " ".join(sys.argv[1:] if argv is None else argv),
+                    "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                                "loadavg_before": os.getloadavg()}, "methods": {}}
     if args.tree_cost:
         result["tree_cost"] = tree_cost(tm)
         print_tree_cost(result["tree_cost"], args.dtype)
@@ -325,8 +330,12 @@ def main(argv: list[str] | None = None) -> None:
         print_table(result["methods"], f"{args.workload}, {args.dtype}, greedy, {args.max_new_tokens} new tokens, "
                                        f"{len(prompts)} prompts, draft budget {args.draft_budget}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        result["machine"]["loadavg_after"] = os.getloadavg()
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(result, indent=1))
+        tmp.replace(out)
         print(f"wrote {args.json}", file=sys.stderr)
 
 

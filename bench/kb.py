@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -255,10 +256,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", default="", help="write the results here")
     args = ap.parse_args(argv)
     out = run(args)
+    out["command"] = "python -m bench.kb " + " ".join(sys.argv[1:] if argv is None else argv)
     print_table(out)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=2))
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(out, indent=2))
+        tmp.replace(path)
         print(f"wrote {args.json}")
 
 

@@ -60,8 +60,9 @@ from generation_service.speculative import (
     FINISH_STOP,
     SpeculationStats,
     StreamChunk,
-    TextStream,
     prefill,
+    stream_tokenizer,
+    text_chunks,
     verify_tree,
 )
 from generation_service.tree_attention import gather_kv
@@ -564,36 +565,17 @@ def generate_stream(tm: TargetModel, prompt_ids, params: SamplingParams, opts: K
                     is_cancelled: Callable[[], bool] | None = None, tokenizer="model") -> Iterator[KnnStreamChunk]:
     """Stream chunks like speculative.generate_stream; the final chunk carries SpeculationStats and KnnLmStats."""
     t0 = time.perf_counter()
-    tok = tm.tokenizer if isinstance(tokenizer, str) and tokenizer == "model" else tokenizer
-    if tok is None and params.stop:
-        raise ValueError("stop: stop sequences need a tokenizer to match text")
+    tok = stream_tokenizer(tm, tokenizer, params)
     knn = KnnLmStats()
     steps = decode(tm, prompt_ids, params, opts, backend, stats=knn, is_cancelled=is_cancelled)
-    text = TextStream(tok, np.asarray(prompt_ids), params.stop)
-    finish = FINISH_LENGTH
-    try:
-        for tokens, finish_step in steps:
-            if text.add(tokens):
-                finish = FINISH_STOP
-                break
-            if finish_step:
-                finish = finish_step
-                break
-            ids, delta = text.release(final=False)
-            if ids or delta:
-                yield KnnStreamChunk(ids, delta)
-    finally:
-        steps.close()
-    if (finish != FINISH_STOP or not text.stopped) and text.flush():
-        finish = FINISH_STOP
-    ids, delta = text.release(final=True)
+    finish, ids, delta, n_tokens = yield from text_chunks(steps, tok, prompt_ids, params.stop, KnnStreamChunk)
     stats = SpeculationStats(
         decoding="knnlm", forward_steps=knn.tokens if not opts.speculate else knn.tokens + knn.wasted_passes,
         draft_ms=knn.speculation_ms, verify_ms=knn.retrieval_ms + knn.generation_ms, prefill_ms=knn.prefill_ms,
         total_ms=(time.perf_counter() - t0) * 1e3, draft_tokens_proposed=knn.speculated,
         draft_tokens_accepted=knn.correct)
     yield KnnStreamChunk(ids, delta, finish_reason=finish, stats=stats, prompt_tokens=len(prompt_ids),
-                         completion_tokens=len(text.tokens), knnlm=knn)
+                         completion_tokens=n_tokens, knnlm=knn)
 
 
 def options_from_proto(msg, defaults: KnnLmOptions | None = None) -> KnnLmOptions:

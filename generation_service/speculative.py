@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Generator, Iterator
 
 import numpy as np
 import torch
@@ -462,13 +462,29 @@ def generate_stream(tm: TargetModel, prompt_ids, params: SamplingParams, *, draf
     decoding: the name reported in stats (default: the drafter's name, or "ar").
     """
     t0 = time.perf_counter()
-    tok = tm.tokenizer if isinstance(tokenizer, str) and tokenizer == "model" else tokenizer
-    if tok is None and params.stop:
-        raise ValueError("stop: stop sequences need a tokenizer to match text")
+    tok = stream_tokenizer(tm, tokenizer, params)
     stats = SpeculationStats(decoding=decoding or (drafter.name if drafter is not None else "ar"))
     steps = decode(tm, prompt_ids, params, drafter=drafter, draft_budget=draft_budget, stats=stats,
                    is_cancelled=is_cancelled, adaptive_budget=adaptive_budget)
-    text = TextStream(tok, np.asarray(prompt_ids), params.stop)
+    finish, ids, delta, n_tokens = yield from text_chunks(steps, tok, prompt_ids, params.stop, StreamChunk)
+    stats.total_ms = (time.perf_counter() - t0) * 1e3
+    yield StreamChunk(ids, delta, finish_reason=finish, stats=stats, prompt_tokens=len(prompt_ids),
+                      completion_tokens=n_tokens)
+
+
+def stream_tokenizer(tm: TargetModel, tokenizer, params: SamplingParams):
+    """tokenizer: "model" = tm.tokenizer, None = token ids only (then stop sequences cannot be matched)."""
+    tok = tm.tokenizer if isinstance(tokenizer, str) and tokenizer == "model" else tokenizer
+    if tok is None and params.stop:
+        raise ValueError("stop: stop sequences need a tokenizer to match text")
+    return tok
+
+
+def text_chunks(steps: Iterator[tuple[list[int], str | None]], tok, prompt_ids, stop: list[str],
+                chunk: type[StreamChunk]) -> Generator[StreamChunk, None, tuple[str, list[int], str, int]]:
+    """Token steps (tokens, finish reason or None) -> text chunks, shared by every decoding loop; returns what the
+    final chunk needs: (finish reason, last ids, last text, completion tokens). Closes `steps` on a stop."""
+    text = TextStream(tok, np.asarray(prompt_ids), stop)
     finish = FINISH_LENGTH
     try:
         for tokens, finish_step in steps:
@@ -480,16 +496,13 @@ def generate_stream(tm: TargetModel, prompt_ids, params: SamplingParams, *, draf
                 break
             ids, delta = text.release(final=False)
             if ids or delta:
-                yield StreamChunk(ids, delta)
+                yield chunk(ids, delta)
     finally:
         steps.close()
-    if finish != FINISH_STOP or not text.stopped:
-        if text.flush():
-            finish = FINISH_STOP
+    if (finish != FINISH_STOP or not text.stopped) and text.flush():
+        finish = FINISH_STOP
     ids, delta = text.release(final=True)
-    stats.total_ms = (time.perf_counter() - t0) * 1e3
-    yield StreamChunk(ids, delta, finish_reason=finish, stats=stats, prompt_tokens=len(prompt_ids),
-                      completion_tokens=len(text.tokens))
+    return finish, ids, delta, len(text.tokens)
 
 
 def generate(tm: TargetModel, prompt_ids, params: SamplingParams, **kwargs) -> GenerationResult:

@@ -137,7 +137,8 @@ def ralm(name: str, d: dict) -> str:
     rows = []
     for ret, per in d["retrievers"].items():
         base = per.get("B", {}).get("latency_s")
-        for cfg, v in per.items():
+        order = ["B", "P", "S", "A", "PS", "SA", "PA", "PSA"]
+        for cfg, v in sorted(per.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)):
             rows.append([ret, cfg, _f(v["latency_s"]), _f(v["retrieval_s"]), _f(v["generation_s"]),
                          _f(base / v["latency_s"]) + "×" if base else "–", f"{v['identical']}/{v['n']}"])
     return _table(["retriever", "config", "latency s", "R s", "G s", "speed-up vs B", "identical"], rows) + \
@@ -170,7 +171,7 @@ def load(name: str, d: dict) -> str:
 TABLES: dict[str, tuple[list[str], Callable[[str, dict], str]]] = {
     "speculative": (["speculative-humaneval.json", "speculative-mtbench.json"], speculative),
     "draft-retrieval": (["draft-retrieval.json"], draft_retrieval),
-    "online-learning": (["online-learning.json", "online-learning-humaneval.json"], online_learning),
+    "online-learning": (["online-learning.json"], online_learning),
     "crest": (["crest-humaneval.json", "crest-mtbench.json"], crest),
     "kb": (["kb.json"], kb),
     "ralm": (["ralm.json"], ralm),

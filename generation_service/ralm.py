@@ -53,9 +53,10 @@ from generation_service.speculative import (
     FINISH_STOP,
     SpeculationStats,
     StreamChunk,
-    TextStream,
     _check_prompt,
     prefill,
+    stream_tokenizer,
+    text_chunks,
     verify_tree,
 )
 from generation_service.tree_attention import gather_kv
@@ -619,33 +620,13 @@ def ralm_stream(tm: TargetModel, prompt_ids, params: SamplingParams, rag: RagPar
     """Stream committed output (about one chunk per step or round); the final chunk has finish_reason, stats
     (decoding = ralmseq | ralmspec) and rag_stats. tokenizer: "model" = tm.tokenizer, None = ids only."""
     t0 = time.perf_counter()
-    tok = tm.tokenizer if isinstance(tokenizer, str) and tokenizer == "model" else tokenizer
-    if tok is None and params.stop:
-        raise ValueError("stop: stop sequences need a tokenizer to match text")
+    tok = stream_tokenizer(tm, tokenizer, params)
     rstats = RagStats()
     steps = ralm_decode(tm, prompt_ids, params, rag, retriever, stats=rstats, is_cancelled=is_cancelled)
-    text = TextStream(tok, np.asarray(prompt_ids), params.stop)
-    finish = FINISH_LENGTH
-    try:
-        for tokens, finish_step in steps:
-            if text.add(tokens):
-                finish = FINISH_STOP
-                break
-            if finish_step:
-                finish = finish_step
-                break
-            ids, delta = text.release(final=False)
-            if ids or delta:
-                yield RagChunk(ids, delta)
-    finally:
-        steps.close()
-    if finish != FINISH_STOP or not text.stopped:
-        if text.flush():
-            finish = FINISH_STOP
-    ids, delta = text.release(final=True)
+    finish, ids, delta, n_tokens = yield from text_chunks(steps, tok, prompt_ids, params.stop, RagChunk)
     total = time.perf_counter() - t0
     stats = SpeculationStats(decoding=rag.mode, prefill_ms=rstats.prefill_s * 1e3,
                              verify_ms=rstats.generation_s * 1e3, draft_ms=rstats.retrieval_s * 1e3,
                              total_ms=total * 1e3, forward_steps=rstats.prefills + rstats.decode_tokens)
     yield RagChunk(ids, delta, finish_reason=finish, stats=stats, prompt_tokens=len(prompt_ids),
-                   completion_tokens=len(text.tokens), rag_stats=rstats)
+                   completion_tokens=n_tokens, rag_stats=rstats)

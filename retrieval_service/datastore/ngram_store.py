@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import struct
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ import numba as nb
 import numpy as np
 import xxhash
 
+from retrieval_service.datastore import container
 from retrieval_service.datastore.draft_tree import DraftTree, as_context
 from retrieval_service.datastore.ngram_codec import Codec, decode_payload, trim_tree
 from retrieval_service.datastore.shards import DatastoreError, TokenizerMismatch
@@ -56,7 +56,7 @@ __all__ = ["NgramStoreError", "StoreUnavailable", "TokenizerMismatch", "Embedded
 FORMAT = "ragserve-crest"
 FORMAT_VERSION = 1
 MAGIC = b"RGCREST\x01"
-_PREFIX = struct.Struct("<8sQQ")
+_PREFIX = container.PREFIX
 _ALIGN = 64
 _SECTIONS = ("index", "records", "zdict")
 LOAD_FACTOR = 0.6
@@ -327,29 +327,11 @@ def write_store(path: str | os.PathLike, records: StoreRecords, meta: dict) -> P
 
 def read_header(path: Path) -> tuple[dict, int]:
     """-> (header, data_start); NgramStoreError naming what is wrong."""
-    try:
-        with open(path, "rb") as f:
-            prefix = f.read(_PREFIX.size)
-            if len(prefix) < _PREFIX.size:
-                raise NgramStoreError(f"{path} is not a CREST store (only {len(prefix)} bytes)")
-            magic, n, digest = _PREFIX.unpack(prefix)
-            if magic != MAGIC:
-                raise NgramStoreError(f"{path} is not a CREST store (magic {magic!r}, expected {MAGIC!r})")
-            if n > 1 << 24:
-                raise NgramStoreError(f"{path} is corrupted: header length {n} is implausible")
-            blob = f.read(n)
-    except FileNotFoundError:
-        raise NgramStoreError(f"CREST store {str(path)!r} does not exist; build it with "
-                              f"python -m retrieval_service.datastore.crest_build") from None
-    except OSError as e:
-        raise NgramStoreError(f"cannot read CREST store {path}: {e}") from e
-    if len(blob) != n or xxhash.xxh3_64_intdigest(blob) != digest:
-        raise NgramStoreError(f"{path} is corrupted: header checksum mismatch")
-    header = json.loads(blob)
-    if header.get("format") != FORMAT or header.get("version") != FORMAT_VERSION:
-        raise NgramStoreError(f"{path} has format {header.get('format')!r} version {header.get('version')!r}; "
-                              f"this code reads {FORMAT!r} version {FORMAT_VERSION}")
-    return header, _align(_PREFIX.size + n)
+    return container.read_header(
+        path, magic=MAGIC, fmt=FORMAT, version=FORMAT_VERSION, align_to=_ALIGN, what="a CREST store",
+        short="CREST store", error=NgramStoreError,
+        missing=f"CREST store {str(path)!r} does not exist; build it with "
+                f"python -m retrieval_service.datastore.crest_build")
 
 
 def build_id(header: dict) -> str:

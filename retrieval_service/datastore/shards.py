@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import struct
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,12 +34,14 @@ import numba as nb
 import numpy as np
 import xxhash
 
+from retrieval_service.datastore import container
+
 FORMAT = "ragserve-suffix-array"
 FORMAT_VERSION = 1
 MAGIC = b"RGSSA\x00\x00\x01"
 MANIFEST = "datastore.json"
 SHARD_GLOB = "shard-*.rsa"
-_PREFIX = struct.Struct("<8sQQ")
+_PREFIX = container.PREFIX
 _ALIGN = 4096
 # libdivsufsort's 32-bit entry point sorts at most 2**31 - 1 bytes; tokens are sorted as big-endian bytes.
 _MAX_SA_BYTES = 2**31 - 1
@@ -286,27 +287,9 @@ def _align(n: int) -> int:
 
 def read_header(path: Path) -> tuple[dict, int]:
     """-> (header, data_start). Raises DatastoreError naming what is wrong."""
-    try:
-        with open(path, "rb") as f:
-            prefix = f.read(_PREFIX.size)
-            if len(prefix) < _PREFIX.size:
-                raise DatastoreError(f"{path} is not a ragserve suffix-array shard (only {len(prefix)} bytes)")
-            magic, n, digest = _PREFIX.unpack(prefix)
-            if magic != MAGIC:
-                raise DatastoreError(f"{path} is not a ragserve suffix-array shard "
-                                     f"(magic {magic!r}, expected {MAGIC!r})")
-            if n > 1 << 24:
-                raise DatastoreError(f"{path} is corrupted: header length {n} is implausible")
-            blob = f.read(n)
-    except OSError as e:
-        raise DatastoreError(f"cannot read shard {path}: {e}") from e
-    if len(blob) != n or xxhash.xxh3_64_intdigest(blob) != digest:
-        raise DatastoreError(f"{path} is corrupted: header checksum mismatch")
-    header = json.loads(blob)
-    if header.get("format") != FORMAT or header.get("version") != FORMAT_VERSION:
-        raise DatastoreError(f"{path} has format {header.get('format')!r} version {header.get('version')!r}; "
-                             f"this code reads {FORMAT!r} version {FORMAT_VERSION}")
-    return header, _align(_PREFIX.size + n)
+    return container.read_header(
+        path, magic=MAGIC, fmt=FORMAT, version=FORMAT_VERSION, align_to=_ALIGN,
+        what="a ragserve suffix-array shard", short="shard", error=DatastoreError)
 
 
 def _check_structure(shard: Shard) -> None:

@@ -110,6 +110,19 @@ def _eos_ids(model, tokenizer) -> frozenset[int]:
     return frozenset(int(i) for i in ids)
 
 
+def cap_blas_threads(threads: int) -> None:
+    """Cap every BLAS / OpenMP pool in the process (numpy's OpenBLAS, faiss's OpenMP) at `threads`.
+
+    torch.set_num_threads only covers torch. numpy's OpenBLAS starts one spinning thread per core for every
+    matrix-vector product the worker does (the kNN-LM cache look-up, draft scoring); on a 2-core machine shared
+    with the retrieval service those threads take the core its Search runs on (measured: capping them nearly
+    doubled kNN-LM speculation gains, bench/results/knnlm.json).
+    """
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=max(1, threads))
+
+
 def load_model(model_dir: str | os.PathLike | None = "", dtype: str = "bf16", device: str = "auto",
                threads: int = 0) -> TargetModel:
     """A local HF model directory ("" / None = default model) -> TargetModel in eval mode on `device`."""
@@ -124,6 +137,7 @@ def load_model(model_dir: str | os.PathLike | None = "", dtype: str = "bf16", de
     hf_logging.disable_progress_bar()
     if threads:
         torch.set_num_threads(threads)
+        cap_blas_threads(threads)
     dev = pick_device(device)
     path = resolve_model_dir(model_dir)
     torch_dtype = _DTYPES[dtype]

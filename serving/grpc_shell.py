@@ -74,11 +74,14 @@ def start_server(
     max_message_bytes: int,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
     credentials: grpc.ServerCredentials | None = None,
+    thread_initializer: Callable[[], None] | None = None,
 ) -> RunningServer:
     """Build, bind and start a server whose services report NOT_SERVING until `set_serving()`.
 
     add_servicers registers the application servicers and returns their full service names.
     port 0 binds a free port (tests); the bound port is in the result.
+    thread_initializer runs once in every handler thread: per-thread settings such as OpenMP's thread count,
+    which omp_set_num_threads in the main thread does not give to threads started later.
     """
     options = [
         ("grpc.max_send_message_length", max_message_bytes),
@@ -86,7 +89,7 @@ def start_server(
         ("grpc.so_reuseport", 0),
     ]
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rpc"),
+        futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rpc", initializer=thread_initializer),
         maximum_concurrent_rpcs=max_concurrent_rpcs or None,
         options=options,
         interceptors=[*interceptors, DecodeErrorInterceptor()],

@@ -124,3 +124,29 @@ def test_load_vector_index_from_files(tmp_path):
     (tmp_path / "bad.faiss").write_bytes(b"junk")
     with pytest.raises(ValueError, match="bad.faiss"):
         dense.load_vector_index("bad", metric="ip", exact_path=tmp_path / "bad.faiss")
+
+
+def test_thread_cap_needs_a_call_in_each_thread():
+    # OpenMP's thread count is per thread: the cap set in the main thread does not reach threads started later
+    # (the gRPC handlers that run Search), which is why the retrieval server passes configure_faiss as the
+    # handler threads' initializer. Both halves are checked.
+    import os
+    import threading
+
+    import faiss
+
+    dense.configure_faiss(1)
+    seen: dict[str, int] = {}
+
+    def probe(name: str, initialize: bool) -> None:
+        if initialize:
+            dense.configure_faiss(1)
+        seen[name] = faiss.omp_get_max_threads()
+
+    for name, initialize in (("bare", False), ("initialized", True)):
+        t = threading.Thread(target=probe, args=(name, initialize))
+        t.start()
+        t.join()
+    assert faiss.omp_get_max_threads() == 1 and seen["initialized"] == 1
+    if (os.cpu_count() or 1) > 1 and not os.environ.get("OMP_NUM_THREADS"):
+        assert seen["bare"] > 1  # Not 1: the main thread's cap did not carry over

@@ -78,3 +78,18 @@ def test_generation_passes_the_client_deadline_to_retrieval(tm, recorder):
         servicer.worker.stop()
     assert svc.remaining, "the worker never asked for a draft"
     assert all(r is not None and 0 < r <= 31 for r in svc.remaining), svc.remaining  # Not the 600 s timeout
+
+
+def test_thread_initializer_runs_in_the_handler_threads():
+    started: list[str] = []
+    running = start_server(lambda server: [], host="127.0.0.1", port=0, workers=2, max_concurrent_rpcs=None,
+                           max_message_bytes=1 << 20,
+                           thread_initializer=lambda: started.append(threading.current_thread().name))
+    try:
+        running.set_serving(True)
+        from serving.grpc_shell import wait_until_serving
+
+        assert wait_until_serving(running.address, timeout_s=10.0)  # a Health.Check handled by a pool thread
+        assert started and all(name.startswith("rpc") for name in started)  # Not the main thread
+    finally:
+        running.stop(0)

@@ -27,24 +27,27 @@ import platform
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
-from generation_service.knnlm import KnnBackend, KnnLmOptions, generate_tokens, _output_layer_input
-from generation_service.os3 import OS3Config
+from generation_service.knnlm import KNN_OS3, KnnBackend, KnnLmOptions, generate_tokens, _output_layer_input
 from generation_service.sampling import SamplingParams
 from retrieval_service.knowledge.knn_build import DEFAULT_DIR, load_held_out, open_datastore
 
-CONFIGS = ("base", "s1", "s2", "s4", "s8", "s16", "os3")
+SPECULATIVE = ("s1", "s2", "s4", "s8", "s16", "os3")
+CONFIGS = ("base",) + SPECULATIVE + tuple(f"{c}-sync" for c in SPECULATIVE)
 
 
 def config_options(name: str, retriever: str, k: int, lam: float, temperature: float) -> KnnLmOptions:
-    """base | s<stride> | os3 -> KnnLmOptions."""
+    """base | s<stride> | os3, "-sync" = without async verification -> KnnLmOptions."""
     if name == "base":
         return KnnLmOptions(retriever=retriever, k=k, lam=lam, temperature=temperature)
-    stride = 0 if name == "os3" else int(name[1:])
-    return KnnLmOptions(retriever=retriever, k=k, lam=lam, temperature=temperature, speculate=True, stride=stride)
+    spec, _, sync = name.partition("-")
+    stride = 0 if spec == "os3" else int(spec[1:])
+    return KnnLmOptions(retriever=retriever, k=k, lam=lam, temperature=temperature, speculate=True, stride=stride,
+                        async_verify=sync != "sync")
 
 
 # ------------------------------------------------------------------------------------- retrieval process
@@ -97,7 +100,7 @@ def run_latency(tm, backend: KnnBackend, prompts: list[np.ndarray], ks: list[int
     from tqdm import tqdm
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
-    os3 = OS3Config(gamma_max=args.os3_gamma_max)
+    os3 = replace(KNN_OS3, gamma_max=args.os3_gamma_max)
     rows: dict[str, dict[str, list[dict]]] = {str(k): {c: [] for c in configs} for k in ks}
     # Warm-up: the first requests pay for page faults of the keys and the model's first passes.
     for c in ("base", "s4"):
@@ -110,7 +113,7 @@ def run_latency(tm, backend: KnnBackend, prompts: list[np.ndarray], ks: list[int
             for c in configs:  # "base" first (validated in main), so every config is compared with its run
                 opts = config_options(c, retriever, k, args.lam, args.temperature)
                 t0 = time.perf_counter()
-                tokens, st = generate_tokens(tm, prompt, params, opts, backend, os3=os3 if c == "os3" else None)
+                tokens, st = generate_tokens(tm, prompt, params, opts, backend, os3=os3 if opts.stride == 0 else None)
                 latency = time.perf_counter() - t0
                 if c == "base":
                     base_tokens = tokens
@@ -119,7 +122,7 @@ def run_latency(tm, backend: KnnBackend, prompts: list[np.ndarray], ks: list[int
                     "retrieval_ms": st.retrieval_ms, "generation_ms": st.generation_ms,
                     "speculation_ms": st.speculation_ms, "prefill_ms": st.prefill_ms, "kb_calls": st.kb_calls,
                     "kb_queries": st.kb_queries, "speculated": st.speculated, "correct": st.correct,
-                    "rollbacks": st.rollbacks, "wasted_passes": st.wasted_passes,
+                    "rollbacks": st.rollbacks, "wasted_passes": st.wasted_passes, "overlapped": st.overlapped,
                     "mean_stride": float(np.mean(st.strides)) if st.strides else 0.0})
                 bar.update(1)
     bar.close()
@@ -138,7 +141,7 @@ def run_latency(tm, backend: KnnBackend, prompts: list[np.ndarray], ks: list[int
                 "prefill_s": mean("prefill_ms") / 1e3, "kb_calls": mean("kb_calls"),
                 "kb_queries": mean("kb_queries"), "mean_stride": mean("mean_stride"),
                 "speculation_accuracy": (sum(r["correct"] for r in rs) / spec) if spec else None,
-                "wasted_passes": mean("wasted_passes"), "tokens": mean("tokens"),
+                "wasted_passes": mean("wasted_passes"), "overlapped": mean("overlapped"), "tokens": mean("tokens"),
                 "per_request_s": [r["latency_s"] for r in rs]}
     return out
 
@@ -253,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--lam", default="auto", help="λ, or auto = the perplexity run's dev-set choice")
     ap.add_argument("--temperature", default="auto", help="T, or auto = the perplexity run's dev-set choice")
-    ap.add_argument("--os3-gamma-max", type=float, default=OS3Config().gamma_max)
+    ap.add_argument("--os3-gamma-max", type=float, default=KNN_OS3.gamma_max)
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the worker side")
     ap.add_argument("--omp-threads", type=int, default=1, help="faiss threads of the retrieval service")
@@ -273,24 +276,27 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--configs: need base and some of {CONFIGS}, got {configs}")
     configs = ["base"] + [c for c in configs if c != "base"]
 
+    from threadpoolctl import threadpool_info
+
     from generation_service.model import load_model
 
     t_start = time.time()
     ds = open_datastore(args.datastore)
     held = load_held_out(args.datastore)
     prompts = [d[: args.prompt_tokens].astype(np.int64) for d in held if len(d) >= args.prompt_tokens][: args.limit]
-    tm = load_model("", dtype=args.dtype, device="cpu", threads=args.threads)
+    tm = load_model("", dtype=args.dtype, device="cpu", threads=args.threads)  # also caps numpy's BLAS threads
     result: dict = {
         "command": "python -m bench.knnlm " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
         "env": {k: os.environ.get(k) for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")},
         "loadavg_start": list(os.getloadavg()),
+        "threadpools": [{k: i[k] for k in ("internal_api", "num_threads")} for i in threadpool_info()],
         "datastore": {k: ds.meta.get(k) for k in ("n", "dim", "dtype", "key", "documents", "tokens", "hnsw",
                                                   "model_dtype", "window", "overlap", "build_s", "keys_s", "bytes")},
         "setup": {"prompts": len(prompts), "prompt_tokens": args.prompt_tokens,
                   "max_new_tokens": args.max_new_tokens, "lambda": args.lam, "temperature": args.temperature,
                   "model_dtype": args.dtype, "worker_threads": args.threads, "faiss_threads": args.omp_threads,
-                  "os3": vars(OS3Config(gamma_max=args.os3_gamma_max)), "cache_next": KnnLmOptions().cache_next,
+                  "os3": vars(replace(KNN_OS3, gamma_max=args.os3_gamma_max)), "cache_next": KnnLmOptions().cache_next,
                   "cache_capacity": KnnLmOptions().cache_capacity, "interleaved": "per prompt and k"},
         "retrievers": {},
     }

@@ -145,18 +145,33 @@ def ralm(name: str, d: dict) -> str:
         "\n\n" + _source(name, d)
 
 
+_KNN_ORDER = ("base", "s1", "s2", "s4", "s8", "s16", "os3")
+
+
+def _knn_label(c: str) -> str:
+    spec, _, sync = c.partition("-")
+    label = "OS³" if spec == "os3" else ("base s" if spec == "base" else f"s={spec[1:]}")
+    return label + (" sync" if sync else "")
+
+
 def knnlm(name: str, d: dict) -> str:
+    present = {c for per_k in d["retrievers"].values() for per in per_k.values() for c in per}
+    order = [c for spec in _KNN_ORDER for c in (spec, f"{spec}-sync") if c in present]
     rows = []
     for ret, per_k in d["retrievers"].items():
         for k, per in sorted(per_k.items(), key=lambda kv: int(kv[0])):
-            base = per.get("base", {}).get("latency_s")
-            rows.append([ret, k] + [
+            b = per.get("base", {})
+            base = b.get("latency_s")
+            rows.append([ret, k, f"{_f(b.get('retrieval_s'))} / {_f(b.get('generation_s'))}"] + [
                 (f"{per[c]['latency_s']:.2f} ({base / per[c]['latency_s']:.2f}×)" if c in per and base else "–")
-                for c in ("base", "s2", "s4", "s8", "os3")])
+                for c in order])
     ppl = d.get("perplexity", {})
-    extra = f"Held-out perplexity: LM {_f(ppl.get('lm'))}, kNN-LM {_f(ppl.get('knnlm'))}."
-    return _table(["retriever", "k", "base s", "s=2", "s=4", "s=8", "OS³"], rows) + "\n\n" + extra + "\n\n" + \
-        _source(name, d)
+    n = d.get("datastore", {}).get("n")
+    extra = (f"Datastore {n:,} entries. " if n else "") + \
+        f"Held-out perplexity: LM {_f(ppl.get('lm'))}, kNN-LM {_f(ppl.get('knnlm'))}. " + \
+        "Latency per request in s (speed-up over base); R / G = the baseline's retrieval / generation seconds."
+    return _table(["retriever", "k", "base R / G s"] + [_knn_label(c) for c in order], rows) + "\n\n" + extra + \
+        "\n\n" + _source(name, d)
 
 
 def load(name: str, d: dict) -> str:

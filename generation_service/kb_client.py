@@ -229,9 +229,9 @@ class KBClient:
     @staticmethod
     def search_request(retriever: str, k: int, *, texts=None, vectors: np.ndarray | None = None,
                        with_text: bool = False, with_vectors: bool = False, with_query_vectors: bool = False,
-                       ef_search: int = 0) -> knowledge_pb2.SearchRequest:
+                       ef_search: int = 0, index: str = "") -> knowledge_pb2.SearchRequest:
         req = knowledge_pb2.SearchRequest(retriever=retriever, k=k, with_text=with_text, with_vectors=with_vectors,
-                                          with_query_vectors=with_query_vectors, ef_search=ef_search)
+                                          with_query_vectors=with_query_vectors, ef_search=ef_search, index=index)
         if texts:
             req.texts.extend(texts)
         if vectors is not None:

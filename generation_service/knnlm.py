@@ -18,7 +18,9 @@ that follow each neighbour (entry j+1 continues entry j's text, so it is a likel
 A speculation step takes the k nearest *cached* entries instead of calling the service, picks the token and runs
 the LM on it; after s steps one batched Search verifies all s queries. A step is right when its speculated token
 equals the token the true neighbours give (not the neighbour set); at the first wrong step the KV cache rolls
-back and the true token is emitted. s is fixed or chosen by OS³ (generation_service/os3.py).
+back and the true token is emitted. s is fixed or chosen by OS³ (generation_service/os3.py). With async
+verification (the default) the next round is speculated while the Search is in flight, assuming the round in
+flight is all right; on two cores the LM pass and the service's Search then run side by side.
 
 Lossless: every emitted token is the greedy pick of the true distribution for a context made of emitted tokens
 only, computed from the same single-token LM pass and the same Search scores as the baseline's, so the output
@@ -43,7 +45,7 @@ import logging
 import math
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Iterator, Sequence
 
 import grpc
@@ -73,6 +75,13 @@ log = logging.getLogger(__name__)
 RETRIEVERS = ("edr", "adr")
 MAX_K = 1024
 MAX_STRIDE = 64
+# OS³ for kNN-LM. γ̂ cap: RaLMSpec's 0.6 suits document-level retrieval, but the next token is more predictable
+# from cached successor entries (per-step accuracy 0.8-0.97 measured on the 1 M-entry docs datastore), and a cap
+# of 0.6 made OS³ pick strides 3-5 where 8 was 25 % faster; 0.9 let two lucky early rounds jump to 16 and roll
+# back most of it. First stride 4, not 1: with a verification costing ~8 LM passes, warm-up rounds of one step
+# each cost more than a wrong first guess does.
+KNN_GAMMA_MAX = 0.8
+KNN_OS3 = OS3Config(gamma_max=KNN_GAMMA_MAX, s_init=4)
 _EMPTY = np.zeros(0, np.int32)
 
 
@@ -86,6 +95,7 @@ class KnnLmOptions:
     temperature: float = 10.0  # T of the softmax over −‖q − key‖² (squared distances here are ~10²..10³)
     speculate: bool = False  # False = the baseline: one Search per token
     stride: int = 0  # speculation steps per verification; 0 = OS³
+    async_verify: bool = True  # speculate the next round while the verification Search is in flight
     cache_next: int = 10  # n: datastore entries after each retrieved one that enter the cache
     cache_capacity: int = 16384  # cached entries kept (most recently filled first)
     ef_search: int = 0  # adr: HNSW efSearch (0 = server default; raised to k + margin by the service)
@@ -106,8 +116,10 @@ class KnnLmOptions:
 
     @property
     def mode(self) -> str:
-        """The name stats and benchmarks use: base | s<stride> | os3."""
-        return "base" if not self.speculate else ("os3" if self.stride == 0 else f"s{self.stride}")
+        """The name stats and benchmarks use: base | s<stride> | os3, + "-sync" without async verification."""
+        if not self.speculate:
+            return "base"
+        return ("os3" if self.stride == 0 else f"s{self.stride}") + ("" if self.async_verify else "-sync")
 
 
 def _check_int(name: str, value, lo: int, hi: int) -> None:
@@ -135,7 +147,8 @@ class KnnLmStats:
     verifications: int = 0
     rollbacks: int = 0  # verifications that found a wrong step
     wasted_passes: int = 0  # LM passes on speculated tokens that were thrown away
-    strides: list[int] = field(default_factory=list)
+    overlapped: int = 0  # speculation steps run while a verification Search was in flight (async)
+    strides: list[int] = field(default_factory=list)  # steps of each verification, in order
     cache_entries: int = 0  # cache size at the end
 
     def as_dict(self) -> dict:
@@ -294,12 +307,44 @@ class KnnSearchClient:
             raise KnnRetrievalError(f"Search on {self.target}: {len(reply.hits)} results for {len(queries)} queries")
         return [(h.ids, h.scores) for h in reply.hits]
 
+    def search_async(self, queries: np.ndarray, k: int, retriever: str, ef_search: int = 0) -> "PendingSearch":
+        """Start a batched Search and return at once; PendingSearch.result() waits for it."""
+        fut = self.kb.search_async(retriever, k, vectors=queries, ef_search=ef_search, index=self.index)
+        return PendingSearch(self, fut, np.asarray(queries, np.float32), k, retriever, ef_search)
+
     def index_info(self):
         """The service's VectorIndexInfo for our index, or None if it is not served there (KBUnavailable if down)."""
         return next((i for i in self.kb.info().indexes if i.name == self.index), None)
 
     def close(self) -> None:
         self.kb.close()
+
+
+class PendingSearch:
+    """A verification Search in flight (kb_client.SearchFuture on one replica). result() waits; if that replica
+    failed it retries once synchronously through KBClient.call, which fails over to the other replicas."""
+
+    def __init__(self, client: KnnSearchClient, future, queries: np.ndarray, k: int, retriever: str, ef_search: int):
+        self.client, self.future, self.queries = client, future, queries
+        self.k, self.retriever, self.ef_search = k, retriever, ef_search
+        self.finished_at: float | None = None
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def result(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Wait for the hits; `finished_at` is then the perf_counter time they arrived."""
+        try:
+            reply = self.future.result()
+            self.finished_at = self.future.finished_at or time.perf_counter()
+        except KBUnavailable:
+            hits = self.client.search(self.queries, self.k, self.retriever, self.ef_search)
+            self.finished_at = time.perf_counter()
+            return hits
+        if len(reply.hits) != len(self.queries):
+            raise KnnRetrievalError(f"Search on {self.client.target}: {len(reply.hits)} results for "
+                                    f"{len(self.queries)} queries")
+        return [(h.ids, h.scores) for h in reply.hits]
 
 
 @dataclass
@@ -359,11 +404,19 @@ def true_distributions(backend: KnnBackend, queries: np.ndarray, logits: Sequenc
     """
     t0 = time.perf_counter()
     hits = backend.client.search(queries, opts.k, opts.retriever, opts.ef_search)
+    out = hit_distributions(backend, hits, logits, opts, stats)
+    stats.retrieval_ms += (time.perf_counter() - t0) * 1e3
+    return out
+
+
+def hit_distributions(backend: KnnBackend, hits: list[tuple[np.ndarray, np.ndarray]],
+                      logits: Sequence[torch.Tensor], opts: KnnLmOptions,
+                      stats: KnnLmStats) -> tuple[list[torch.Tensor], list[np.ndarray]]:
+    """Search results of B queries + their LM logits -> (p float64 [V] per query, retrieved ids per query)."""
     stats.kb_calls += 1
-    stats.kb_queries += len(queries)
+    stats.kb_queries += len(hits)
     values = backend.datastore.values
     dists = [mixed_distribution(lg, scores, np.asarray(values[ids]), opts) for lg, (ids, scores) in zip(logits, hits)]
-    stats.retrieval_ms += (time.perf_counter() - t0) * 1e3
     return dists, [ids for ids, _ in hits]
 
 
@@ -472,75 +525,142 @@ def _baseline(tm, kv, logits, hidden, max_new, eos, opts, backend, stats, cancel
         stats.generation_ms += (time.perf_counter() - t) * 1e3
 
 
+@dataclass
+class _Step:
+    """One speculation step: the LM state it guessed from and the guess."""
+
+    query: np.ndarray  # float32 [D]: the final hidden state after the previous token
+    logits: torch.Tensor  # [V]: the LM's next-token logits there
+    guess: int  # the token the cached neighbours give
+
+
+@dataclass
+class _Round:
+    """Steps sent to one batched verification Search."""
+
+    steps: list[_Step]
+    search: PendingSearch
+    sent: float  # perf_counter when the Search was sent
+    spec_s: float  # speculation time of its steps (LM passes + cache guesses)
+    passes: int  # LM passes among them (the first step after the prompt has none)
+
+
 def _speculative(tm, kv, logits, hidden, max_new, eos, opts, backend, stats, cancelled, os3):
-    """RaLMSpec rounds: s speculation steps from the cache, one batched verification, roll back at the first
-    wrong step. At the start of a round kv holds every emitted token and (logits, hidden) belong to the last."""
+    """RaLMSpec rounds: speculation steps from the cache, one batched verification Search per round, roll back
+    at the first wrong step.
+
+    A step guesses the next token from the cached neighbours of the current LM state; the LM pass on a guess runs
+    lazily, when the next step needs its state, so a sync round never runs the pass of its last guess before
+    the verification says whether it is kept. With async verification (`opts.async_verify`) the round's Search
+    is in flight while the next round is speculated on the assumption that every guess was right: its first
+    LM pass (on the last guess) and further steps overlap the Search, and are kept when the verification
+    confirms the whole round (γ^s of the time), thrown away otherwise. At most one round is in flight.
+
+    Invariant: the kv cache holds the passes of the prompt, the emitted tokens and the unverified guesses, except
+    the very last token's pass while `head` is None. The tokens emitted are always the greedy picks of true
+    distributions (real Search, LM logits) over a context of emitted tokens only, whatever was speculated.
+    """
     cache = NeighbourCache(backend.datastore, opts.cache_next, opts.cache_capacity)
-    sched = StrideScheduler(os3 or OS3Config()) if opts.stride == 0 else None
-    n_out = 0
-    pending_gen_s = 0.0  # the LM pass after the previous verification belongs to this round's first step
+    sched = None
+    if opts.stride == 0:
+        cfg = os3 or KNN_OS3
+        sched = StrideScheduler(replace(cfg, async_verify=opts.async_verify))
+    prompt_len = cache_length(kv)
+    n_out = 0  # tokens emitted (and yielded)
+    head: tuple[torch.Tensor, np.ndarray] | None = (logits, hidden)  # LM state after the last token
+    last_token = -1  # the last token of the sequence (emitted or guessed); its pass is pending while head is None
+    steps: list[_Step] = []  # speculated, not yet sent
+    spec_s, passes = 0.0, 0  # speculation time and LM passes of `steps`
+    inflight: _Round | None = None
+    stride = 0
+
+    def unverified() -> int:
+        return len(steps) + (len(inflight.steps) if inflight else 0)
+
     while True:
         if cancelled():
+            if inflight:
+                inflight.search.future.cancel()
             yield [], FINISH_CANCELLED
             return
-        remaining = max_new - n_out
-        stride = min(sched.next_stride() if sched is not None else opts.stride, remaining)
-        base = cache_length(kv)
-        queries, step_logits, guesses = [hidden], [logits], []
-        spec_s, gen_s = 0.0, pending_gen_s
-        for i in range(stride):
+        if not steps:
+            stride = sched.next_stride() if sched is not None else opts.stride
+        # 1. Speculate up to the stride; while a round is in flight, stop as soon as its answer is there.
+        while (len(steps) < stride and unverified() < max_new - n_out
+               and not (steps and steps[-1].guess in eos)
+               and not (not steps and inflight and inflight.steps[-1].guess in eos)
+               and not (inflight and inflight.search.done())):
             t = time.perf_counter()
-            _, scores, values = cache.nearest(queries[i], opts.k)
-            guesses.append(next_token(mixed_distribution(step_logits[i], scores, values, opts)))
+            if head is None:
+                head = lm_step(tm, kv, last_token)
+                stats.generation_ms += (time.perf_counter() - t) * 1e3
+                passes += 1
+            q_logits, q = head
+            t_guess = time.perf_counter()
+            _, scores, values = cache.nearest(q, opts.k)
+            guess = next_token(mixed_distribution(q_logits, scores, values, opts))
+            stats.speculation_ms += (time.perf_counter() - t_guess) * 1e3
+            steps.append(_Step(q, q_logits, guess))
+            stats.overlapped += inflight is not None
             spec_s += time.perf_counter() - t
-            if i == stride - 1 or guesses[-1] in eos:
-                break  # the last guess's LM pass waits for the verification (it is wasted if the guess is wrong)
-            t = time.perf_counter()
-            lg, h = lm_step(tm, kv, guesses[-1])
-            gen_s += time.perf_counter() - t
-            step_logits.append(lg)
-            queries.append(h)
-        steps = len(guesses)
-
+            head, last_token = None, guess
+        # 2. Send the round if nothing is in flight (sync: then wait for it at once).
+        if inflight is None:
+            if not steps:
+                raise AssertionError("kNN-LM speculation produced no step")  # stride >= 1 and budget left
+            queries = np.stack([st.query for st in steps])
+            inflight = _Round(steps, backend.client.search_async(queries, opts.k, opts.retriever, opts.ef_search),
+                              time.perf_counter(), spec_s, passes)
+            steps, spec_s, passes = [], 0.0, 0
+            if opts.async_verify:
+                continue
+        # 3. Settle the round in flight.
+        rnd, inflight = inflight, None
         t = time.perf_counter()
-        dists, retrieved = true_distributions(backend, np.stack(queries), step_logits, opts, stats)
+        hits = rnd.search.result()
+        t_hits = time.perf_counter()
+        log.debug("round of %d: sent %.3f, search %.3f s, settled after %.3f s; %d steps built meanwhile",
+                  len(rnd.steps), rnd.sent, rnd.search.finished_at - rnd.sent, t_hits - rnd.sent, len(steps))
+        dists, retrieved = hit_distributions(backend, hits, [st.logits for st in rnd.steps], opts, stats)
         emitted: list[int] = []
-        for p, guess in zip(dists, guesses):
+        for p, st in zip(dists, rnd.steps):
             emitted.append(next_token(p))
-            if emitted[-1] != guess:
+            if emitted[-1] != st.guess:
                 break
-        matched = len(emitted) - (emitted[-1] != guesses[len(emitted) - 1])
+        stats.retrieval_ms += (time.perf_counter() - t) * 1e3
+        n_steps = len(rnd.steps)
+        matched = len(emitted) - (emitted[-1] != rnd.steps[len(emitted) - 1].guess)
         t_fill = time.perf_counter()
         for ids in retrieved[:len(emitted)]:  # queries past the first wrong step read a wrong context
             cache.fill(ids)
-        fill_s = time.perf_counter() - t_fill
-        verify_s = time.perf_counter() - t  # OS³'s b: the batched Search, the true distributions, the fill
-
+        stats.speculation_ms += (time.perf_counter() - t_fill) * 1e3
+        # OS³'s b: the Search's own wall time (overlapped or not) + the distributions and the cache fill.
+        verify_s = (rnd.search.finished_at - rnd.sent) + (time.perf_counter() - t_hits)
         stats.verifications += 1
-        stats.speculated += steps
+        stats.speculated += n_steps
         stats.correct += matched
-        stats.rollbacks += matched < steps
-        stats.wasted_passes += (steps - 1) - (len(emitted) - 1)
-        stats.strides.append(stride)
-        stats.speculation_ms += (spec_s + fill_s) * 1e3
-        stats.generation_ms += (gen_s - pending_gen_s) * 1e3
+        stats.rollbacks += matched < n_steps
+        stats.strides.append(n_steps)
         stats.speculation_accuracy = stats.correct / stats.speculated
         stats.cache_entries = len(cache)
         if sched is not None:
-            sched.record_verification(matched, steps)
-            sched.record_latency(speculation_s=(spec_s + gen_s) / steps, verification_s=verify_s)
-
-        _truncate(kv, base + len(emitted) - 1)  # keep the passes of emitted tokens; the last one is not run yet
-        out, finish = _cut(emitted, remaining, eos)
+            sched.record_verification(matched, n_steps)
+            # a = one step with its LM pass: a round without passes (the first, right after the prompt) would
+            # make speculation look free and send OS³ to its longest stride.
+            sched.record_latency(speculation_s=rnd.spec_s / n_steps if rnd.passes else None,
+                                 verification_s=verify_s)
+        if matched < n_steps:
+            # Roll back: everything after the wrong guess (the rest of this round, the next round's steps).
+            keep = prompt_len + n_out + len(emitted) - 1  # passes of the emitted tokens but the corrected one
+            stats.wasted_passes += max(0, cache_length(kv) - keep)
+            _truncate(kv, keep)
+            steps, spec_s, passes, head, last_token = [], 0.0, 0, None, emitted[-1]
+        out, finish = _cut(emitted, max_new - n_out, eos)
         n_out += len(out)
         stats.tokens = n_out
         yield out, finish
         if finish:
             return
-        t = time.perf_counter()
-        logits, hidden = lm_step(tm, kv, emitted[-1])
-        pending_gen_s = time.perf_counter() - t
-        stats.generation_ms += pending_gen_s * 1e3
 
 
 def generate_tokens(tm: TargetModel, prompt_ids, params: SamplingParams, opts: KnnLmOptions, backend: KnnBackend,
@@ -587,6 +707,7 @@ def options_from_proto(msg, defaults: KnnLmOptions | None = None) -> KnnLmOption
             lam=msg.knn_weight if msg.HasField("knn_weight") else d.lam,
             temperature=msg.temperature if msg.HasField("temperature") else d.temperature,
             speculate=msg.speculate, stride=msg.stride, cache_next=msg.cache_next or d.cache_next,
+            async_verify=msg.async_verify if msg.HasField("async_verify") else d.async_verify,
             cache_capacity=d.cache_capacity, ef_search=msg.ef_search or d.ef_search)
     except ValueError as e:
         raise ValueError(f"knnlm.{e}") from None

@@ -33,7 +33,7 @@ build: --keys-from-end computes the missing chunks backwards, --hnsw-follow inse
 checkpoint as they land (the build resumes from it). One torch thread per process: on an oversubscribed CPU a
 multi-threaded pass stalls at every barrier (measured under load 12 on 2 cores: 2 threads >10x slower than 1).
 
-    python -m retrieval_service.knowledge.knn_build --out ~/.cache/ragserve/knnlm/docs --max-entries 400000 \
+    python -m retrieval_service.knowledge.knn_build --out ~/.cache/ragserve/knnlm/docs --max-entries 1000000 \
         --threads 1 --window 256 --overlap 32 --chunk-entries 4096 --hnsw-m 16 --hnsw-ef-construction 48
 """
 

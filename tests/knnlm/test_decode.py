@@ -88,21 +88,40 @@ def test_neighbours_change_the_output(tm, backend, prompts, doc_tokens, baseline
     assert lm_only != baselines[0]
 
 
-@pytest.mark.parametrize("stride", [2, 4, 8, 0])  # 0 = OS³
-def test_speculative_equals_baseline(tm, backend, prompts, baselines, stride):
-    speculated = correct = rollbacks = 0
+# (stride, async verification); stride 0 = OS³.
+SPECULATION = [(2, True), (4, True), (8, True), (0, True), (4, False), (0, False)]
+
+
+@pytest.mark.parametrize("stride,async_verify", SPECULATION)
+def test_speculative_equals_baseline(tm, backend, prompts, baselines, stride, async_verify):
+    speculated = correct = rollbacks = overlapped = 0
     for i, (name, kw) in enumerate(SCENARIOS):
         os3 = OS3Config(s_init=2) if stride == 0 else None  # start above 1 so OS³ rounds speculate from the start
-        tokens, stats = run(tm, backend, prompts[name], KnnLmOptions(**kw, speculate=True, stride=stride), os3=os3)
-        assert tokens == baselines[i], (name, kw, stride)  # Not the cache's guesses
+        opts = KnnLmOptions(**kw, speculate=True, stride=stride, async_verify=async_verify)
+        tokens, stats = run(tm, backend, prompts[name], opts, os3=os3)
+        assert tokens == baselines[i], (name, kw, stride, async_verify)  # Not the cache's guesses
         assert stats.tokens == NEW and stats.kb_queries >= NEW
         assert stats.kb_calls == stats.verifications <= NEW
-        assert stats.correct <= stats.speculated and sum(stats.strides) >= stats.speculated
+        assert stats.correct <= stats.speculated == sum(stats.strides)
+        assert stats.mode == ("os3" if stride == 0 else f"s{stride}") + ("" if async_verify else "-sync")
         speculated, correct, rollbacks = speculated + stats.speculated, correct + stats.correct, \
             rollbacks + stats.rollbacks
+        overlapped += stats.overlapped
     if stride > 1:
         assert correct > 0 and rollbacks > 0  # both paths (keep, roll back) were exercised
         assert speculated > correct
+    # Async: the next round's steps really ran while a Search was in flight (a loopback Search takes far longer
+    # than the check right after sending it); sync never overlaps.
+    assert (overlapped > 0) if async_verify else (overlapped == 0)
+
+
+@pytest.mark.parametrize("async_verify", [True, False])
+def test_no_step_beyond_the_budget(tm, backend, prompts, baselines, async_verify):
+    # One token allowed: a stride-4 round (and an async next round) must not speculate, query or emit position 1.
+    opts = KnnLmOptions(**SCENARIOS[0][1], speculate=True, stride=4, async_verify=async_verify)
+    tokens, stats = run(tm, backend, prompts["doc0"], opts, n=1)
+    assert tokens == baselines[0][:1]
+    assert stats.speculated == stats.kb_queries == 1 and stats.overlapped == 0  # not 4
 
 
 def test_stops_at_the_budget_mid_round(tm, backend, prompts, baselines):

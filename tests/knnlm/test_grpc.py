@@ -42,12 +42,13 @@ def test_generate_with_knnlm_options(tm, backend, doc_tokens, stub):
     prompt = doc_tokens[0][:24].astype(np.int64)
     want, _ = generate_tokens(tm, prompt, SamplingParams(max_new_tokens=NEW, ignore_eos=True),
                               KnnLmOptions(k=16, lam=0.9), backend)
-    for knn in ({"speculate": False}, {"speculate": True, "stride": 4}, {"speculate": True, "stride": 0}):
+    for knn, mode in (({"speculate": False}, "base"), ({"speculate": True, "stride": 4}, "s4"),
+                      ({"speculate": True, "stride": 0}, "os3"),
+                      ({"speculate": True, "stride": 4, "async_verify": False}, "s4-sync")):
         reply = stub.Generate(_request(prompt, k=16, knn_weight=0.9, **knn), timeout=120)
         assert list(reply.token_ids) == want, knn  # Not the plain LM's or the cache's tokens
         s = reply.stats.knnlm
-        assert (s.mode, s.k, s.tokens) == (("base" if not knn["speculate"] else
-                                            "os3" if knn["stride"] == 0 else "s4"), 16, NEW)
+        assert (s.mode, s.k, s.tokens) == (mode, 16, NEW)
         assert reply.stats.decoding == "knnlm" and reply.finish_reason == "length"
         assert s.kb_calls == (NEW if not knn["speculate"] else s.verifications)
 

@@ -81,7 +81,7 @@ MAX_STRIDE = 64
 # back most of it. First stride 4, not 1: with a verification costing ~8 LM passes, warm-up rounds of one step
 # each cost more than a wrong first guess does.
 KNN_GAMMA_MAX = 0.8
-KNN_OS3 = OS3Config(gamma_max=KNN_GAMMA_MAX, s_init=4)
+KNN_OS3 = OS3Config(gamma_max=KNN_GAMMA_MAX, s_init=4, overlap="round")  # async: the whole next round overlaps
 _EMPTY = np.zeros(0, np.int32)
 
 
@@ -239,12 +239,22 @@ class NeighbourCache:
 
     def fill(self, retrieved: np.ndarray) -> int:
         """Add the successors of one query's retrieved entries; returns how many entries were new."""
+        return self.fill_many([retrieved])
+
+    def fill_many(self, retrieved: Sequence[np.ndarray]) -> int:
+        """fill() for several queries' retrieved entries (in query order) as one update; returns how many entries
+        were new. One datastore gather instead of one per query: consecutive queries' successors overlap heavily
+        (entry j+1 is often the next query's neighbour). When they do not all fit, later queries' successors win,
+        as with successive fills; within one query the lowest ids do."""
         self._round += 1
-        succ = self.successors(retrieved)
+        runs = [self.successors(r) for r in reversed(retrieved)]  # latest query first
+        succ = np.concatenate(runs) if runs else np.zeros(0, np.int64)
         if succ.size == 0:
             return 0
-        if succ.size > self.capacity:
-            succ = succ[: self.capacity]  # a fill larger than the cache keeps its first (lowest-id) entries
+        if len(runs) > 1:
+            _, first = np.unique(succ, return_index=True)
+            succ = succ[np.sort(first)]  # unique, in priority order
+        succ = np.sort(succ[: self.capacity])  # ascending ids read the memmap in order
         known = np.isin(self.ids, succ)  # [C]
         self.stamp[known] = self._round  # refreshed: kept as long as new entries
         new = succ[~np.isin(succ, self.ids[known])] if known.any() else succ
@@ -631,8 +641,7 @@ def _speculative(tm, kv, logits, hidden, max_new, eos, opts, backend, stats, can
         n_steps = len(rnd.steps)
         matched = len(emitted) - (emitted[-1] != rnd.steps[len(emitted) - 1].guess)
         t_fill = time.perf_counter()
-        for ids in retrieved[:len(emitted)]:  # queries past the first wrong step read a wrong context
-            cache.fill(ids)
+        cache.fill_many(retrieved[:len(emitted)])  # queries past the first wrong step read a wrong context
         stats.speculation_ms += (time.perf_counter() - t_fill) * 1e3
         # OS³'s b: the Search's own wall time (overlapped or not) + the distributions and the cache fill.
         verify_s = (rnd.search.finished_at - rnd.sent) + (time.perf_counter() - t_hits)

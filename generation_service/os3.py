@@ -13,6 +13,10 @@ when there is none:
            step is kept and the round costs (s − 1)·a + max(a, b); otherwise it is thrown away and the round
            costs s·a + b:
            time = (s − 1)·a + γ^s·max(a, b) + (1 − γ^s)·(a + b)
+    async, whole-round overlap (overlap="round", token-level kNN-LM): the next round's s steps are speculated
+           while the verification runs; they stand when the round was all right and are redone otherwise, so
+           the time from one verification's start to the next is
+           time = γ^s·max(s·a, b) + (1 − γ^s)·(s·a + b)
 
 OS³ maximizes E[verified] / time over s. γ is estimated from the last w verifications as
 γ̂ = ΣM / (ΣM + #(M < s)) (M = matched speculative steps of a verification of stride s: every matched step is a
@@ -51,15 +55,21 @@ def expected_verified(gamma: float, s: int) -> float:
     return float(s) if gamma >= 1.0 else (1.0 - gamma ** s) / (1.0 - gamma)
 
 
-def round_time(gamma: float, s: int, a: float, b: float, async_verify: bool = False) -> float:
+OVERLAPS = ("step", "round")
+
+
+def round_time(gamma: float, s: int, a: float, b: float, async_verify: bool = False, overlap: str = "step") -> float:
     """Expected seconds of one speculate-s-then-verify round (see the module docstring)."""
     if not async_verify:
         return s * a + b
     hit = gamma ** s
+    if overlap == "round":
+        return hit * max(s * a, b) + (1.0 - hit) * (s * a + b)
     return (s - 1) * a + hit * max(a, b) + (1.0 - hit) * (a + b)
 
 
-def expected_rate(gamma: float, s: int, a: float, b: float, async_verify: bool = False) -> float:
+def expected_rate(gamma: float, s: int, a: float, b: float, async_verify: bool = False,
+                  overlap: str = "step") -> float:
     """Expected verified steps per second with stride s (the OS³ objective).
 
     sync: (1 − γ^s) / ((1 − γ)(s·a + b)); async: E[verified] / ((s − 1)·a + γ^s·max(a, b) + (1 − γ^s)(a + b)).
@@ -67,18 +77,21 @@ def expected_rate(gamma: float, s: int, a: float, b: float, async_verify: bool =
     _check_rate_args(gamma, a, b)
     if isinstance(s, bool) or not isinstance(s, int) or s < 1:
         raise ValueError(f"s must be an integer >= 1, got {s!r}")
-    t = round_time(gamma, s, a, b, async_verify)
+    if overlap not in OVERLAPS:
+        raise ValueError(f"overlap must be one of {OVERLAPS}, got {overlap!r}")
+    t = round_time(gamma, s, a, b, async_verify, overlap)
     return math.inf if t == 0.0 else expected_verified(gamma, s) / t
 
 
-def best_stride(gamma: float, a: float, b: float, s_max: int = 16, async_verify: bool = False) -> int:
+def best_stride(gamma: float, a: float, b: float, s_max: int = 16, async_verify: bool = False,
+                overlap: str = "step") -> int:
     """argmax_{1 <= s <= s_max} expected_rate; ties go to the smaller stride (less work thrown away)."""
     if isinstance(s_max, bool) or not isinstance(s_max, int) or s_max < 1:
         raise ValueError(f"s_max must be an integer >= 1, got {s_max!r}")
     _check_rate_args(gamma, a, b)
     best, best_rate = 1, -1.0
     for s in range(1, s_max + 1):
-        r = expected_rate(gamma, s, a, b, async_verify)
+        r = expected_rate(gamma, s, a, b, async_verify, overlap)
         if r > best_rate * (1.0 + 1e-12):  # a float-level tie is not a reason to speculate further
             best, best_rate = s, r
     return best
@@ -91,6 +104,7 @@ class OS3Config:
     s_init: int = 1  # stride before anything was measured
     s_max: int = 16
     async_verify: bool = False  # optimize the async objective
+    overlap: str = "step"  # async: what runs during a verification, one step (RaLM) or the next round (kNN-LM)
 
     def __post_init__(self) -> None:
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
@@ -99,6 +113,8 @@ class OS3Config:
             raise ValueError(f"gamma_max must lie in [0, 1], got {self.gamma_max!r}")
         if isinstance(self.s_max, bool) or not isinstance(self.s_max, int) or self.s_max < 1:
             raise ValueError(f"s_max must be an integer >= 1, got {self.s_max!r}")
+        if self.overlap not in OVERLAPS:
+            raise ValueError(f"overlap must be one of {OVERLAPS}, got {self.overlap!r}")
         if isinstance(self.s_init, bool) or not isinstance(self.s_init, int) or not 1 <= self.s_init <= self.s_max:
             raise ValueError(f"s_init must be an integer in [1, s_max={self.s_max}], got {self.s_init!r}")
 
@@ -134,7 +150,7 @@ class StrideScheduler:
         if g is None or ab is None or (ab[0] == 0.0 and ab[1] == 0.0):
             s = self.cfg.s_init
         else:
-            s = best_stride(g, ab[0], ab[1], self.cfg.s_max, self.cfg.async_verify)
+            s = best_stride(g, ab[0], ab[1], self.cfg.s_max, self.cfg.async_verify, self.cfg.overlap)
         self.history.append(s)
         return s
 

@@ -71,3 +71,25 @@ def test_nearest_matches_brute_force(ds, k):
 def test_empty_cache_returns_nothing(ds):
     ids, scores, values = NeighbourCache(ds).nearest(np.zeros(ds.dim, np.float32), 8)
     assert ids.size == scores.size == values.size == 0
+
+
+@pytest.mark.parametrize("runs", [
+    [[5], [6], [7]],             # consecutive queries: overlapping successor runs
+    [[5, 40], [100], [41, 6]],
+    [[3], []],                   # a query without hits
+])
+def test_fill_many_equals_successive_fills(ds, runs):
+    one, many = NeighbourCache(ds, next_n=4, capacity=64), NeighbourCache(ds, next_n=4, capacity=64)
+    added = sum(one.fill(np.array(r, np.int64)) for r in runs)
+    assert many.fill_many([np.array(r, np.int64) for r in runs]) == added
+    assert many.cached_ids().tolist() == one.cached_ids().tolist()
+    for cache in (one, many):  # rows match the datastore
+        for s in np.flatnonzero(cache.ids >= 0):
+            assert int(cache.values[s]) == int(ds.values[cache.ids[s]])
+
+
+def test_fill_many_keeps_the_latest_queries_when_full(ds):
+    cache = NeighbourCache(ds, next_n=3, capacity=4)
+    cache.fill_many([np.array([0]), np.array([10]), np.array([20])])
+    # The last query's run (21..23) and the newest of the rest; not entries 1..3 of the first query.
+    assert cache.cached_ids().tolist() == [11, 21, 22, 23]

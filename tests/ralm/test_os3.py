@@ -12,12 +12,15 @@ from generation_service.os3 import (OS3Config, StrideScheduler, best_stride, exp
                                     round_time)
 
 
-def brute_force(gamma: float, s: int, a: float, b: float, async_verify: bool) -> tuple[float, float]:
+def brute_force(gamma: float, s: int, a: float, b: float, async_verify: bool,
+                overlap: str = "step") -> tuple[float, float]:
     """(E[verified steps], E[round time]) by enumerating all 2^s outcomes of s independent speculation steps.
 
     The round keeps the steps before the first wrong one and redoes that one with the true passage (i + 1 steps
     settled); all right -> s. Sync: s·a + b. Async: the verification runs while the last step does, so an all-right
     round costs (s − 1)·a + max(a, b); otherwise the overlapped step is thrown away: (s − 1)·a + a + b.
+    Async with whole-round overlap: the next round's s steps run during the verification; all right -> the next
+    round can be sent after max(s·a, b); otherwise its steps are redone after the verification: b + s·a.
     """
     e_ver = e_time = 0.0
     for pattern in itertools.product((True, False), repeat=s):
@@ -26,6 +29,8 @@ def brute_force(gamma: float, s: int, a: float, b: float, async_verify: bool) ->
         verified = s if first_wrong is None else first_wrong + 1
         if not async_verify:
             t = s * a + b
+        elif overlap == "round":
+            t = max(s * a, b) if first_wrong is None else b + s * a
         elif first_wrong is None:
             t = (s - 1) * a + max(a, b)
         else:
@@ -39,21 +44,24 @@ GRID = [(g, a, b) for g in (0.0, 0.2, 0.6, 0.9, 1.0) for a, b in ((0.01, 0.03), 
                                                                     (0.001, 0.5))]
 
 
-@pytest.mark.parametrize("async_verify", [False, True])
+MODES = [(False, "step"), (True, "step"), (True, "round")]  # (async_verify, overlap)
+
+
+@pytest.mark.parametrize("async_verify,overlap", MODES)
 @pytest.mark.parametrize("gamma,a,b", GRID)
-def test_objective_matches_enumeration(gamma, a, b, async_verify):
+def test_objective_matches_enumeration(gamma, a, b, async_verify, overlap):
     for s in range(1, 9):
-        e_ver, e_time = brute_force(gamma, s, a, b, async_verify)
+        e_ver, e_time = brute_force(gamma, s, a, b, async_verify, overlap)
         assert expected_verified(gamma, s) == pytest.approx(e_ver, rel=1e-9)
-        assert round_time(gamma, s, a, b, async_verify) == pytest.approx(e_time, rel=1e-9)
-        assert expected_rate(gamma, s, a, b, async_verify) == pytest.approx(e_ver / e_time, rel=1e-9)
+        assert round_time(gamma, s, a, b, async_verify, overlap) == pytest.approx(e_time, rel=1e-9)
+        assert expected_rate(gamma, s, a, b, async_verify, overlap) == pytest.approx(e_ver / e_time, rel=1e-9)
 
 
-@pytest.mark.parametrize("async_verify", [False, True])
+@pytest.mark.parametrize("async_verify,overlap", MODES)
 @pytest.mark.parametrize("gamma,a,b", GRID)
-def test_best_stride_is_the_exhaustive_argmax(gamma, a, b, async_verify):
-    rates = {s: (lambda ev, t: ev / t)(*brute_force(gamma, s, a, b, async_verify)) for s in range(1, 11)}
-    best = best_stride(gamma, a, b, s_max=10, async_verify=async_verify)
+def test_best_stride_is_the_exhaustive_argmax(gamma, a, b, async_verify, overlap):
+    rates = {s: (lambda ev, t: ev / t)(*brute_force(gamma, s, a, b, async_verify, overlap)) for s in range(1, 11)}
+    best = best_stride(gamma, a, b, s_max=10, async_verify=async_verify, overlap=overlap)
     assert rates[best] >= max(rates.values()) * (1 - 1e-9)
     assert all(rates[s] < rates[best] * (1 + 1e-9) for s in range(1, best))  # ties go to the smaller stride
 
@@ -98,3 +106,13 @@ def test_gamma_mle(outcomes, want):
     for m, s in outcomes:
         sched.record_verification(m, s)
     assert sched.gamma() == pytest.approx(want)
+
+
+def test_round_overlap_worked_example():
+    # kNN-LM on 1 M keys: a = 60 ms per step, b = 450 ms per verification, γ = 0.75.
+    # rates (steps/s) for s = 3, 4, 5, 6: 4.17, 4.45, 4.49, 4.41 -> 5 (sync: 3.67, 3.96, 4.07, 4.06).
+    assert best_stride(0.75, 0.06, 0.45, 16, async_verify=True, overlap="round") == 5
+    assert expected_rate(0.75, 5, 0.06, 0.45, True, "round") == pytest.approx(4.494, abs=1e-3)
+    assert round_time(0.75, 5, 0.06, 0.45, True, "round") < round_time(0.75, 5, 0.06, 0.45, False)
+    with pytest.raises(ValueError, match="overlap"):
+        OS3Config(async_verify=True, overlap="page")

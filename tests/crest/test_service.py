@@ -121,13 +121,9 @@ class StopRedisAt:
 
 @pytest.fixture(scope="module")
 def tm():
-    from generation_service.model_files import default_model_dir, is_model_dir
+    from tests.conftest import real_model
 
-    if not is_model_dir(default_model_dir()):
-        pytest.skip(f"default model not prepared at {default_model_dir()} (make model)")
-    from generation_service.model import load_model
-
-    return load_model("", dtype="fp32", device="cpu")
+    return real_model("fp32")
 
 
 @pytest.fixture(scope="module")

@@ -5,22 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from generation_service.model_files import default_model_dir, is_model_dir
-
-
-def _model_or_skip(dtype: str):
-    if not is_model_dir(default_model_dir()):
-        pytest.skip(f"default model not prepared at {default_model_dir()} (make model)")
-    from generation_service.model import load_model
-
-    return load_model("", dtype=dtype, device="cpu")
+from tests.conftest import real_model
 
 
 @pytest.fixture(scope="session")
 def tm32():
-    return _model_or_skip("fp32")
+    return real_model("fp32")
 
 
 @pytest.fixture(scope="session")
-def tm16():
-    return _model_or_skip("bf16")
+def tm16(tm):
+    return tm  # the shared bf16 model (tests/conftest.py)

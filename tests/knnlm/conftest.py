@@ -11,7 +11,6 @@ import textwrap
 import numpy as np
 import pytest
 
-from generation_service.model_files import default_model_dir, is_model_dir
 
 DOC_TOKENS = 160  # per document: 4 documents -> ~640 entries, enough for k up to 256 and a few windows each
 WINDOW, OVERLAP = 64, 16  # small windows so every document spans several (the cut logic is exercised)
@@ -19,15 +18,6 @@ WINDOW, OVERLAP = 64, 16  # small windows so every document spans several (the c
 
 def doc_texts() -> list[str]:
     return [json.__doc__, textwrap.TextWrapper.__doc__, argparse.__doc__, textwrap.dedent.__doc__ * 3]
-
-
-@pytest.fixture(scope="session")
-def tm():
-    if not is_model_dir(default_model_dir()):
-        pytest.skip(f"default model not prepared at {default_model_dir()} (make model)")
-    from generation_service.model import load_model
-
-    return load_model("", dtype="bf16", device="cpu")
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from generation_service.model_files import default_model_dir, is_model_dir
 from retrieval_service.config import RetrievalConfig
 from retrieval_service.knowledge.build import build_kb
 from retrieval_service.knowledge.dense import Encoder
@@ -21,15 +20,6 @@ QUESTIONS = [
     "Explain how to parse a CSV file with a header row.",
 ]
 N_TOKENS = 12  # 6 retrieval steps of k = 2 tokens: enough rounds for OS³, rollbacks and async overlap
-
-
-@pytest.fixture(scope="session")
-def tm():
-    if not is_model_dir(default_model_dir()):
-        pytest.skip(f"default model not prepared at {default_model_dir()} (make model)")
-    from generation_service.model import load_model
-
-    return load_model("", dtype="bf16", device="cpu")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,22 @@
+"""Fixtures shared across test packages."""
+
+from __future__ import annotations
+
+import pytest
+
+from generation_service.model_files import default_model_dir, is_model_dir
+
+
+def real_model(dtype: str):
+    """The real default model on CPU; skips the test when it has not been prepared (`make model`)."""
+    if not is_model_dir(default_model_dir()):
+        pytest.skip(f"default model not prepared at {default_model_dir()} (make model)")
+    from generation_service.model import load_model
+
+    return load_model("", dtype=dtype, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def tm():
+    """bf16, the serving dtype (tests/integration and tests/crest override it with fp32)."""
+    return real_model("bf16")

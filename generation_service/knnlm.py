@@ -307,14 +307,17 @@ class KnnSearchClient:
     def search(self, queries: np.ndarray, k: int, retriever: str, ef_search: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
         """queries: float32 [B, D] -> per query (ids int64 [k'], scores float32 [k']), best first.
         KnnRetrievalError when the service cannot answer; KBRequestError (a bug or a server limit) propagates."""
-        req = KBClient.search_request(retriever, k, vectors=queries, ef_search=ef_search)
-        req.index = self.index
+        req = KBClient.search_request(retriever, k, vectors=queries, ef_search=ef_search, index=self.index)
         try:
             reply = parse_search(self.kb.call("Search", req))
         except KBUnavailable as e:
             raise KnnRetrievalError(str(e)) from None
-        if len(reply.hits) != len(queries):
-            raise KnnRetrievalError(f"Search on {self.target}: {len(reply.hits)} results for {len(queries)} queries")
+        return self.hits(reply, len(queries))
+
+    def hits(self, reply, n_queries: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """A parsed SearchReply -> per query (ids, scores); KnnRetrievalError unless it answers every query."""
+        if len(reply.hits) != n_queries:
+            raise KnnRetrievalError(f"Search on {self.target}: {len(reply.hits)} results for {n_queries} queries")
         return [(h.ids, h.scores) for h in reply.hits]
 
     def search_async(self, queries: np.ndarray, k: int, retriever: str, ef_search: int = 0) -> "PendingSearch":
@@ -351,10 +354,7 @@ class PendingSearch:
             hits = self.client.search(self.queries, self.k, self.retriever, self.ef_search)
             self.finished_at = time.perf_counter()
             return hits
-        if len(reply.hits) != len(self.queries):
-            raise KnnRetrievalError(f"Search on {self.client.target}: {len(reply.hits)} results for "
-                                    f"{len(self.queries)} queries")
-        return [(h.ids, h.scores) for h in reply.hits]
+        return self.client.hits(reply, len(self.queries))
 
 
 @dataclass

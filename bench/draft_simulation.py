@@ -137,7 +137,7 @@ def merged_variant(ds, ctx: np.ndarray, max_nodes: int, mode: str, w_ctx: float,
     """
     from retrieval_service.datastore import kernels
 
-    _, toks, sas, buckets, n_shards, sep = ds._state
+    _, toks, sas, buckets, n_shards, _, sep = ds._state
     length, lows, highs = kernels.search(toks, sas, buckets, n_shards, ctx, 16, 2)
     ctx_len, crows, clens = kernels.context_rows(ctx, 16, ctx_min, ctx_matches, 10)
     n_ctx = clens.shape[0]
@@ -150,7 +150,9 @@ def merged_variant(ds, ctx: np.ndarray, max_nodes: int, mode: str, w_ctx: float,
         w[:m] = (length / 16) ** gamma / max(m, 1)
         w[m:] = w_ctx * (ctx_len / 16) ** gamma / max(n_ctx, 1)
     run_starts = np.concatenate([runs, m + 1 + np.arange(n_ctx)])
-    return DraftTree(*kernels.tree_from_rows(rows, lens, w, run_starts, max_nodes))
+    src = np.concatenate([np.full(m, kernels.SRC_DATASTORE), np.full(n_ctx, kernels.SRC_CONTEXT)]).astype(np.int64)
+    tok, par, score, src_p = kernels.tree_from_rows(rows, lens, w, run_starts, max_nodes, src, kernels.N_SOURCES)
+    return DraftTree(tok, par, score, source_p=src_p)
 
 
 def tune(items, ds) -> list[dict]:

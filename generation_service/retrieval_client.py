@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from generation_service.drafters import DraftUnavailable
+from generation_service.drafters import DraftUnavailable, PromptLookupDrafter
 from proto import draft_pb2, draft_pb2_grpc
-from retrieval_service.datastore.draft_tree import DraftTree
+from retrieval_service.datastore.draft_tree import SOURCES, DraftTree
 from serving.wire import pack_tokens
 
 
@@ -110,9 +110,12 @@ class RetrievalClient:
     def draft(self, context_ids: np.ndarray, params: draft_pb2.DraftParams, *, deadline: float | None = None) -> DraftTree:
         reply = self.call("Draft", draft_pb2.DraftRequest(context=pack_tokens(context_ids), params=params),
                           deadline=deadline)
-        return DraftTree.from_bytes(reply.tokens, reply.parents, reply.scores, matched_suffix=reply.matched_suffix,
-                                    num_matches=reply.num_matches,
-                                    context_matched_suffix=reply.context_matched_suffix)
+        try:
+            return DraftTree.from_bytes(reply.tokens, reply.parents, reply.scores, reply.source_p,
+                                        matched_suffix=reply.matched_suffix, num_matches=reply.num_matches,
+                                        context_matched_suffix=reply.context_matched_suffix)
+        except ValueError as e:  # a reply we cannot read is a failed draft, never a failed request
+            raise DraftUnavailable(f"malformed draft reply: {e}") from None
 
     def learn(self, tokens: np.ndarray, timeout_s: float = 2.0) -> draft_pb2.LearnResponse:
         """Feed one finished output to the service's online-learning shard (raises DraftUnavailable)."""
@@ -123,7 +126,13 @@ class RetrievalClient:
 
 
 class RemoteDrafter:
-    """Drafter over the Draft RPC. `source` is datastore (REST), merged (REST + own context) or crest."""
+    """Drafter over the Draft RPC. `source` is datastore (REST), merged (REST + own context) or crest.
+
+    While the loop skips it (draft_budget.py), `merged` keeps drafting from the request's own tokens in process.
+    """
+
+    remote = True
+    default_source = SOURCES.index("datastore")
 
     def __init__(self, client: RetrievalClient, source: str, *, max_suffix: int = 16, deadline: float | None = None):
         self.client = client
@@ -131,6 +140,7 @@ class RemoteDrafter:
         self.name = {"datastore": "rest-ds", "merged": "rest"}.get(source, source)
         self.max_suffix = max_suffix
         self.deadline = deadline  # monotonic time the whole request must finish by (propagated)
+        self.local = PromptLookupDrafter() if source == "merged" else None
 
     def propose(self, context_ids: np.ndarray, max_nodes: int) -> DraftTree:
         # The datastore only looks at the last max_suffix tokens; the merged source needs the whole context.

@@ -70,9 +70,9 @@ def resolve_limits(params: draft_pb2.DraftParams, cfg: RetrievalConfig, field: s
 
 
 def tree_to_proto(tree: DraftTree, server_ms: float) -> draft_pb2.DraftResponse:
-    tokens, parents, scores = tree.to_bytes()
+    tokens, parents, scores, source_p = tree.to_bytes()
     return draft_pb2.DraftResponse(
-        tokens=tokens, parents=parents, scores=scores, matched_suffix=tree.matched_suffix,
+        tokens=tokens, parents=parents, scores=scores, source_p=source_p, matched_suffix=tree.matched_suffix,
         num_matches=tree.num_matches, context_matched_suffix=tree.context_matched_suffix, server_ms=server_ms,
     )
 

@@ -17,6 +17,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from retrieval_service.datastore.kernels import N_SOURCES, SRC_CONTEXT, SRC_DATASTORE, SRC_LEARNED
+
+# Columns of DraftTree.source_p: where a node's continuation evidence came from.
+SOURCES = ("datastore", "context", "learned")
+assert len(SOURCES) == N_SOURCES and (SRC_DATASTORE, SRC_CONTEXT, SRC_LEARNED) == (0, 1, 2)
+
 
 @dataclass(frozen=True)
 class DraftTree:
@@ -26,16 +32,23 @@ class DraftTree:
     matched_suffix: int = 0  # datastore suffix length that matched (0 = none)
     num_matches: int = 0  # datastore occurrences used
     context_matched_suffix: int = 0  # suffix length matched inside the request's own context
+    # float32 [n, len(SOURCES)]: per source, the share of that source's continuations that start with the node's
+    # path (its own estimate that the node will be accepted); None when the drafter does not say (CREST trees).
+    source_p: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", np.ascontiguousarray(self.tokens, dtype=np.int32))
         object.__setattr__(self, "parents", np.ascontiguousarray(self.parents, dtype=np.int32))
         scores = np.ones(len(self.tokens), np.float32) if self.scores is None else self.scores
         object.__setattr__(self, "scores", np.ascontiguousarray(scores, dtype=np.float32))
+        if self.source_p is not None:
+            p = np.ascontiguousarray(self.source_p, dtype=np.float32).reshape(len(self.tokens), N_SOURCES)
+            object.__setattr__(self, "source_p", p)
 
     @staticmethod
     def empty() -> "DraftTree":
-        return DraftTree(np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.float32))
+        return DraftTree(np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.float32),
+                         source_p=np.zeros((0, N_SOURCES), np.float32))
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -75,19 +88,28 @@ class DraftTree:
         return out
 
     # Wire format: packed little-endian bytes (see proto/draft.proto).
-    def to_bytes(self) -> tuple[bytes, bytes, bytes]:
+    def to_bytes(self) -> tuple[bytes, bytes, bytes, bytes]:
+        """-> (tokens, parents, scores, source_p); source_p is b"" when the tree carries none."""
         return (
             self.tokens.astype("<u4").tobytes(),
             self.parents.astype("<i4").tobytes(),
             self.scores.astype("<f4").tobytes(),
+            self.source_p.astype("<f4").tobytes() if self.source_p is not None else b"",
         )
 
     @staticmethod
-    def from_bytes(tokens: bytes, parents: bytes, scores: bytes = b"", **meta: int) -> "DraftTree":
+    def from_bytes(tokens: bytes, parents: bytes, scores: bytes = b"", source_p: bytes = b"",
+                   **meta: int) -> "DraftTree":
+        """Raises ValueError when the byte lengths do not describe one tree."""
         t = np.frombuffer(tokens, dtype="<u4").astype(np.int32)
         p = np.frombuffer(parents, dtype="<i4").astype(np.int32)
         s = np.frombuffer(scores, dtype="<f4").astype(np.float32) if scores else None
-        return DraftTree(t, p, s, **meta)
+        sp = None
+        if source_p:
+            sp = np.frombuffer(source_p, dtype="<f4").astype(np.float32)
+            if sp.shape[0] != t.shape[0] * N_SOURCES:
+                raise ValueError(f"source_p holds {sp.shape[0]} values, expected {t.shape[0]} x {N_SOURCES}")
+        return DraftTree(t, p, s, source_p=sp, **meta)
 
 
 # Prompt-lookup defaults, tuned with bench/draft_simulation.py (greedy HumanEval outputs of SmolLM2-135M, first
@@ -141,8 +163,9 @@ def context_draft(context_ids, max_suffix: int = 16, min_suffix: int = CONTEXT_M
 
     ctx = as_context(context_ids)
     check_draft_args(max_suffix, min_suffix, max_matches, continuation, max_nodes)
-    tok, par, score, matched, _ = context_tree(ctx, max_suffix, min_suffix, max_matches, continuation, max_nodes)
-    return DraftTree(tok, par, score, context_matched_suffix=int(matched))
+    tok, par, score, src_p, matched, _ = context_tree(ctx, max_suffix, min_suffix, max_matches, continuation,
+                                                      max_nodes)
+    return DraftTree(tok, par, score, context_matched_suffix=int(matched), source_p=src_p)
 
 
 def warmup_context_draft() -> None:

@@ -43,6 +43,11 @@ import numpy as np
 
 _JIT = dict(nogil=True, cache=True)
 
+# Source columns of a draft's per-node estimates (draft_tree.SOURCES names them): the datastore's own shards,
+# the request's own tokens (prompt lookup), and shards learned online from finished outputs.
+SRC_DATASTORE, SRC_CONTEXT, SRC_LEARNED = 0, 1, 2
+N_SOURCES = 3
+
 # ----------------------------------------------------------------------------------------------------------------
 # (1) Counted trie
 
@@ -118,13 +123,14 @@ def merge_runs(rows, lens, run_starts):
 
 
 @nb.njit(**_JIT)
-def build_trie(rows, lens, weights, order):
+def build_trie(rows, lens, weights, order, row_src, n_src):
     """Counted trie of ordered rows (see row_less) in one linear pass.
 
-    rows: int32 [m, C]; lens: int32 [m]; weights: float64 [m]; order: int64 [m] (rows[order] sorted by row_less).
-    Returns (token int32 [n], parent int32 [n], depth int32 [n], weight float64 [n], n). Node ids follow the
-    rows: a parent precedes its children and same-depth nodes are in lexicographic order of their paths
-    (-1 parent = root child, depth 1 = root child).
+    rows: int32 [m, C]; lens: int32 [m]; weights: float64 [m]; order: int64 [m] (rows[order] sorted by row_less);
+    row_src: int64 [m], the source column of each row (< n_src).
+    Returns (token int32 [n], parent int32 [n], depth int32 [n], weight float64 [n], src_weight float64 [n, n_src],
+    n). Node ids follow the rows: a parent precedes its children and same-depth nodes are in lexicographic order of
+    their paths (-1 parent = root child, depth 1 = root child). src_weight splits each node's weight by source.
     """
     m = order.shape[0]
     cap = 0
@@ -134,6 +140,7 @@ def build_trie(rows, lens, weights, order):
     parent = np.empty(cap, np.int32)
     depth = np.empty(cap, np.int32)
     weight = np.empty(cap, np.float64)
+    src_weight = np.zeros((cap, n_src), np.float64)
     path = np.empty(max(rows.shape[1], 1), np.int32)  # node ids along the previous row
     n = 0
     prev = -1
@@ -141,6 +148,7 @@ def build_trie(rows, lens, weights, order):
         r = order[ii]
         length = lens[r]
         w = weights[r]
+        src = row_src[r]
         lcp = 0
         if prev >= 0:
             lim = min(length, lens[prev])
@@ -148,15 +156,17 @@ def build_trie(rows, lens, weights, order):
                 lcp += 1
         for d in range(lcp):
             weight[path[d]] += w
+            src_weight[path[d], src] += w
         for d in range(lcp, length):
             token[n] = rows[r, d]
             parent[n] = path[d - 1] if d > 0 else -1
             depth[n] = d + 1
             weight[n] = w
+            src_weight[n, src] = w
             path[d] = n
             n += 1
         prev = r
-    return token, parent, depth, weight, n
+    return token, parent, depth, weight, src_weight, n
 
 
 @nb.njit(**_JIT)
@@ -191,10 +201,12 @@ def _sift_down(heap, size, weight, depth, i):
 
 
 @nb.njit(**_JIT)
-def top_k_bfs(token, parent, depth, weight, n, k):
+def top_k_bfs(token, parent, depth, weight, n, k, src_weight, src_total):
     """The k best nodes (bounded min-heap, O(n log k)) re-indexed in BFS order (depth, lexicographic path).
 
-    Returns (tokens int32 [s], parents int32 [s], scores float32 [s]) with s = min(n, k).
+    Returns (tokens int32 [s], parents int32 [s], scores float32 [s], source_p float32 [s, n_src]) with
+    s = min(n, k); source_p[i, c] = the share of source c's row weight passing through node i (0 when source c
+    has no rows), i.e. source c's own estimate that the continuation starts with node i's path.
     """
     k = min(k, n)
     heap = np.empty(max(k, 1), np.int64)
@@ -225,21 +237,33 @@ def top_k_bfs(token, parent, depth, weight, n, k):
     out_tok = np.empty(size, np.int32)
     out_par = np.empty(size, np.int32)
     out_score = np.empty(size, np.float32)
+    n_src = src_total.shape[0]
+    out_p = np.zeros((size, n_src), np.float32)
     for i in range(size):
         v = chosen[i]
         new_index[v] = i
         out_tok[i] = token[v]
         out_par[i] = -1 if parent[v] < 0 else new_index[parent[v]]
         out_score[i] = weight[v]
-    return out_tok, out_par, out_score
+        for c in range(n_src):
+            if src_total[c] > 0:
+                out_p[i, c] = min(src_weight[v, c] / src_total[c], 1.0)
+    return out_tok, out_par, out_score, out_p
 
 
 @nb.njit(**_JIT)
-def tree_from_rows(rows, lens, weights, run_starts, max_nodes):
-    """Rows (concatenated sorted runs) -> (tokens, parents, scores) of the top-`max_nodes` draft tree."""
+def tree_from_rows(rows, lens, weights, run_starts, max_nodes, row_src, n_src):
+    """Rows (concatenated sorted runs) -> (tokens, parents, scores, source_p) of the top-`max_nodes` draft tree.
+
+    row_src: int64 [m], each row's source column (see draft_tree.SOURCES); source_p is [s, n_src].
+    """
     order = merge_runs(rows, lens, run_starts)
-    token, parent, depth, weight, n = build_trie(rows, lens, weights, order)
-    return top_k_bfs(token, parent, depth, weight, n, max_nodes)
+    token, parent, depth, weight, src_weight, n = build_trie(rows, lens, weights, order, row_src, n_src)
+    src_total = np.zeros(n_src, np.float64)
+    for r in range(row_src.shape[0]):
+        if lens[r] > 0:  # an empty row (a match at a document's end) predicts nothing
+            src_total[row_src[r]] += weights[r]
+    return top_k_bfs(token, parent, depth, weight, n, max_nodes, src_weight, src_total)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -295,8 +319,9 @@ def context_tree(ctx, max_suffix, min_suffix, max_matches, continuation, max_nod
     """ctx: int32 [T] -> (tokens, parents, scores, matched_suffix, num_matches); scores are match counts."""
     best, rows, lens = context_rows(ctx, max_suffix, min_suffix, max_matches, continuation)
     k = lens.shape[0]
-    tok, par, score = tree_from_rows(rows, lens, np.ones(k, np.float64), np.arange(k + 1), max_nodes)
-    return tok, par, score, best, k
+    tok, par, score, src_p = tree_from_rows(rows, lens, np.ones(k, np.float64), np.arange(k + 1), max_nodes,
+                                            np.full(k, SRC_CONTEXT, np.int64), N_SOURCES)
+    return tok, par, score, src_p, best, k
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -464,12 +489,15 @@ def gather(toks, sas, n_shards, sep, length, lows, highs, max_matches, continuat
 
 
 @nb.njit(**_JIT)
-def draft_kernel(toks, sas, buckets, n_shards, sep, ctx, max_suffix, min_suffix, max_matches, continuation, max_nodes,
-                 use_context, ds_weight, ctx_weight, ctx_min_suffix, ctx_max_matches, ctx_continuation, sample_first):
-    """One draft. Returns (tokens int32, parents int32, scores float32, ds_suffix, ds_matches, ctx_suffix).
+def draft_kernel(toks, sas, buckets, n_shards, n_base, sep, ctx, max_suffix, min_suffix, max_matches, continuation,
+                 max_nodes, use_context, ds_weight, ctx_weight, ctx_min_suffix, ctx_max_matches, ctx_continuation,
+                 sample_first):
+    """One draft. Returns (tokens int32, parents int32, scores float32, source_p float32 [n, N_SOURCES], ds_suffix,
+    ds_matches, ctx_suffix).
 
     use_context False: REST (every datastore row weighs 1, scores are match counts). True: datastore rows weigh
-    ds_weight / m_ds and context rows (up to ctx_continuation tokens) ctx_weight / m_ctx in one trie.
+    ds_weight / m_ds and context rows (up to ctx_continuation tokens) ctx_weight / m_ctx in one trie. Rows of
+    shards from n_base on (learned online) count as the learned source in source_p.
     """
     length, lows, highs = search(toks, sas, buckets, n_shards, ctx, max_suffix, min_suffix)
     ctx_len = 0
@@ -483,6 +511,9 @@ def draft_kernel(toks, sas, buckets, n_shards, sep, ctx, max_suffix, min_suffix,
                                     sample_first, n_ctx)
     weights = np.empty(m + n_ctx, np.float64)
     weights[:m] = ds_weight / m if use_context and m > 0 else 1.0
+    row_src = np.full(m + n_ctx, SRC_CONTEXT, np.int64)
+    for s in range(n_shards):
+        row_src[ds_runs[s]:ds_runs[s + 1]] = SRC_DATASTORE if s < n_base else SRC_LEARNED
     if n_ctx > 0:
         rows[m:, :ctx_continuation] = crows
         lens[m:] = clens
@@ -492,31 +523,32 @@ def draft_kernel(toks, sas, buckets, n_shards, sep, ctx, max_suffix, min_suffix,
     run_starts[: ds_runs.shape[0]] = ds_runs
     for i in range(n_ctx):
         run_starts[ds_runs.shape[0] + i] = m + i + 1
-    tok, par, score = tree_from_rows(rows, lens, weights, run_starts, max_nodes)
-    return tok, par, score, length, m, ctx_len
+    tok, par, score, src_p = tree_from_rows(rows, lens, weights, run_starts, max_nodes, row_src, N_SOURCES)
+    return tok, par, score, src_p, length, m, ctx_len
 
 
 @nb.njit(**_JIT)
-def draft_packed(toks, sas, buckets, n_shards, sep, ctx_flat, ctx_starts, lo, hi, max_suffix, min_suffix, max_matches,
-                 continuation, max_nodes, use_context, ds_weight, ctx_weight, ctx_min_suffix, ctx_max_matches,
-                 ctx_continuation, sample_first, out_tok, out_par, out_score, out_meta):
+def draft_packed(toks, sas, buckets, n_shards, n_base, sep, ctx_flat, ctx_starts, lo, hi, max_suffix, min_suffix,
+                 max_matches, continuation, max_nodes, use_context, ds_weight, ctx_weight, ctx_min_suffix,
+                 ctx_max_matches, ctx_continuation, sample_first, out_tok, out_par, out_score, out_p, out_meta):
     """Drafts for contexts lo..hi-1 of a packed batch (ctx i = ctx_flat[ctx_starts[i]:ctx_starts[i+1]]).
 
-    out_tok/out_par: int32 [B, max_nodes]; out_score: float32 [B, max_nodes];
-    out_meta: int64 [B, 4] = (nodes, ds_suffix, ds_matches, ctx_suffix). One call per thread, no GIL inside.
+    out_tok/out_par: int32 [B, max_nodes]; out_score: float32 [B, max_nodes]; out_p: float32 [B, max_nodes,
+    N_SOURCES]; out_meta: int64 [B, 4] = (nodes, ds_suffix, ds_matches, ctx_suffix). One call per thread, no GIL
+    inside.
     """
     for i in range(lo, hi):
         ctx = ctx_flat[ctx_starts[i] : ctx_starts[i + 1]]
-        tok, par, score, length, m, ctx_len = draft_kernel(
-            toks, sas, buckets, n_shards, sep, ctx, max_suffix, min_suffix, max_matches, continuation, max_nodes,
-            use_context, ds_weight, ctx_weight, ctx_min_suffix, ctx_max_matches, ctx_continuation, sample_first)
+        tok, par, score, src_p, length, m, ctx_len = draft_kernel(
+            toks, sas, buckets, n_shards, n_base, sep, ctx, max_suffix, min_suffix, max_matches, continuation,
+            max_nodes, use_context, ds_weight, ctx_weight, ctx_min_suffix, ctx_max_matches, ctx_continuation,
+            sample_first)
         k = tok.shape[0]
         out_tok[i, :k] = tok
         out_par[i, :k] = par
         out_score[i, :k] = score
+        out_p[i, :k] = src_p
         out_meta[i, 0] = k
         out_meta[i, 1] = length
         out_meta[i, 2] = m
         out_meta[i, 3] = ctx_len
-
-

@@ -36,7 +36,7 @@ import numpy as np
 from retrieval_service.datastore import shards as shards_mod
 from retrieval_service.datastore.draft_tree import (CONTEXT_CONTINUATION, CONTEXT_MAX_MATCHES, CONTEXT_MIN_SUFFIX,
                                                     DraftTree, as_context, check_draft_args)
-from retrieval_service.datastore.kernels import draft_kernel, draft_packed
+from retrieval_service.datastore.kernels import N_SOURCES, draft_kernel, draft_packed
 from retrieval_service.datastore.shards import DatastoreError, Shard, TokenizerMismatch
 
 __all__ = ["SuffixArrayDatastore", "DatastoreError", "TokenizerMismatch", "Shard", "check_datastore",
@@ -85,8 +85,9 @@ class SuffixArrayDatastore:
         toks = tuple(_readonly(s.tokens) for s in shards) + (_readonly(shards[0].tokens[:0]),) * pad
         sas = tuple(_readonly(s.sa) for s in shards) + (_readonly(shards[0].sa[:0]),) * pad
         buckets = tuple(_readonly(s.bucket) for s in shards) + (_readonly(shards[0].bucket[:0]),) * pad
-        # One tuple, swapped atomically: a concurrent draft sees either the old or the new shard set.
-        self._state = (tuple(shards), toks, sas, buckets, n, shards[0].separator)
+        # One tuple, swapped atomically: a concurrent draft sees either the old or the new shard set. Shards past
+        # the base ones (set_extra: learned online) are the "learned" source of a draft's per-source estimates.
+        self._state = (tuple(shards), toks, sas, buckets, n, len(self._base), shards[0].separator)
 
     # -- construction ----------------------------------------------------------------------------------------------
 
@@ -229,10 +230,11 @@ class SuffixArrayDatastore:
             return context_draft(ctx, max_suffix, context_min_suffix, context_max_matches, continuation, max_nodes)
         args = self._args(max_suffix, min_suffix, max_matches, continuation, max_nodes, source, context_min_suffix,
                           context_max_matches, context_continuation, weights, sampling)
-        _, toks, sas, buckets, n_shards, sep = self._state
-        tok, par, score, length, m, ctx_len = draft_kernel(toks, sas, buckets, n_shards, sep, ctx, *args)
+        _, toks, sas, buckets, n_shards, n_base, sep = self._state
+        tok, par, score, src_p, length, m, ctx_len = draft_kernel(toks, sas, buckets, n_shards, n_base, sep, ctx,
+                                                                  *args)
         return DraftTree(tok, par, score, matched_suffix=int(length), num_matches=int(m),
-                         context_matched_suffix=int(ctx_len))
+                         context_matched_suffix=int(ctx_len), source_p=src_p)
 
     def draft_batch(self, contexts: Sequence, max_suffix: int = 16, min_suffix: int = 2, max_matches: int = 5000,
                     continuation: int = 10, max_nodes: int = 64, source: str = "datastore", *, threads: int = 2,
@@ -259,12 +261,13 @@ class SuffixArrayDatastore:
         out_tok = np.zeros((b, width), np.int32)
         out_par = np.zeros((b, width), np.int32)
         out_score = np.zeros((b, width), np.float32)
+        out_p = np.zeros((b, width, N_SOURCES), np.float32)
         out_meta = np.zeros((b, 4), np.int64)
-        _, toks, sas, buckets, n_shards, sep = self._state
+        _, toks, sas, buckets, n_shards, n_base, sep = self._state
 
         def run(lo: int, hi: int) -> None:
-            draft_packed(toks, sas, buckets, n_shards, sep, flat, starts, lo, hi, *args,
-                         out_tok, out_par, out_score, out_meta)
+            draft_packed(toks, sas, buckets, n_shards, n_base, sep, flat, starts, lo, hi, *args,
+                         out_tok, out_par, out_score, out_p, out_meta)
 
         n_threads = min(threads, b)
         bounds = [b * i // n_threads for i in range(n_threads + 1)]
@@ -278,7 +281,8 @@ class SuffixArrayDatastore:
                 f.result()
         return [DraftTree(out_tok[i, : out_meta[i, 0]], out_par[i, : out_meta[i, 0]], out_score[i, : out_meta[i, 0]],
                           matched_suffix=int(out_meta[i, 1]), num_matches=int(out_meta[i, 2]),
-                          context_matched_suffix=int(out_meta[i, 3])) for i in range(b)]
+                          context_matched_suffix=int(out_meta[i, 3]), source_p=out_p[i, : out_meta[i, 0]])
+                for i in range(b)]
 
     def _executor(self, threads: int) -> ThreadPoolExecutor:
         # threads - 1 helpers: the calling thread drafts a chunk itself.

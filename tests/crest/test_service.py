@@ -31,7 +31,8 @@ def store_path(small_ds, tmp_path_factory):
 def draft(stub, ctx, source="crest", max_nodes=64):
     reply = stub.Draft(draft_pb2.DraftRequest(context=pack_tokens(ctx), params=draft_pb2.DraftParams(
         source=source, max_nodes=max_nodes)), timeout=30)
-    return DraftTree.from_bytes(reply.tokens, reply.parents, reply.scores, matched_suffix=reply.matched_suffix,
+    return DraftTree.from_bytes(reply.tokens, reply.parents, reply.scores, reply.source_p,
+                                    matched_suffix=reply.matched_suffix,
                                 num_matches=reply.num_matches)
 
 

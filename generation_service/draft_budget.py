@@ -1,31 +1,94 @@
-"""Cost-aware draft-tree size: verify only as many nodes as are expected to pay for themselves.
+"""How much of each draft tree to verify: measured pass costs against live, per-source acceptance estimates.
 
-A fixed budget (REST verifies 64 nodes, we default to 32) costs the same on every step, but the tree's worth
-varies: a long confident match is worth a deep tree; two thousand scattered matches of a 2-token suffix are
-worth little more than an AR step. On this CPU a decode pass grows ~1.3 % per extra node in bf16 (more under load
-or with one thread), so a 32-node tree that yields M = 1.5 loses to plain decoding.
+A fixed budget costs the same on every step, but a tree's worth varies: a long confident match is worth a deep
+tree, two thousand scattered matches of a 2-token suffix are worth little more than an AR step, and what a pass
+with n more rows costs depends on the machine (calibrate.py: +24 % for 16 nodes on one CPU, +560 % on another).
 
-Per step, from the drafter's node scores (REST: match counts; merged: per-source normalized counts):
-    p(node) = score(node) / Σ score(root children)   the share of matched continuations that start with the
-                                                      node's path, i.e. an estimate of its acceptance probability
-    E(n)    = α · Σ p over the n best nodes          expected accepted draft tokens (linearity of expectation)
-    n*      = argmax_n (1 + E(n)) / (1 + c · n)       tokens per unit of pass cost; n* = 0 (an AR step) if none wins
-c is the measured relative cost of one more node (warmup times a pass with and without a tree); α corrects the
-datastore's optimism per request: observed accepted / predicted, shrunk toward 1 by a prior. The best n nodes
-by score form a connected subtree because a node's score never exceeds its parent's (counts of a longer path);
-ancestors are added anyway so any drafter's tree stays valid. Output never changes: only the tree shrinks.
+Per step, from the drafter's per-source estimates (DraftTree.source_p; SOURCES = datastore, context, learned):
+    p_s(node) = the share of source s's continuations that start with the node's path (its acceptance estimate)
+    p(node)   = min(1, max_s alpha_s * p_s(node))      the most confident calibrated source decides
+    E(n)      = sum of p over the n best nodes          expected accepted draft tokens (linearity of expectation)
+    n*        = argmax_n (1 + E(n)) / rel(n)            tokens per unit of pass cost, rel(n) = cost(1 + n) / cost(1)
+                                                        from the calibrated curve; n* = 0 is a plain AR step
+alpha_s calibrates source s on the nodes it decided (the owner of a node is its argmax source): decayed accepted
+over decayed predicted, shrunk toward 1 by a prior, kept separately per length of the suffix the source matched
+(1, 2-3, 4-7, 8+ tokens): a one-token coincidence and a real repetition of the output are different evidence, so
+a request whose short matches kept missing still verifies a deep tree the moment its output starts repeating
+itself. A source that keeps hitting keeps a deep tree whatever the other sources do. Evidence fades by DECAY per
+step in which the estimate was tested and by IDLE_DECAY otherwise, so after a bad stretch alpha drifts back
+toward 1 and the source is tried again — rarely, so a source that stays wrong costs little.
+
+Skipping the draft RPC. A remote source (the retrieval service's datastore, its learned shards, CREST) that
+decided no kept node on two drafts in a row is not asked for the next 1, 2, 4 ... 16 steps (one useless probe after
+a skipped stretch doubles it; reset when the source decides a node). The request's own tokens are drafted in process meanwhile when the
+mode has them (`rest`). A curve on which no tree can ever pay (rel(n) >= 1 + n for every n) never drafts.
+
+The best n nodes by p form a connected subtree: every source's p of a child is at most its parent's (the child's
+continuations are a subset), so the max is too; ancestors are added anyway so any drafter's tree stays valid.
+Output never changes: only the tree shrinks.
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
-DEFAULT_NODE_COST = 0.0125  # bf16, 2 threads: a 32-node pass ~1.4x an AR step (ARCHITECTURE.md table)
-PRIOR_WEIGHT = 4.0  # pseudo-tokens behind the initial α = 1
+from retrieval_service.datastore.draft_tree import SOURCES
+
+DEFAULT_NODE_COST = 0.0125  # a linear curve for models that were never calibrated (tests, tools)
+TREE_MS = 0.25  # per verified tree, outside the forward pass (measured 0.1-0.3 ms for 1-32 nodes)
+PRIOR_WEIGHT = 2.0  # pseudo-tokens behind the initial alpha = 1
+DECAY = 0.9  # per step in which an estimate was tested: it remembers about ten tests
+IDLE_DECAY = 0.97  # per step without a test: evidence fades slowly, so a bad source is retried now and then
+SUFFIX_BUCKETS = np.array([2, 4, 8])  # matched-suffix lengths 1 | 2-3 | 4-7 | 8+ (0 = no match counts as 1)
+MAX_BACKOFF = 16  # steps a useless remote source is skipped, at most
+USELESS_BEFORE_BACKOFF = 2
+N_SOURCES = len(SOURCES)
+LOCAL_CONTEXT = SOURCES.index("context")
+LOCAL_SOURCES = frozenset({LOCAL_CONTEXT})  # drafted in process, never an RPC
+
+
+class StepCost:
+    """rel(n): cost of a decode step verifying n draft nodes relative to an AR step, from a measured curve.
+
+    rows / ms: the calibrated pass curve (rows = 1 + nodes, ascending from 1). Between points the curve is linear;
+    past the last point it continues with the last segment's slope; it is made non-decreasing (a pass with more
+    rows never costs less). A tree also costs tree_ms outside the pass (acceptance walk, KV gather, layout), which
+    matters where a 1-node pass costs the same as the AR step (bf16 AR steps carry a pad row).
+    """
+
+    def __init__(self, rows: Sequence[int], ms: Sequence[float], max_nodes: int = 256, tree_ms: float = TREE_MS):
+        rows = np.asarray(rows, np.float64)
+        ms = np.asarray(ms, np.float64)
+        if rows.ndim != 1 or rows.shape != ms.shape or rows.shape[0] < 1 or rows[0] != 1 or np.any(ms <= 0):
+            raise ValueError(f"a step-cost curve needs positive ms for rows starting at 1, got {rows}, {ms}")
+        q = np.arange(1, max_nodes + 2, dtype=np.float64)
+        cost = np.interp(q, rows, ms)
+        if rows.shape[0] >= 2:
+            slope = max((ms[-1] - ms[-2]) / (rows[-1] - rows[-2]), 0.0)
+            cost = np.where(q > rows[-1], ms[-1] + slope * (q - rows[-1]), cost)
+        cost = np.minimum.accumulate(cost[::-1])[::-1]
+        cost[1:] += tree_ms
+        self.tree_ms = tree_ms
+        self.rel = cost / cost[0]  # [max_nodes + 1], rel[n] for n draft nodes (rel[0] = 1)
+        # A tree of n nodes emits at most n + 1 tokens: past this size no tree can pay for its pass.
+        pays = np.flatnonzero(self.rel < 1.0 + np.arange(self.rel.shape[0]))
+        self.max_nodes = int(pays.max()) if pays.shape[0] else 0
+
+    @classmethod
+    def linear(cls, node_cost: float = DEFAULT_NODE_COST) -> "StepCost":
+        if not node_cost > 0:
+            raise ValueError(f"node_cost must be > 0, got {node_cost}")
+        return cls([1, 65], [1.0, 1.0 + 64 * node_cost], tree_ms=0.0)
+
+    def relative(self, nodes: np.ndarray | int) -> np.ndarray:
+        return self.rel[np.minimum(np.asarray(nodes), self.rel.shape[0] - 1)]
 
 
 def acceptance_estimates(parents: np.ndarray, scores: np.ndarray) -> np.ndarray:
-    """float64 [n] in [0, 1]: each node's score relative to the total score of the root's children."""
+    """float64 [n] in [0, 1]: each node's score relative to the total score of the root's children (for trees
+    without per-source estimates, e.g. CREST's precomputed trees)."""
     scores = np.maximum(np.asarray(scores, np.float64), 0.0)
     root = float(scores[np.asarray(parents) < 0].sum())
     if root <= 0.0:
@@ -33,67 +96,149 @@ def acceptance_estimates(parents: np.ndarray, scores: np.ndarray) -> np.ndarray:
     return np.minimum(scores / root, 1.0)
 
 
-def best_size(p_desc: np.ndarray, node_cost: float, alpha: float) -> int:
+def best_size(p_desc: np.ndarray, cost: StepCost) -> int:
     """p_desc: acceptance estimates sorted descending -> the node count maximizing tokens per pass cost (0 = AR)."""
-    n = p_desc.shape[0]
+    n = min(p_desc.shape[0], cost.rel.shape[0] - 1)
     if n == 0:
         return 0
     sizes = np.arange(1, n + 1)
-    rate = (1.0 + alpha * np.cumsum(p_desc)) / (1.0 + node_cost * sizes)
+    rate = (1.0 + np.cumsum(p_desc[:n])) / cost.relative(sizes)
     k = int(np.argmax(rate))
     return int(sizes[k]) if rate[k] > 1.0 else 0
 
 
-def keep_best(parents: np.ndarray, scores: np.ndarray, n: int) -> np.ndarray:
-    """Indices (ascending) of the n best-scored nodes plus any ancestors they need; parents[i] < i assumed."""
+def keep_best(parents: np.ndarray, p: np.ndarray, n: int) -> np.ndarray:
+    """Indices (ascending) of the n nodes with the highest p plus any ancestors they need; parents[i] < i."""
     if n >= parents.shape[0]:
         return np.arange(parents.shape[0])
     chosen = np.zeros(parents.shape[0], bool)
-    for i in np.argsort(-np.asarray(scores, np.float64), kind="stable")[:n].tolist():
+    for i in np.argsort(-np.asarray(p, np.float64), kind="stable")[:n].tolist():
         while i >= 0 and not chosen[i]:
             chosen[i] = True
             i = int(parents[i])
     return np.flatnonzero(chosen)
 
 
-def subtree(tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray,
-            keep: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The kept nodes (ancestor-closed, ascending) with parents re-indexed."""
+def subtree(keep: np.ndarray, parents: np.ndarray) -> np.ndarray:
+    """Parents of the kept nodes (ancestor-closed, ascending), re-indexed into the kept set."""
     new_index = np.full(parents.shape[0], -1, np.int64)
     new_index[keep] = np.arange(keep.shape[0])
     kept_parents = parents[keep]
-    remapped = np.where(kept_parents < 0, -1, new_index[np.maximum(kept_parents, 0)]).astype(np.int32)
-    return tokens[keep], remapped, scores[keep]
+    return np.where(kept_parents < 0, -1, new_index[np.maximum(kept_parents, 0)]).astype(np.int32)
+
+
+def source_estimates(parents: np.ndarray, scores: np.ndarray, source_p: np.ndarray | None,
+                     default_source: int) -> np.ndarray:
+    """float64 [n, N_SOURCES]: the tree's own per-source estimates, or score shares in `default_source`'s column."""
+    if source_p is not None:
+        return np.asarray(source_p, np.float64)
+    p = np.zeros((parents.shape[0], N_SOURCES))
+    p[:, default_source] = acceptance_estimates(parents, scores)
+    return p
+
+
+def suffix_bucket(matched: int) -> int:
+    """Matched-suffix length -> calibration bucket (SUFFIX_BUCKETS)."""
+    return int(np.searchsorted(SUFFIX_BUCKETS, max(int(matched), 1), side="right"))
+
+
+def tree_buckets(matched_suffix: int, context_matched_suffix: int) -> np.ndarray:
+    """int [N_SOURCES]: each source's bucket for one draft (the learned shards are searched with the datastore's
+    suffix)."""
+    out = np.empty(N_SOURCES, np.int64)
+    out[:] = suffix_bucket(matched_suffix)
+    out[LOCAL_CONTEXT] = suffix_bucket(context_matched_suffix)
+    return out
 
 
 class DraftSizer:
-    """Chooses each step's tree size for one request and learns α from what the verifier accepted."""
+    """Per request: each step's tree size, per-source calibration, and when to skip a remote source."""
 
-    def __init__(self, node_cost: float = DEFAULT_NODE_COST, prior_weight: float = PRIOR_WEIGHT):
-        if not node_cost > 0:
-            raise ValueError(f"node_cost must be > 0, got {node_cost}")
-        self.node_cost = node_cost
+    def __init__(self, cost: StepCost, prior_weight: float = PRIOR_WEIGHT, decay: float = DECAY,
+                 idle_decay: float = IDLE_DECAY):
+        if not (0.0 < decay <= 1.0 and 0.0 < idle_decay <= 1.0):
+            raise ValueError(f"decays must lie in (0, 1], got {decay}, {idle_decay}")
+        self.cost = cost
         self.prior_weight = prior_weight
-        self.predicted = 0.0
-        self.accepted = 0.0
-        self._last_prediction = 0.0
+        self.decay, self.idle_decay = decay, idle_decay
+        shape = (N_SOURCES, len(SUFFIX_BUCKETS) + 1)
+        self.predicted = np.zeros(shape)
+        self.accepted = np.zeros(shape)
+        # Of the last tree: the (source, bucket) cell that decided each kept node, and that source's raw p.
+        self._pending: tuple[np.ndarray, np.ndarray] = (np.zeros(0, np.int64), np.zeros(0))
+        self._expect: tuple[np.ndarray, np.ndarray] | None = None
+        self._useless = 0
+        self._backoff = 1
+        self._skip = 0
 
     @property
-    def alpha(self) -> float:
+    def alpha(self) -> np.ndarray:
+        """float64 [N_SOURCES, buckets]: observed / predicted accepted tokens per source and suffix bucket, shrunk
+        toward 1."""
         return (self.accepted + self.prior_weight) / (self.predicted + self.prior_weight)
 
-    def shrink(self, tokens: np.ndarray, parents: np.ndarray,
-               scores: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The tree cut to its cost-effective size (possibly empty)."""
-        p = acceptance_estimates(parents, scores)
-        order = np.argsort(-p, kind="stable")
-        n = best_size(p[order], self.node_cost, self.alpha)
-        keep = keep_best(parents, scores, n)
-        self._last_prediction = float(p[keep].sum())
-        return subtree(tokens, parents, scores, keep)
+    @property
+    def drafting_pays(self) -> bool:
+        """False when the measured curve says no tree can ever pay: draft nothing, ask nobody."""
+        return self.cost.max_nodes > 0
 
-    def observe(self, accepted: int) -> None:
-        """After verification: how many of the last tree's nodes were accepted."""
-        self.predicted += self._last_prediction
-        self.accepted += accepted
-        self._last_prediction = 0.0
+    def query_remote(self) -> bool:
+        """Before drafting: False while a useless remote source is being skipped (counts the skipped step)."""
+        if self._skip > 0:
+            self._skip -= 1
+            return False
+        return True
+
+    def shrink(self, tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray, source_p: np.ndarray | None,
+               default_source: int, remote: bool = True, matched_suffix: int = 0,
+               context_matched_suffix: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The tree cut to its cost-effective size (possibly empty) -> (tokens, parents, p, kept indices).
+
+        remote: the tree came from an RPC (its usefulness drives the skipping); *_matched_suffix: the suffix
+        lengths the sources matched (DraftTree fields). p is each kept node's combined estimate (the selection
+        weight); call expect() with the final node order before verifying.
+        """
+        raw = source_estimates(parents, scores, source_p, default_source)  # [n, S]
+        buckets = tree_buckets(matched_suffix, context_matched_suffix)  # [S]
+        cells = np.arange(N_SOURCES) * self.predicted.shape[1] + buckets  # [S] flat (source, bucket) cells
+        scaled = raw * self.alpha.ravel()[cells]  # [n, S]
+        n_all = raw.shape[0]
+        owner = np.argmax(scaled, axis=1) if n_all else np.zeros(0, np.int64)  # [n]
+        p = np.minimum(scaled[np.arange(n_all), owner], 1.0)  # [n]
+        n = best_size(np.sort(p)[::-1], self.cost)
+        keep = keep_best(parents, p, n)
+        self._pending = (cells[owner[keep]], raw[keep, owner[keep]])
+        if remote:
+            self._remote_result(bool(np.any([o not in LOCAL_SOURCES for o in owner[keep].tolist()])))
+        return tokens[keep], subtree(keep, parents), p[keep], keep
+
+    def expect(self, order: np.ndarray) -> None:
+        """The kept nodes as the verifier will see them (order: kept index of each verifier node)."""
+        cells, p = self._pending
+        self._expect = (cells[order], p[order])
+
+    def observe(self, accepted_nodes: Sequence[int]) -> None:
+        """After verification: the accepted nodes (verifier indices) of the tree passed to expect()."""
+        decay = np.full(self.predicted.size, self.idle_decay)
+        expect, self._expect = self._expect, None
+        if expect is not None:
+            decay[expect[0]] = self.decay
+        predicted, accepted = self.predicted.reshape(-1), self.accepted.reshape(-1)  # views
+        predicted *= decay
+        accepted *= decay
+        if expect is None:
+            return
+        cells, p = expect
+        np.add.at(predicted, cells, p)
+        if len(accepted_nodes):
+            np.add.at(accepted, cells[np.asarray(accepted_nodes, np.int64)], 1.0)
+
+    def _remote_result(self, useful: bool) -> None:
+        if useful:
+            self._useless, self._backoff = 0, 1
+            return
+        self._useless += 1
+        # A fresh source gets two chances; a probe after a skipped stretch that is useless again skips at once.
+        if self._useless >= USELESS_BEFORE_BACKOFF or self._backoff > 1:
+            self._skip, self._useless = self._backoff, 0
+            self._backoff = min(2 * self._backoff, MAX_BACKOFF)

@@ -3,6 +3,10 @@
 The verify loop only sees this interface; REST, CREST and prompt lookup are interchangeable.
 A drafter that cannot answer (retrieval down, deadline missed) raises DraftUnavailable; the loop then
 decodes that step autoregressively and marks the request degraded.
+
+Besides propose(), a drafter says whether it is remote (an RPC per step: the loop may skip it while it is
+useless, draft_budget.py), what to draft with in process meanwhile (`local`, None = nothing), and which source
+column its trees' estimates belong to when a tree carries no per-source estimates (`default_source`).
 """
 
 from __future__ import annotations
@@ -11,7 +15,9 @@ from typing import Protocol
 
 import numpy as np
 
-from retrieval_service.datastore.draft_tree import DraftTree
+from retrieval_service.datastore.draft_tree import SOURCES, DraftTree
+
+_DATASTORE, _CONTEXT = SOURCES.index("datastore"), SOURCES.index("context")
 
 
 class DraftUnavailable(RuntimeError):
@@ -20,6 +26,9 @@ class DraftUnavailable(RuntimeError):
 
 class Drafter(Protocol):
     name: str
+    remote: bool  # propose() is a call to another service
+    local: "Drafter | None"  # drafts in process while a remote drafter is skipped (None: decode AR)
+    default_source: int  # SOURCES column of trees without per-source estimates
 
     def propose(self, context_ids: np.ndarray, max_nodes: int) -> DraftTree:
         """context_ids: int32 [T] prompt + generated tokens so far -> tree of at most max_nodes nodes."""
@@ -31,6 +40,12 @@ class PromptLookupDrafter:
     longest repeated suffix inside the request's own tokens, merged into one trie. Pure CPU work, in process."""
 
     name = "pld"
+    remote = False
+    default_source = _CONTEXT
+
+    @property
+    def local(self) -> "PromptLookupDrafter":
+        return self
 
     def __init__(self, max_suffix: int = 16, min_suffix: int | None = None, max_matches: int | None = None,
                  continuation: int = 10):
@@ -51,6 +66,12 @@ class DatastoreDrafter:
     datastore's and the request's own continuations in one trie). The server's gRPC drafter does the same remotely."""
 
     _NAMES = {"datastore": "rest-ds", "merged": "rest"}
+    remote = False
+    default_source = _DATASTORE
+
+    @property
+    def local(self) -> "DatastoreDrafter":
+        return self
 
     def __init__(self, datastore, source: str = "merged", max_suffix: int = 16, **draft_kwargs):
         if source not in self._NAMES:
@@ -73,6 +94,12 @@ class CrestDrafter:
     """
 
     name = "crest"
+    remote = False  # in process; a Redis-backed store answers over the network, but in well under a millisecond
+    default_source = _DATASTORE
+
+    @property
+    def local(self) -> "CrestDrafter":
+        return self
 
     def __init__(self, store):
         from retrieval_service.datastore.ngram_store import StoreUnavailable

@@ -32,7 +32,7 @@ from generation_service.drafters import Drafter, DraftUnavailable
 from generation_service.model import TargetModel, cache_length, forward, new_cache
 from generation_service.sampling import Sampler, SamplingParams
 from generation_service.tree_attention import (
-    dfs_layout,
+    dfs_order,
     gather_kv,
     prune_depth,
     tree_children,
@@ -42,9 +42,9 @@ from generation_service.tree_attention import (
 
 log = logging.getLogger(__name__)
 
-# Measured on the 2-core Sapphire Rapids box in bf16 (bench/speculative.py --tree-cost): a 32-node tree pass costs
-# ~1.4-1.8 single-token steps, 64 nodes ~2.1x; past 32 nodes the extra nodes are rarely accepted.
-DEFAULT_DRAFT_BUDGET = 32
+# Nodes asked of the drafter per step (REST's 64); the sizer verifies only what the measured pass cost and the
+# acceptance estimates say pays (draft_budget.py), usually far fewer.
+DEFAULT_DRAFT_BUDGET = 64
 PREFILL_CHUNK = 1024  # prompt tokens per prefill pass (cancellation granularity)
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED = "stop", "length", "cancelled"
 
@@ -63,6 +63,7 @@ class SpeculationStats:
     total_ms: float = 0.0
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0
+    skipped_drafts: int = 0  # steps that did not ask a useless remote source (draft_budget.py)
     degraded: bool = False
     degraded_steps: int = 0
     degraded_reason: str = ""
@@ -173,7 +174,8 @@ def accept(logits: torch.Tensor, children: dict[tuple[int, int], int], sampler: 
     return path, emitted
 
 
-def _check_tree(tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray, vocab_size: int) -> None:
+def _check_tree(tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray, source_p: np.ndarray | None,
+                vocab_size: int) -> None:
     n = tokens.shape[0]
     if parents.shape != (n,) or scores.shape != (n,):
         raise DraftUnavailable(f"malformed draft: {n} tokens but parents {parents.shape}, scores {scores.shape}")
@@ -181,6 +183,8 @@ def _check_tree(tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray, voc
         raise DraftUnavailable(f"malformed draft: parents must satisfy -1 <= parents[i] < i, got {parents.tolist()}")
     if n and (tokens.min() < 0 or tokens.max() >= vocab_size):
         raise DraftUnavailable(f"malformed draft: token ids must lie in [0, {vocab_size})")
+    if source_p is not None and (source_p.shape[0] != n or not np.all((source_p >= 0) & (source_p <= 1))):
+        raise DraftUnavailable(f"malformed draft: source_p must be [{n}, sources] within [0, 1]")
 
 
 def draft(drafter: Drafter, context: np.ndarray, budget: int, max_depth: int,
@@ -190,12 +194,21 @@ def draft(drafter: Drafter, context: np.ndarray, budget: int, max_depth: int,
     tree = drafter.propose(context, budget)
     # The first `budget` nodes of a tree with parents[i] < i are again such a tree.
     tokens, parents, scores = tree.tokens[:budget], tree.parents[:budget], tree.scores[:budget]
-    _check_tree(tokens, parents, scores, vocab_size)
+    source_p = tree.source_p[:budget] if tree.source_p is not None else None
+    _check_tree(tokens, parents, scores, source_p, vocab_size)
     keep, parents = prune_depth(parents, max_depth)
     tokens, scores = tokens[keep], scores[keep]
+    source_p = source_p[keep] if source_p is not None else None
     if sizer is not None:
-        tokens, parents, scores = sizer.shrink(tokens, parents, scores)
-    return dfs_layout(tokens, parents, scores)
+        tokens, parents, scores, _ = sizer.shrink(tokens, parents, scores, source_p,
+                                                  getattr(drafter, "default_source", 0),
+                                                  remote=getattr(drafter, "remote", False),
+                                                  matched_suffix=tree.matched_suffix,
+                                                  context_matched_suffix=tree.context_matched_suffix)
+    order, parents = dfs_order(parents, scores)
+    if sizer is not None:
+        sizer.expect(order)
+    return tokens[order], parents
 
 
 def _cut(tokens: list[int], remaining: int, eos: frozenset[int]) -> tuple[list[int], str | None]:
@@ -214,8 +227,8 @@ def decode(tm: TargetModel, prompt_ids, params: SamplingParams, *, drafter: Draf
     """Token-level generation: yields (new output tokens, finish reason) once per forward pass; the last item
     carries the finish reason (stop = EOS, length, cancelled). EOS is not part of the output.
 
-    adaptive_budget: verify only the cost-effective part of each draft tree (draft_budget.py); False = always
-    verify up to draft_budget nodes. Either way the output is the same."""
+    adaptive_budget: verify only the cost-effective part of each draft tree and skip useless remote drafts
+    (draft_budget.py); False = always verify up to draft_budget nodes. Either way the output is the same."""
     prompt = _check_prompt(tm, prompt_ids, params)
     if isinstance(draft_budget, bool) or not isinstance(draft_budget, (int, np.integer)) or draft_budget < 0:
         raise ValueError(f"draft_budget must be an integer >= 0 (0 = no drafting), got {draft_budget!r}")
@@ -227,7 +240,10 @@ def decode(tm: TargetModel, prompt_ids, params: SamplingParams, *, drafter: Draf
     context[:n_prompt] = prompt
     n_ctx = n_prompt
     cancelled = is_cancelled or (lambda: False)
-    sizer = DraftSizer(tm.node_cost) if adaptive_budget and drafter is not None else None
+    sizer = DraftSizer(tm.step_cost) if adaptive_budget and drafter is not None else None
+    if sizer is not None:
+        # Nodes beyond the largest tree that could ever pay on this machine's curve are never worth asking for.
+        draft_budget = min(draft_budget, tm.step_cost.max_nodes)
 
     if cancelled():
         yield [], FINISH_CANCELLED
@@ -255,16 +271,21 @@ def decode(tm: TargetModel, prompt_ids, params: SamplingParams, *, drafter: Draf
             return
         remaining = params.max_new_tokens - n_out
         tokens = parents = np.zeros(0, np.int32)
-        if drafter is not None and draft_budget > 0 and remaining > 1:
+        source = drafter if draft_budget > 0 and remaining > 1 else None
+        if source is not None and sizer is not None and getattr(source, "remote", False) \
+                and not sizer.query_remote():
+            source = source.local  # a remote source that keeps being useless is skipped for a while
+            stats.skipped_drafts += 1
+        if source is not None:
             t = time.perf_counter()
             try:
                 # One step emits at most depth + 1 tokens: deeper nodes could never be used.
-                tokens, parents = draft(drafter, context[:n_ctx], draft_budget, remaining - 1, tm.vocab_size,
+                tokens, parents = draft(source, context[:n_ctx], draft_budget, remaining - 1, tm.vocab_size,
                                         sizer)
             except DraftUnavailable as e:
                 _degrade(stats, str(e))
             except Exception as e:  # a drafter bug must not fail the request; AR is always correct
-                log.exception("drafter %s failed", getattr(drafter, "name", drafter))
+                log.exception("drafter %s failed", getattr(source, "name", source))
                 _degrade(stats, f"drafter error: {type(e).__name__}: {e}")
             stats.draft_ms += (time.perf_counter() - t) * 1e3
 
@@ -278,7 +299,7 @@ def decode(tm: TargetModel, prompt_ids, params: SamplingParams, *, drafter: Draf
         stats.draft_tokens_accepted += len(path)
         stats.record_step(len(emitted))
         if sizer is not None:
-            sizer.observe(len(path))
+            sizer.observe(path)
 
         last = emitted[-1]
         context[n_ctx:n_ctx + len(emitted)] = emitted

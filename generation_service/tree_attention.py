@@ -92,8 +92,10 @@ def prune_depth(parents: np.ndarray, max_depth: int) -> tuple[np.ndarray, np.nda
     return keep, np.where(kept_parents < 0, -1, new_index[np.maximum(kept_parents, 0)]).astype(np.int32)
 
 
-def dfs_layout(tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Reorder a tree depth-first, higher-scored children first -> (tokens, parents), still parents[i] < i.
+def dfs_order(parents: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Depth-first order of a tree, higher-scored children first -> (order int64 [n], parents in that order).
+
+    order[j] is the old index of new node j; the new parents still satisfy parents[j] < j.
 
     Why: in bf16 a verifier row is bit-identical to the AR row for its position only if its ancestors sit
     contiguously right before it (masked columns in between shift the fp32 accumulation blocks of the P @ V
@@ -102,9 +104,9 @@ def dfs_layout(tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray) -> t
     """
     n = parents.shape[0]
     if n <= 1:
-        return tokens, parents
+        return np.arange(n), parents
     kids: list[list[int]] = [[] for _ in range(n + 1)]  # kids[p + 1] = children of node p (kids[0] = root's)
-    for i in np.lexsort((np.arange(n), -scores)).tolist():  # score desc, then original order
+    for i in np.lexsort((np.arange(n), -np.asarray(scores))).tolist():  # score desc, then original order
         kids[int(parents[i]) + 1].append(i)
     order: list[int] = []
     stack = kids[0][::-1]
@@ -112,10 +114,16 @@ def dfs_layout(tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray) -> t
         i = stack.pop()
         order.append(i)
         stack.extend(kids[i + 1][::-1])
+    order_arr = np.asarray(order, np.int64)
     new_index = np.empty(n, np.int64)
-    new_index[order] = np.arange(n)
-    old_parents = parents[order]
-    new_parents = np.where(old_parents < 0, -1, new_index[np.maximum(old_parents, 0)]).astype(np.int32)
+    new_index[order_arr] = np.arange(n)
+    old_parents = parents[order_arr]
+    return order_arr, np.where(old_parents < 0, -1, new_index[np.maximum(old_parents, 0)]).astype(np.int32)
+
+
+def dfs_layout(tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The tree reordered depth-first, best child first (see dfs_order) -> (tokens, parents)."""
+    order, new_parents = dfs_order(parents, scores)
     return tokens[order], new_parents
 
 

@@ -1,12 +1,20 @@
-"""Cost-aware tree size: brute force over every subtree size, ancestor closure, and α learning."""
+"""Cost-aware tree size: brute force over every subtree size on measured curves, ancestor closure, per-source
+calibration, skipping useless remote drafts, and recovery after a bad stretch."""
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from generation_service.draft_budget import (DraftSizer, acceptance_estimates, best_size, keep_best,
+from generation_service.draft_budget import (DraftSizer, StepCost, acceptance_estimates, best_size, keep_best,
                                              subtree)
+from retrieval_service.datastore.draft_tree import SOURCES
+
+DS, CTX, LEARNED = (SOURCES.index(s) for s in ("datastore", "context", "learned"))
+# Cost tables (ms by rows) measured on three CPUs (calibrate.py's docstring; Zen 5 as calibrated, monotone).
+ZEN5_BF16 = ([1, 2, 4, 8, 16, 32, 64], [24.5, 26.0, 29.4, 29.4, 29.4, 36.2, 49.4])
+AVX2_FP32 = ([1, 2, 4, 8, 16, 32, 64], [68, 100, 120, 136, 167, 176, 230])
+AVX2_BF16 = ([1, 2, 4, 8, 16, 32, 64], [23.2, 38.0, 53.9, 78.3, 149.6, 335.0, 705.6])
 
 
 def random_count_tree(rng, n):
@@ -19,25 +27,55 @@ def random_count_tree(rng, n):
     return parents, counts
 
 
+def chain(p: list[float], source: int = DS):
+    """A chain draft whose nodes carry `p` in one source column."""
+    n = len(p)
+    source_p = np.zeros((n, len(SOURCES)), np.float32)
+    source_p[:, source] = p
+    return (np.arange(n, dtype=np.int32) + 100, np.arange(-1, n - 1, dtype=np.int32), np.ones(n, np.float32),
+            source_p)
+
+
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.floats(0, 1), min_size=0, max_size=40), st.floats(0.001, 0.2), st.floats(0.05, 2.0))
-def test_best_size_matches_brute_force(ps, cost, alpha):
+@given(st.lists(st.floats(0, 1), min_size=0, max_size=40), st.sampled_from([ZEN5_BF16, AVX2_FP32, AVX2_BF16]))
+def test_best_size_matches_brute_force(ps, table):
+    cost = StepCost(*table)
     p = np.sort(np.array(ps, np.float64))[::-1]
-    rates = [1.0] + [(1 + alpha * p[:n].sum()) / (1 + cost * n) for n in range(1, len(p) + 1)]
+    rows, ms = np.array(table[0], float), np.array(table[1], float)
+    # Brute force: interpolate each size, plus the per-tree cost outside the pass (the tables are monotone).
+    rel = [1.0] + [(np.interp(1 + n, rows, ms) + cost.tree_ms) / ms[0] for n in range(1, len(p) + 1)]
+    rates = [1.0] + [(1 + p[:n].sum()) / rel[n] for n in range(1, len(p) + 1)]
     expected = int(np.argmax(rates))
-    got = best_size(p, cost, alpha)
+    got = best_size(p, cost)
     assert np.isclose(rates[got], rates[expected])  # same optimum (ties may pick either size)
 
 
-@pytest.mark.parametrize("case, p, cost, expected, not_expected", [
-    ("confident chain is kept whole", [0.95, 0.9, 0.85, 0.8], 0.02, 4, 0),
-    ("scattered matches are not worth a pass", [0.01, 0.01, 0.005], 0.02, 0, 3),
-    ("expensive nodes keep only the best one", [0.9, 0.05, 0.05], 0.1, 1, 3),
+@pytest.mark.parametrize("case, p, table, expected, not_expected", [
+    ("confident chain is kept whole on a flat curve", [0.95, 0.9, 0.85, 0.8], ZEN5_BF16, 4, 0),
+    ("scattered matches are not worth a pass", [0.01, 0.01, 0.005], ZEN5_BF16, 0, 3),
+    ("a steep curve keeps only the sure node", [0.9, 0.3, 0.3, 0.3], AVX2_BF16, 1, 4),
+    ("the same nodes pay on a flat curve", [0.9, 0.3, 0.3, 0.3], ZEN5_BF16, 4, 1),
 ])
-def test_best_size_scenarios(case, p, cost, expected, not_expected):
-    got = best_size(np.array(p), cost, 1.0)
+def test_best_size_scenarios(case, p, table, expected, not_expected):
+    got = best_size(np.array(p), StepCost(*table))
     assert got == expected, case
     assert got != not_expected, case
+
+
+@pytest.mark.parametrize("case, table, max_nodes", [
+    ("flat curve: any size can pay", ZEN5_BF16, 256),
+    ("a pass with one node costs 2 steps: a 1-node tree can never pay", ([1, 2, 64], [10, 20, 640]), 0),
+    ("linear 10%/node: any size can pay", ([1, 101], [10, 110]), 256),
+    ("a non-monotone measurement is read as non-decreasing", ([1, 2, 4], [30, 20, 40]), 256),
+])
+def test_step_cost_max_nodes(case, table, max_nodes):
+    assert StepCost(*table).max_nodes == max_nodes, case
+
+
+@pytest.mark.parametrize("rows, ms", [([2, 4], [1, 2]), ([1, 2], [1, 0]), ([1], [])])
+def test_step_cost_rejects_bad_curves(rows, ms):
+    with pytest.raises(ValueError):
+        StepCost(rows, ms)
 
 
 @settings(max_examples=100, deadline=None)
@@ -50,10 +88,10 @@ def test_keep_best_is_an_ancestor_closed_subtree(n, k, seed):
     assert all(parents[i] < 0 or parents[i] in kept for i in keep)  # every kept node's parent is kept
     assert len(keep) == min(k, n)  # monotone counts: the best k are already connected, nothing added
     tokens = np.arange(n, dtype=np.int32) + 100
-    t2, p2, s2 = subtree(tokens, parents, scores, keep)
+    p2 = subtree(keep, parents)
+    t2 = tokens[keep]
     assert np.all(p2 < np.arange(len(p2)))
     for j, i in enumerate(keep):  # same node, same parent token
-        assert t2[j] == tokens[i]
         assert (p2[j] < 0) == (parents[i] < 0)
         if p2[j] >= 0:
             assert t2[p2[j]] == tokens[parents[i]]
@@ -66,16 +104,88 @@ def test_acceptance_estimates_are_shares_of_the_root_total():
     assert not np.allclose(acceptance_estimates(parents, counts), counts / counts.sum())
 
 
-def test_sizer_learns_alpha_from_acceptance():
-    parents = np.array([-1, 0, 1, 2], np.int32)
-    counts = np.array([10, 10, 10, 10], np.float32)  # the datastore says: certain
-    tokens = np.array([5, 6, 7, 8], np.int32)
-    sizer = DraftSizer(node_cost=0.05)
-    t, _, _ = sizer.shrink(tokens, parents, counts)
-    assert len(t) == 4 and sizer.alpha == 1.0
-    for _ in range(30):  # ... but the model never agrees
-        sizer.shrink(tokens, parents, counts)
-        sizer.observe(0)
-    assert sizer.alpha < 0.1  # it stops drafting (and predicting) once a node costs more than it is worth
-    t, _, _ = sizer.shrink(tokens, parents, counts)
-    assert len(t) < 4  # smaller trees once the datastore has proven optimistic
+def step(sizer: DraftSizer, tree, accepted: int, remote: bool = True, suffix: int = 4) -> int:
+    """One draft -> verify cycle on a chain; the first `accepted` nodes are accepted. Returns nodes verified.
+    suffix: the matched suffix length of every source."""
+    tokens, parents, scores, source_p = tree
+    t, _, _, keep = sizer.shrink(tokens, parents, scores, source_p, DS, remote=remote, matched_suffix=suffix,
+                                 context_matched_suffix=suffix)
+    sizer.expect(np.arange(len(t)))
+    sizer.observe(list(range(min(accepted, len(t)))))
+    return len(t)
+
+
+def test_alpha_is_learned_per_source():
+    sizer = DraftSizer(StepCost(*AVX2_FP32))
+    sure_ds, sure_ctx = chain([1.0] * 6, DS), chain([1.0] * 6, CTX)
+    assert step(sizer, sure_ds, 0) == 6  # trusted at first
+    for _ in range(20):  # the datastore keeps being wrong ...
+        step(sizer, sure_ds, 0)
+    assert sizer.alpha[DS].min() < 0.2
+    assert step(sizer, sure_ds, 0) == 0  # ... so its trees stop being verified
+    assert np.all(sizer.alpha[CTX] == 1.0)  # Not dragged down: the context source never missed
+    assert step(sizer, sure_ctx, 6) == 6  # and its deep tree is still verified
+
+
+def test_a_repeating_output_gets_a_deep_tree_after_short_matches_missed():
+    """HumanEval/1 looped `()()()...` while `rest` stayed at 1.5 nodes/step: misses must not stick."""
+    sizer = DraftSizer(StepCost(*AVX2_FP32))
+    loop = chain([1.0] * 10, CTX)
+    verified = [step(sizer, loop, 0, suffix=1) for _ in range(10)]  # one-token coincidences, all wrong
+    assert verified[-1] == 0 and sizer.alpha[CTX, 0] < 0.2
+    # The output starts repeating itself: long context matches, all right.
+    assert step(sizer, loop, 10, suffix=12) == 10  # Not 0 or 1: a long match is other evidence
+
+
+def test_estimates_recover_after_a_bad_stretch():
+    sizer = DraftSizer(StepCost(*ZEN5_BF16))
+    loop = chain([1.0] * 10, CTX)
+    for _ in range(10):  # the same kind of match misses for a while ...
+        step(sizer, loop, 0)
+    sizes = [step(sizer, loop, 10) for _ in range(60)]  # ... then it is right every time
+    assert sizes[-1] == 10  # Not stuck at 0: the deep tree is back
+    assert all(s == 10 for s in sizes[-20:])
+
+
+def test_a_source_that_stays_wrong_is_retried_rarely():
+    sizer = DraftSizer(StepCost(*AVX2_FP32))
+    wrong = chain([1.0] * 10, CTX)
+    verified = [step(sizer, wrong, 0, suffix=1) > 0 for _ in range(60)]
+    assert 1 <= sum(verified[10:]) <= 5  # Not every few steps (each full tree costs 2.2 AR steps here), not never
+
+
+def test_a_useless_remote_source_is_skipped_with_backoff():
+    sizer = DraftSizer(StepCost(*ZEN5_BF16))
+    useless = chain([0.01, 0.01], DS)
+    asked = []
+    for _ in range(40):
+        if sizer.query_remote():
+            asked.append(True)
+            step(sizer, useless, 0)
+        else:
+            asked.append(False)
+            sizer.observe([])
+    assert asked[:2] == [True, True]  # tried twice before backing off
+    assert not asked[2]
+    assert 6 <= sum(asked) <= 14  # Not 40 (an RPC per step) and not 2 (never tried again)
+    # A remote draft that decides a node resets the backoff.
+    sizer2 = DraftSizer(StepCost(*ZEN5_BF16))
+    for _ in range(10):
+        assert sizer2.query_remote()
+        step(sizer2, chain([0.9, 0.8], DS), 2)
+
+
+def test_context_nodes_do_not_make_a_remote_draft_useful():
+    sizer = DraftSizer(StepCost(*ZEN5_BF16))
+    tokens, parents, scores, source_p = chain([0.9, 0.9], CTX)
+    source_p[:, DS] = 0.01  # the datastore barely agrees; the context decides both nodes
+    for _ in range(2):
+        assert sizer.query_remote()
+        step(sizer, (tokens, parents, scores, source_p), 2)
+    assert not sizer.query_remote()  # the RPC added nothing the in-process context draft lacks
+
+
+def test_a_curve_where_nothing_pays_never_drafts():
+    sizer = DraftSizer(StepCost([1, 2, 64], [10, 20, 640]))
+    assert not sizer.drafting_pays
+    assert step(sizer, chain([1.0] * 8, CTX), 8) == 0

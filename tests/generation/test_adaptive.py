@@ -1,0 +1,91 @@
+"""Adaptive drafting in the decode loop, with the real model: no draft call when the measured curve says no tree
+can pay, useless remote drafts skipped (the request's own tokens still drafted in process), outputs unchanged."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from generation_service.draft_budget import StepCost
+from generation_service.drafters import PromptLookupDrafter
+from generation_service.sampling import SamplingParams
+from generation_service.speculative import decode, generate
+from retrieval_service.datastore.draft_tree import SOURCES, DraftTree
+
+pytestmark = pytest.mark.model
+
+N_NEW = 48
+FLAT = StepCost([1, 2, 4, 8, 16, 32, 64], [24.5, 26.0, 29.4, 29.4, 29.4, 36.2, 49.4])  # Zen 5 bf16, calibrated
+NOTHING_PAYS = StepCost([1, 2, 64], [10.0, 20.0, 640.0])  # one node costs a whole AR step
+
+
+class Counting:
+    """A drafter that counts its calls; `remote` as the loop should see it, `local` what it drafts with while
+    skipped."""
+
+    def __init__(self, propose, remote: bool, local=None, name: str = "counting"):
+        self._propose, self.remote, self.local, self.name = propose, remote, local, name
+        self.default_source = SOURCES.index("datastore")
+        self.calls = 0
+
+    def propose(self, context_ids, max_nodes):
+        self.calls += 1
+        return self._propose(context_ids, max_nodes)
+
+
+def wrong_datastore_tree(context_ids, max_nodes) -> DraftTree:
+    """Two thousand scattered datastore matches: eight rare continuations (tokens 0..7), each a root child."""
+    n = min(max_nodes, 8)
+    source_p = np.zeros((n, len(SOURCES)), np.float32)
+    source_p[:, SOURCES.index("datastore")] = 0.002
+    return DraftTree(np.arange(n, dtype=np.int32), np.full(n, -1, np.int32), np.ones(n, np.float32),
+                     matched_suffix=2, num_matches=2000, source_p=source_p)
+
+
+def tokens_of(tm, prompt, params, **kw) -> list[int]:
+    return [t for chunk, _ in decode(tm, prompt, params, **kw) for t in chunk]
+
+
+@pytest.fixture(scope="module")
+def looping_prompt(tm32):
+    # Output that repeats itself (more one-line functions): prompt lookup alone reaches M 2.76 here (fp32).
+    return tm32.tokenizer("def f(x):\n    return x\n\ndef g(x):\n    return x\n\ndef h(x):\n    return x\n\ndef")[
+        "input_ids"]
+
+
+def test_no_draft_call_when_the_curve_says_no_tree_pays(tm32, looping_prompt):
+    params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
+    ar = tokens_of(tm32, looping_prompt, params)
+    steep = dataclasses.replace(tm32, step_cost=NOTHING_PAYS)
+    drafter = Counting(PromptLookupDrafter().propose, remote=True)
+    res = generate(steep, looping_prompt, params, drafter=drafter, tokenizer=None)
+    assert res.token_ids == ar
+    assert drafter.calls == 0  # Not one call per step: no RPC when nothing can pay
+    assert res.stats.forward_steps == N_NEW - 1  # plain AR steps (the first token comes from the prefill)
+
+
+def test_a_useless_remote_source_is_skipped_and_outputs_do_not_change(tm32, looping_prompt):
+    params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
+    ar = tokens_of(tm32, looping_prompt, params)
+    flat = dataclasses.replace(tm32, step_cost=FLAT)
+    remote = Counting(wrong_datastore_tree, remote=True)
+    res = generate(flat, looping_prompt, params, drafter=remote, tokenizer=None)
+    assert res.token_ids == ar
+    steps = res.stats.forward_steps
+    assert remote.calls < steps / 3  # Not an RPC on every step
+    assert res.stats.skipped_drafts + remote.calls >= steps - 1  # every step but the last (1 token left) drafts
+    assert res.stats.draft_tokens_proposed == 0  # nothing was worth verifying
+
+
+def test_rest_keeps_drafting_the_request_s_own_tokens_while_the_remote_is_skipped(tm32, looping_prompt):
+    params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
+    ar = tokens_of(tm32, looping_prompt, params)
+    flat = dataclasses.replace(tm32, step_cost=FLAT)
+    local = Counting(PromptLookupDrafter().propose, remote=False, name="pld")
+    remote = Counting(wrong_datastore_tree, remote=True, local=local)
+    res = generate(flat, looping_prompt, params, drafter=remote, tokenizer=None)
+    assert res.token_ids == ar
+    assert remote.calls < res.stats.forward_steps / 2 and local.calls >= remote.calls
+    assert res.stats.mean_accepted_length > 2.0  # Not ~1: the loop is drafted from the context

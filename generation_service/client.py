@@ -54,6 +54,10 @@ class GenerationClient:
         req = build_request(prompt, messages, prompt_tokens, **params)
         return self.stub.GenerateStream(req, timeout=timeout, metadata=self.metadata)
 
+    def info(self, timeout: float = 10.0) -> generation_pb2.WorkerInfo:
+        """What the worker serves with: model, dtype, threads, CPU, the calibrated cost curves."""
+        return self.stub.GetInfo(generation_pb2.WorkerInfoRequest(), timeout=timeout, metadata=self.metadata)
+
     def close(self) -> None:
         self.channel.close()
 

@@ -17,16 +17,21 @@ class GenerationConfig:
     port: int = 50052
     # Local Hugging Face model directory; "" = the default SmolLM2-135M-Instruct (prepared on first use).
     model: str = ""
-    dtype: str = "bf16"  # bf16 | fp32
+    # auto = the fastest on this machine, measured at start (calibrate.py; cached in RAGSERVE_HOME) | bf16 | fp32
+    dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
-    threads: int = 0  # torch intra-op threads; 0 = all cores
+    threads: int = 0  # torch intra-op threads; 0 = the fastest measured count
+    # Start-up cost measurement: auto = reuse the cached one or measure | force = measure again | off = none
+    # (dtype auto then means fp32, threads 0 all cores; draft trees are sized with a generic cost model).
+    calibration: str = "auto"
     # Retrieval service target(s): "host:port", or several comma-separated (client-side round-robin),
     # or a DNS name (dns:///retrieval:50051) that resolves to several replicas. "" = no retrieval.
     retrieval: str = "127.0.0.1:50051"
     draft_timeout_ms: float = 50.0  # a draft that takes longer is skipped (that step decodes AR)
     retry_after_s: float = 1.0  # after a failed draft call, skip drafting this long before trying again
     default_decoding: str = "rest"
-    draft_budget: int = 32  # max draft-tree nodes per step (32 ~ 1.4 single steps in bf16 on a 2-core CPU)
+    # Draft-tree nodes asked for per step; each step verifies only the part its measured cost says pays.
+    draft_budget: int = 64
     max_draft_budget: int = 256
     # Feed finished outputs back to the retrieval service's online-learning shard (per-request override).
     learn_from_outputs: bool = False
@@ -72,8 +77,12 @@ class GenerationConfig:
     kb_spec_timeout_ms: float = 2_000.0
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("bf16", "fp32"):
-            raise ValueError(f"dtype: {self.dtype!r} is not bf16 or fp32")
+        if self.dtype not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"dtype: {self.dtype!r} is not auto, bf16 or fp32")
+        if self.calibration not in ("auto", "force", "off"):
+            raise ValueError(f"calibration: {self.calibration!r} is not auto, force or off")
+        if self.threads < 0:
+            raise ValueError(f"threads: {self.threads} must be >= 0 (0 = choose)")
         if self.default_decoding not in DECODING_MODES:
             raise ValueError(f"default_decoding: {self.default_decoding!r} is not one of {DECODING_MODES}")
         if not 1 <= self.draft_budget <= self.max_draft_budget:

@@ -1,7 +1,8 @@
 """The target model: load any local Hugging Face causal LM (default SmolLM2-135M-Instruct), run forward passes.
 
-bf16 is the CPU default because Sapphire Rapids' AMX makes bf16 matmuls cheap: a 64-node tree costs ~1.7 single
-steps in bf16 but ~3.8 in fp32. Nothing here contacts a model hub.
+Which dtype and thread count serve best depends on the machine (bf16 is fast with AMX or avx512_bf16 and 7x slower
+per tree node on AVX2-only CPUs): the server measures and chooses (calibrate.py); load_model takes what it is
+given. Nothing here contacts a model hub.
 
 Bit-identical rows. Lossless speculation needs the verifier's row for a position to equal what the AR loop computes
 for it. Measured on CPU bf16: linear layers give the same row for any M >= 2 but not for M = 1 (a different kernel),
@@ -13,6 +14,7 @@ causal attention for long prompts; AR and speculative runs share it, so it canno
 
     tm = load_model("", dtype="bf16")      # "" = the default model, prepared on first use
     warmup(tm)                             # before reporting SERVING: the first passes pay kernel set-up costs
+Run every forward pass of a process on one thread (calibrate.ModelThread explains why).
 """
 
 from __future__ import annotations
@@ -20,18 +22,18 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from generation_service.draft_budget import DEFAULT_NODE_COST
+from generation_service.draft_budget import StepCost
 from generation_service.model_files import load_tokenizer, resolve_model_dir
 from generation_service.tree_attention import tree_mask, tree_position_ids
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 ATTENTION = "ragserve_decode"
 
 
@@ -82,12 +84,13 @@ class TargetModel:
     max_positions: int  # positions the model supports (prompt + generated)
     model_dir: str
     min_rows: int = 2  # every decode pass carries at least this many rows (see the module docstring)
-    # Relative cost of one more draft-tree node in a decode pass (draft_budget.py); warmup() measures it.
-    node_cost: float = DEFAULT_NODE_COST
+    # Cost of a decode pass by draft-tree size, relative to an AR step (draft_budget.py): the calibrated curve
+    # when the server measured one (calibrate.py), else a linear default.
+    step_cost: StepCost = field(default_factory=StepCost.linear)
 
     @property
     def dtype_name(self) -> str:
-        return {v: k for k, v in _DTYPES.items()}[self.dtype]
+        return {v: k for k, v in DTYPES.items()}[self.dtype]
 
 
 def pick_device(device: str) -> torch.device:
@@ -110,24 +113,25 @@ def _eos_ids(model, tokenizer) -> frozenset[int]:
     return frozenset(int(i) for i in ids)
 
 
-def cap_blas_threads(threads: int) -> None:
-    """Cap every BLAS / OpenMP pool in the process (numpy's OpenBLAS, faiss's OpenMP) at `threads`.
+def cap_blas_threads(threads: int, blas: int = 1) -> None:
+    """In the calling thread: OpenMP pools (torch's, faiss's) at `threads`, BLAS pools (numpy's OpenBLAS) at `blas`.
 
     torch.set_num_threads only covers torch. numpy's OpenBLAS starts one spinning thread per core for every
     matrix-vector product the worker does (the kNN-LM cache look-up, draft scoring); on a 2-core machine shared
     with the retrieval service those threads take the core its Search runs on (measured: capping them nearly
-    doubled kNN-LM speculation gains, bench/results/knnlm.json).
+    doubled kNN-LM speculation gains, bench/results/knnlm.json). The worker's numpy work is tiny vectors, so one
+    BLAS thread is enough.
     """
     from threadpoolctl import threadpool_limits
 
-    threadpool_limits(limits=max(1, threads))
+    threadpool_limits(limits={"openmp": max(1, threads), "blas": max(1, blas)})
 
 
 def load_model(model_dir: str | os.PathLike | None = "", dtype: str = "bf16", device: str = "auto",
                threads: int = 0) -> TargetModel:
     """A local HF model directory ("" / None = default model) -> TargetModel in eval mode on `device`."""
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
         raise ValueError(f"threads must be an integer >= 0 (0 = all cores), got {threads!r}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -140,7 +144,7 @@ def load_model(model_dir: str | os.PathLike | None = "", dtype: str = "bf16", de
         cap_blas_threads(threads)
     dev = pick_device(device)
     path = resolve_model_dir(model_dir)
-    torch_dtype = _DTYPES[dtype]
+    torch_dtype = DTYPES[dtype]
     _register_attention()
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, attn_implementation=ATTENTION)
     model.to(dev).eval()
@@ -149,10 +153,14 @@ def load_model(model_dir: str | os.PathLike | None = "", dtype: str = "bf16", de
     vocab = int(out.weight.shape[0]) if out is not None else int(model.config.vocab_size)
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     max_pos = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
-    # fp32 GEMMs are not row-consistent anyway (differences ~1e-7), so the pad row would buy nothing there.
-    min_rows = 2 if torch_dtype != torch.float32 else 1
     return TargetModel(model, tokenizer, dev, torch_dtype, vocab, _eos_ids(model, tokenizer), max_pos, str(path),
-                       min_rows)
+                       min_rows_for(torch_dtype))
+
+
+def min_rows_for(dtype: torch.dtype) -> int:
+    """Rows every decode pass carries: 2 in low precision (see the module docstring); fp32 GEMMs are not
+    row-consistent anyway (differences ~1e-7), so a pad row would buy nothing there."""
+    return 2 if dtype != torch.float32 else 1
 
 
 def new_cache(tm: TargetModel):
@@ -196,27 +204,4 @@ def warmup(tm: TargetModel, prompt_len: int = 64, tree_sizes: tuple[int, ...] = 
             forward(tm, q_ids, cache, position_ids=tree_position_ids(parents, past, tm.device),
                     mask=tree_mask(parents, past, tm.dtype, tm.device))
             cache.crop(-(n + 1))
-    tm.node_cost = measure_node_cost(tm)
     return time.perf_counter() - t0
-
-
-def measure_node_cost(tm: TargetModel, past: int = 200, nodes: int = 32, reps: int = 5) -> float:
-    """Relative extra cost per draft node: (t(pass with `nodes` nodes) / t(AR pass) - 1) / nodes, medians of
-    interleaved passes after a `past`-token prefix."""
-    rng = np.random.default_rng(1)
-    cache = new_cache(tm)
-    forward(tm, torch.from_numpy(rng.integers(0, min(tm.vocab_size, 1000), past)).to(tm.device), cache,
-            logits_to_keep=1)
-    times: dict[int, list[float]] = {0: [], nodes: []}
-    for _ in range(reps):
-        for n in times:
-            rows = max(n + 1, tm.min_rows)  # what verify_tree sends: [last] + nodes, padded to min_rows
-            parents = np.arange(-1, rows - 2, dtype=np.int32)
-            ids = torch.from_numpy(rng.integers(0, min(tm.vocab_size, 1000), rows)).to(tm.device)
-            t = time.perf_counter()
-            forward(tm, ids, cache, position_ids=tree_position_ids(parents, past, tm.device),
-                    mask=tree_mask(parents, past, tm.dtype, tm.device))
-            times[n].append(time.perf_counter() - t)
-            cache.crop(-rows)
-    ratio = float(np.median(times[nodes]) / np.median(times[0]))
-    return min(max((ratio - 1.0) / nodes, 1e-3), 0.1)  # clamp: a noisy machine must not disable drafting

@@ -5,6 +5,10 @@
 The model already uses every core for one request, so requests run one at a time from a bounded queue
 (full queue -> RESOURCE_EXHAUSTED). Drafting failures never fail a request: the step decodes
 autoregressively and the stats say `degraded`. Health reports SERVING once the model is loaded and warm.
+
+Start-up: the dtype and thread count are chosen by measuring this machine's decode-pass cost (calibrate.py,
+cached in RAGSERVE_HOME) unless --dtype / --threads fix them; GetInfo tells what was chosen and why. Loading,
+calibration, warm-up and every decode step run on one thread, the model thread (calibrate.ModelThread).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import grpc
 import numpy as np
 
 from generation_service import knnlm, ralm_service
+from generation_service.calibrate import Choice, ModelThread, calibrated_model, format_table, shown_flags
 from generation_service.config import DECODING_MODES, GenerationConfig
 from generation_service.drafters import Drafter, DraftUnavailable, PromptLookupDrafter
 from generation_service.kb_client import KBRequestError, KBUnavailable
@@ -66,6 +71,10 @@ class Job:
 
 class _NoDrafts:
     """Stands in for a retrieval drafter when no retrieval service is usable; every step decodes AR."""
+
+    remote = True
+    local = None
+    default_source = 0
 
     def __init__(self, name: str, reason: str):
         self.name, self.reason = name, reason
@@ -124,16 +133,17 @@ class RetrievalLink:
 
 
 class Worker:
-    """Runs queued jobs one at a time on the model."""
+    """Runs queued jobs one at a time on the model, on the model thread (the one that loaded and warmed it)."""
 
-    def __init__(self, tm, cfg: GenerationConfig, link: RetrievalLink, knn=None, rag=None):
+    def __init__(self, tm, cfg: GenerationConfig, link: RetrievalLink, knn=None, rag=None,
+                 model_thread: ModelThread | None = None):
         self.tm, self.cfg, self.link = tm, cfg, link
         self.knn = knn  # knnlm.KnnBackend when a kNN-LM datastore is configured
         self.rag = rag  # ralm_service.RagBackend when a KB target is configured
         self.jobs: "queue.Queue[Job | None]" = queue.Queue(maxsize=cfg.queue_size)
         self.learner = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="learn")
-        self.thread = threading.Thread(target=self._loop, name="generation-worker", daemon=True)
-        self.thread.start()
+        self.model_thread = model_thread or ModelThread("generation-worker")
+        self.done = self.model_thread.submit(self._loop)
 
     def submit(self, job: Job) -> None:
         self.jobs.put_nowait(job)  # raises queue.Full
@@ -143,6 +153,7 @@ class Worker:
 
     def stop(self) -> None:
         self.jobs.put(None)
+        self.model_thread.stop()
 
     def _drafter(self, job: Job) -> Drafter | None:
         if job.decoding == "ar":
@@ -310,9 +321,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.cfg = cfg
         self.tm = None
         self.worker: Worker | None = None
+        self.info: generation_pb2.WorkerInfo | None = None
 
-    def attach(self, tm, worker: Worker) -> None:
-        self.tm, self.worker = tm, worker
+    def attach(self, tm, worker: Worker, info: generation_pb2.WorkerInfo) -> None:
+        self.tm, self.worker, self.info = tm, worker, info
+
+    def GetInfo(self, request, context):
+        if self.info is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
+        return self.info
 
     def _start(self, request, context) -> Job:
         if self.worker is None:
@@ -394,10 +411,59 @@ def _open_knnlm(cfg: GenerationConfig, tm):
     return backend
 
 
-def build_server(cfg: GenerationConfig, *, tm=None) -> tuple[RunningServer, GenerationServicer]:
-    """Bind (health NOT_SERVING), load and warm the model, connect retrieval, then report SERVING."""
+def load_serving_model(cfg: GenerationConfig):
+    """-> (TargetModel, Choice or None), loaded, calibrated and warmed. Run it on the model thread."""
     from generation_service.model import load_model, warmup
 
+    t0 = time.perf_counter()
+    if cfg.calibration == "off":
+        dtype = "fp32" if cfg.dtype == "auto" else cfg.dtype
+        tm, choice = load_model(cfg.model, dtype=dtype, device=cfg.device, threads=cfg.threads), None
+    else:
+        tm, choice = calibrated_model(cfg.model, cfg.device, cfg.dtype, cfg.threads,
+                                      force=cfg.calibration == "force")
+        cal = choice.calibration
+        log.info("calibration (%s, %s; %s, %s):\n%s", cal.source, cal.path or "not cached", cal.key["cpu"],
+                 " ".join(shown_flags()) or "no avx flags", format_table(choice))
+    log.info("model %s loaded in %s with %d threads; warm-up took %.1f s (start-up %.1f s)", tm.model_dir,
+             tm.dtype_name, torch_threads(), warmup(tm), time.perf_counter() - t0)
+    return tm, choice
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def worker_info(cfg: GenerationConfig, tm, choice: Choice | None, threads: int) -> generation_pb2.WorkerInfo:
+    from generation_service.calibrate import cpu_info
+
+    info = generation_pb2.WorkerInfo(
+        model=tm.model_dir, device=str(tm.device), dtype=tm.dtype_name, threads=threads, cpu=cpu_info()[0],
+        cpu_flags=shown_flags(), torch_version=torch_version(), calibration="off" if choice is None else
+        choice.calibration.source, max_draft_nodes=tm.step_cost.max_nodes, default_decoding=cfg.default_decoding,
+        max_positions=min(tm.max_positions, 2**32 - 1), tokenizer_id=tokenizer_identity(tm.tokenizer))
+    if choice is not None:
+        info.calibration_file = choice.calibration.path
+        info.warnings.extend(choice.warnings)
+        for c in choice.calibration.curves:
+            info.candidates.add(dtype=c.dtype, threads=c.threads, rows=c.rows, step_ms=c.step_ms,
+                                prefill_ms=c.prefill_ms, expected_ms_per_token=c.expected_ms_per_token())
+    return info
+
+
+def torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def build_server(cfg: GenerationConfig, *, tm=None) -> tuple[RunningServer, GenerationServicer]:
+    """Bind (health NOT_SERVING), load, calibrate and warm the model, connect retrieval, then report SERVING.
+
+    tm: an already loaded model (tests); it is used as is, without calibration or warm-up.
+    """
     servicer = GenerationServicer(cfg)
 
     def add(server: grpc.Server) -> list[str]:
@@ -410,17 +476,22 @@ def build_server(cfg: GenerationConfig, *, tm=None) -> tuple[RunningServer, Gene
                            interceptors=[metrics.MetricsInterceptor(), *auth], credentials=credentials)
     try:
         running.closers.append(metrics.serve_http(cfg.metrics_port, cfg.host))
+        model_thread = ModelThread("generation-worker")
+        choice = None
         if tm is None:
-            tm = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, threads=cfg.threads)
-            log.info("model %s (%s) loaded; warm-up took %.1f s", tm.model_dir, cfg.dtype, warmup(tm))
+            tm, choice = model_thread.call(load_serving_model, cfg)
+        threads = model_thread.call(torch_threads)
         warmup_context_draft()  # compile/load the prompt-lookup kernel before the first pld request
         link = RetrievalLink(cfg, tokenizer_identity(tm.tokenizer))
         knn = _open_knnlm(cfg, tm)
         rag = ralm_service.RagBackend.open(cfg)
         if rag is not None:
             running.closers.append(rag.close)
-        servicer.attach(tm, Worker(tm, cfg, link, knn=knn, rag=rag))
+        servicer.attach(tm, Worker(tm, cfg, link, knn=knn, rag=rag, model_thread=model_thread),
+                        worker_info(cfg, tm, choice, threads))
         metrics.track_queue_depth(servicer.worker.depth)
+        metrics.set_serving_config(tm.dtype_name, threads, str(tm.device),
+                                   choice.curve.rows if choice else (), choice.curve.step_ms if choice else ())
     except Exception:
         running.stop(0)
         raise

@@ -139,13 +139,14 @@ def stop_process(proc: Proc, grace_s: float = 30.0) -> None:
         os.kill(proc.pid, signal.SIGKILL)
 
 
-def up(*, datastore: str = "", kb: str = "", model: str = "", dtype: str = "bf16", retrieval_port: int = 0,
+def up(*, datastore: str = "", kb: str = "", model: str = "", dtype: str = "", retrieval_port: int = 0,
        generation_port: int = 0, state: Path | None = None, timeout_s: float = 300.0,
        extra_retrieval: list[str] | None = None, extra_generation: list[str] | None = None,
        replicas: int = 1, redis: bool = False, env: dict[str, str] | None = None,
        tls_ca: str = "", metrics: bool = False, generation: bool = True) -> Topology:
     """Start [redis,] the retrieval replicas, wait until healthy, then generation pointed at them, wait again.
 
+    dtype: the worker's --dtype ("" = its default: the fastest measured on this machine);
     env: extra environment of every service (e.g. RAGSERVE_*_AUTH_TOKEN); tls_ca: CA to verify the services'
     TLS certificates with during health gating (when they serve TLS); metrics: give every service a free
     Prometheus port (Proc.metrics_port); generation=False starts the retrieval side only.
@@ -190,7 +191,7 @@ def up(*, datastore: str = "", kb: str = "", model: str = "", dtype: str = "bf16
             return topo
         gport = generation_port or free_port()
         gen_argv = [sys.executable, "-m", "generation_service.server", "--port", str(gport),
-                    "--retrieval", ",".join(targets), "--dtype", dtype]
+                    "--retrieval", ",".join(targets)] + (["--dtype", dtype] if dtype else [])
         if model:
             gen_argv += ["--model", model]
         mport = free_port() if metrics else 0
@@ -243,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     u.add_argument("--datastore", default="")
     u.add_argument("--kb", default="")
     u.add_argument("--model", default="")
-    u.add_argument("--dtype", default="bf16")
+    u.add_argument("--dtype", default="", help="worker dtype (default: the worker's own, measured on this machine)")
     u.add_argument("--retrieval-port", type=int, default=50051)
     u.add_argument("--generation-port", type=int, default=50052)
     u.add_argument("--replicas", type=int, default=1, help="retrieval replicas (the worker round-robins)")

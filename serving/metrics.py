@@ -62,6 +62,12 @@ class _Metrics:
                                 "Steps decoded without a draft because retrieval failed.", d, registry=r)
         self.queue_depth = Gauge("ragserve_generation_queue_depth", "Requests waiting for the model.", registry=r)
         self.running = Gauge("ragserve_generation_running", "Requests on the model now (0 or 1).", registry=r)
+        self.serving_config = Gauge("ragserve_generation_serving_config_info",
+                                    "1 for the dtype / torch threads / device the worker serves with.",
+                                    ("dtype", "threads", "device"), registry=r)
+        self.step_ms = Gauge("ragserve_generation_calibrated_step_milliseconds",
+                             "Calibrated ms of one decode pass with `rows` rows (last token + draft nodes).",
+                             ("rows",), registry=r)
         # Retrieval service.
         self.retrieval_seconds = Histogram("ragserve_retrieval_request_seconds",
                                            "Successful retrieval RPC latency by method and retriever/source.",
@@ -288,6 +294,15 @@ class GenerationObserver:
                 for length, count in enumerate(s.accepted_length_histogram):
                     for _ in range(count if length else 0):
                         h.observe(length)
+
+
+def set_serving_config(dtype: str, threads: int, device: str, rows: Iterable[int] = (),
+                       step_ms: Iterable[float] = ()) -> None:
+    """What the worker serves with (calibrate.py): an info gauge and the chosen cost curve."""
+    m = get()
+    m.serving_config.labels(dtype, str(threads), device).set(1)
+    for q, ms in zip(rows, step_ms):
+        m.step_ms.labels(str(q)).set(ms)
 
 
 def track_queue_depth(depth: Callable[[], int]) -> None:

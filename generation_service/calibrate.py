@@ -1,0 +1,562 @@
+"""Calibration: measure this machine's decode-pass cost curve once, and pick dtype and threads from it.
+
+Everything speculation can gain is decided by what a decode pass over q rows (the last token + q - 1 draft nodes)
+costs relative to an AR step, and that curve is a property of the machine, not of the model. SmolLM2-135M, median
+ms of one pass after 200 tokens, 2 threads:
+
+    CPU / dtype                     q=1    16    64   prefill 200
+    Sapphire Rapids (AMX)   bf16     51    62    85
+    EPYC Zen 5 (avx512_bf16) bf16    22    28    49      96
+    EPYC Zen 5              fp32     41    82   170     320
+    EPYC AVX2 only          bf16     45   336  1029    3088
+    EPYC AVX2 only          fp32     68   167   230     555
+
+So the worker measures, at start, the curve of every candidate (dtype x torch threads) and serves with the one
+that decodes fastest; a restart reads the result from a cache file and takes seconds.
+
+    python -m generation_service.calibrate            # the table for the default model on this machine
+    python -m generation_service.calibrate --force    # measure again
+
+The objective. For a candidate with curve cost(q), the expected ms per token of a moderate speculative request
+(a 200-token prompt, 128 new tokens):
+    prefill_ms / 128  +  min over q of cost(q) / (1 + E(q - 1)),   E(n) = 1.5 * (1 - exp(-n / 8))
+E is a reference acceptance curve (expected accepted draft tokens of an n-node REST tree: E(8) 0.95, E(16) 1.3,
+E(64) 1.5, between the MT-Bench and HumanEval figures of bench/speculative.py). q = 1 is the AR step (in bf16 it
+carries a pad row, model.py), so a machine where trees never pay is judged by its AR speed alone. The draft budget
+of every request uses the chosen curve itself (draft_budget.StepCost), not this reference.
+
+Threads. Candidates are the cores this process may run on (sched_getaffinity), half of them, and 1 on small
+machines. In the default topology the worker and the retrieval service share the cores without oversubscribing:
+a draft runs on the retrieval side while the worker waits for it (between its passes), the retrieval service caps
+its BLAS/OpenMP pools at one thread per handler, and the worker runs every forward pass on one thread (the model
+thread, see ModelThread): libgomp keeps one worker pool per thread that ever ran a parallel region, and once two
+such pools exist on a 2-core machine it stops spinning between regions (its "throttled" mode) and every pass
+pays thread wake-ups — measured 1.8x slower decode steps when warm-up and decoding ran on different threads.
+
+User flags win: a fixed --dtype or --threads restricts the candidates (a warning is logged when an excluded
+candidate is measurably faster). The cache lives in $RAGSERVE_HOME/calibration/, one JSON file per model files
++ device + CPU model and flags + core count + torch version; an unreadable or mismatching file is measured again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import queue
+import tempfile
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Sequence, TypeVar
+
+import numpy as np
+import torch
+
+from generation_service.draft_budget import StepCost
+from generation_service.model import (DTYPES as TORCH_DTYPES, TargetModel, cache_length, cap_blas_threads, load_model,
+                                      min_rows_for, new_cache, pick_device)
+from generation_service.model_files import ragserve_home, resolve_model_dir
+from generation_service.speculative import prefill, verify_tree
+
+log = logging.getLogger(__name__)
+
+CURVE_ROWS = (1, 2, 4, 8, 16, 32, 64)  # q: rows of a decode pass (last token + draft nodes)
+PREFIX_TOKENS = 200  # cached tokens before the measured passes (a typical prompt + some output)
+REFERENCE_NEW_TOKENS = 128  # the objective spreads a PREFIX_TOKENS prefill over this many generated tokens
+REPS = 5
+FORMAT_VERSION = 1
+DTYPES = ("bf16", "fp32")
+# A user-fixed choice is called out when another candidate is this much faster.
+WARN_RATIO = 1.15
+# CPU features that change the curve; the cache key hashes all flags, these are shown.
+SHOWN_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "avx_vnni")
+
+T = TypeVar("T")
+
+
+def reference_accepted(nodes: np.ndarray | float) -> np.ndarray:
+    """E(n): expected accepted draft tokens of an n-node tree on a moderate workload (module docstring)."""
+    return 1.5 * (1.0 - np.exp(-np.asarray(nodes, np.float64) / 8.0))
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """ms of one decode pass with rows[i] rows, for one (dtype, threads) candidate (robust_curve)."""
+
+    dtype: str
+    threads: int
+    rows: tuple[int, ...]
+    step_ms: tuple[float, ...]
+    prefill_ms: float = 0.0  # PREFIX_TOKENS-token prefill
+
+    def __post_init__(self) -> None:
+        if len(self.rows) != len(self.step_ms) or not self.rows or self.rows[0] != 1:
+            raise ValueError(f"a cost curve needs step_ms for rows starting at 1, got rows {self.rows}, "
+                             f"step_ms {self.step_ms}")
+        if any(b <= a for a, b in zip(self.rows, self.rows[1:])):
+            raise ValueError(f"rows must increase, got {self.rows}")
+        if not all(math.isfinite(m) and m > 0 for m in self.step_ms):
+            raise ValueError(f"step_ms must be positive, got {self.step_ms}")
+
+    @property
+    def name(self) -> str:
+        return f"{self.dtype}/{self.threads}t"
+
+    @property
+    def ar_ms(self) -> float:
+        return self.step_ms[0]
+
+    def cost(self, q: np.ndarray | float) -> np.ndarray:
+        """ms of a pass with q rows: piecewise linear between measured points, linear past the last two."""
+        x = np.asarray(self.rows, np.float64)
+        y = np.asarray(self.step_ms, np.float64)
+        q = np.asarray(q, np.float64)
+        inside = np.interp(q, x, y)
+        if len(x) < 2:
+            return inside
+        slope = max((y[-1] - y[-2]) / (x[-1] - x[-2]), 0.0)
+        return np.where(q > x[-1], y[-1] + slope * (q - x[-1]), inside)
+
+    def expected_ms_per_token(self) -> float:
+        """prefill / 128 + min over q of cost(q) / (1 + E(q - 1)): the calibration objective (module docstring)."""
+        q = np.arange(1, self.rows[-1] + 1)
+        decode = float(np.min(self.cost(q) / (1.0 + reference_accepted(q - 1))))
+        return self.prefill_ms / REFERENCE_NEW_TOKENS + decode
+
+
+@dataclass
+class Calibration:
+    key: dict  # what the curves depend on (machine_key)
+    curves: list[CostCurve]
+    created: str = ""
+    seconds: float = 0.0  # time the measurement took
+    load: float = 0.0  # 1-minute load average when the measurement started
+    source: str = "measured"  # measured | cache
+    path: str = ""
+
+    def noisy_then_quiet(self) -> bool:
+        """Measured on an overloaded machine that is much quieter now: worth measuring again."""
+        cores = self.key.get("cores", 1)
+        return self.load > cores and _load() < self.load / 2
+
+    def find(self, dtype: str, threads: int) -> CostCurve | None:
+        return next((c for c in self.curves if (c.dtype, c.threads) == (dtype, threads)), None)
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT_VERSION, "key": self.key, "created": self.created, "seconds": self.seconds,
+                "load": self.load, "curves": [asdict(c) for c in self.curves]}
+
+    @staticmethod
+    def from_json(data: dict, key: dict) -> "Calibration":
+        """Raises ValueError unless `data` is a calibration of this format measured for `key`."""
+        if not isinstance(data, dict) or data.get("format") != FORMAT_VERSION:
+            raise ValueError(f"not a format-{FORMAT_VERSION} calibration")
+        if data.get("key") != key:
+            raise ValueError("measured for another model, machine or torch version")
+        try:
+            curves = [CostCurve(str(c["dtype"]), int(c["threads"]), tuple(int(r) for r in c["rows"]),
+                                tuple(float(m) for m in c["step_ms"]), float(c.get("prefill_ms", 0.0)))
+                      for c in data["curves"]]
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"malformed curve: {e!r}") from None
+        return Calibration(key, curves, str(data.get("created", "")), float(data.get("seconds", 0.0)),
+                           float(data.get("load", 0.0)), "cache")
+
+
+@dataclass(frozen=True)
+class Choice:
+    curve: CostCurve
+    calibration: Calibration
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def dtype(self) -> str:
+        return self.curve.dtype
+
+    @property
+    def threads(self) -> int:
+        return self.curve.threads
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Choosing (pure)
+
+
+def choose(curves: Sequence[CostCurve], dtype: str = "auto", threads: int = 0) -> tuple[CostCurve, list[str]]:
+    """The candidate with the lowest expected ms/token among those the user allows (dtype "auto", threads 0 = any);
+    warnings name a faster candidate the user's flags excluded."""
+    allowed = [c for c in curves if dtype in ("auto", c.dtype) and threads in (0, c.threads)]
+    if not allowed:
+        raise ValueError(f"no measured candidate matches dtype={dtype!r} threads={threads}: "
+                         f"have {[c.name for c in curves]}")
+    chosen = min(allowed, key=lambda c: c.expected_ms_per_token())
+    best = min(curves, key=lambda c: c.expected_ms_per_token())
+    warnings = []
+    ratio = chosen.expected_ms_per_token() / best.expected_ms_per_token()
+    if ratio >= WARN_RATIO:
+        warnings.append(f"--dtype {dtype} --threads {threads} serve with {chosen.name}, but {best.name} decodes "
+                        f"{ratio:.2f}x faster on this machine ({chosen.expected_ms_per_token():.1f} vs "
+                        f"{best.expected_ms_per_token():.1f} expected ms/token); drop the flag to use it")
+    return chosen, warnings
+
+
+def candidate_threads(cores: int) -> list[int]:
+    """All cores, half of them, and 1 on small machines (descending)."""
+    out = {max(1, cores), max(1, cores // 2)}
+    if cores <= 4:
+        out.add(1)
+    return sorted(out, reverse=True)
+
+
+def candidate_dtypes(device: torch.device) -> list[str]:
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return ["fp32"]
+    return list(DTYPES)
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What the curves depend on
+
+
+def cpu_info() -> tuple[str, list[str]]:
+    """(model name, flags) from /proc/cpuinfo; (platform.processor(), []) elsewhere."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return platform.processor() or "unknown", []
+    name, flags = "unknown", []
+    for line in text.splitlines():
+        k, _, v = line.partition(":")
+        k = k.strip()
+        if k == "model name" and name == "unknown":
+            name = v.strip()
+        elif k == "flags" and not flags:
+            flags = sorted(v.split())
+    return name, flags
+
+
+def model_identity(model_dir: Path) -> str:
+    """Hash of config.json and the weight files' names, sizes and mtimes (a re-converted model is re-measured)."""
+    h = hashlib.sha256()
+    cfg = model_dir / "config.json"
+    h.update(cfg.read_bytes() if cfg.exists() else b"")
+    for f in sorted(list(model_dir.glob("*.safetensors")) + list(model_dir.glob("*.bin"))):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def machine_key(model_dir: Path, device: torch.device) -> dict:
+    cpu, flags = cpu_info()
+    key = {"model": str(model_dir.resolve()), "model_id": model_identity(model_dir), "device": str(device),
+           "cpu": cpu, "cpu_flags": hashlib.sha256(" ".join(flags).encode()).hexdigest()[:16],
+           "cores": available_cores(), "torch": torch.__version__, "rows": list(CURVE_ROWS),
+           "prefix": PREFIX_TOKENS}
+    if device.type == "cuda":
+        key["gpu"] = torch.cuda.get_device_name(device)
+    return key
+
+
+def shown_flags() -> list[str]:
+    return [f for f in cpu_info()[1] if f in SHOWN_FLAGS]
+
+
+def cache_dir() -> Path:
+    return ragserve_home() / "calibration"
+
+
+def cache_path(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_dir() / f"{digest}.json"
+
+
+def load_cache(path: Path, key: dict) -> Calibration | None:
+    """The cached calibration, or None (missing, unreadable, truncated or measured for something else)."""
+    try:
+        cal = Calibration.from_json(json.loads(path.read_text()), key)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
+        log.warning("calibration cache %s unusable (%s); measuring again", path, e)
+        return None
+    cal.path = str(path)
+    return cal
+
+
+def save_cache(path: Path, cal: Calibration) -> None:
+    """Atomic write: a crash mid-write leaves the old file or none, never a truncated one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(cal.to_json(), fh, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    cal.path = str(path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Measuring (on the model thread)
+
+
+def measure_curves(variants: dict[str, TargetModel], threads: Iterable[int], rows: Sequence[int] = CURVE_ROWS,
+                   reps: int = REPS, past: int = PREFIX_TOKENS,
+                   progress: Callable[[str], None] | None = None) -> list[CostCurve]:
+    """Median pass times for every (dtype variant, thread count), measured interleaved so load drifts hit every
+    candidate alike. Each pass is what the decode loop runs (speculative.verify_tree over a chain of q - 1 nodes,
+    padding included), after `past` cached tokens. Sets torch's thread count as it goes; the caller sets the
+    chosen one afterwards."""
+    rng = np.random.default_rng(0)
+    threads = list(threads)
+    configs = [(d, t) for d in variants for t in threads]
+    times: dict[tuple[str, int], dict[int, list[float]]] = {c: {q: [] for q in rows} for c in configs}
+    prefill_times: dict[tuple[str, int], list[float]] = {c: [] for c in configs}
+    caches = {}
+    for d, tm in variants.items():
+        prefix = torch.from_numpy(rng.integers(0, min(tm.vocab_size, 32000), past)).to(tm.device)
+        caches[d] = (new_cache(tm), prefix)
+        prefill(tm, caches[d][0], prefix)
+
+    def one_pass(tm, cache, q: int) -> float:
+        nodes = q - 1
+        tokens = rng.integers(0, min(tm.vocab_size, 32000), nodes).astype(np.int32)
+        parents = np.arange(-1, nodes - 1, dtype=np.int32)  # a chain: the cost depends on q, not the shape
+        _sync(tm.device)
+        t = time.perf_counter()
+        verify_tree(tm, cache, int(rng.integers(0, 1000)), tokens, parents)
+        _sync(tm.device)
+        elapsed = time.perf_counter() - t
+        _crop(cache, past)
+        return elapsed
+
+    for rep in range(reps + 1):  # round 0 warms every kernel shape and is not recorded
+        for d, t in configs:
+            tm = variants[d]
+            torch.set_num_threads(t)
+            cache, prefix = caches[d]
+            one_pass(tm, cache, rows[0])  # the first pass after a thread-count change resizes the pool
+            for q in rows:
+                elapsed = one_pass(tm, cache, q)
+                if rep:
+                    times[(d, t)][q].append(elapsed)
+            if rep <= 2:  # prefill is long; two samples (after the warming one) are enough for a table entry
+                fresh = new_cache(tm)
+                _sync(tm.device)
+                t0 = time.perf_counter()
+                prefill(tm, fresh, prefix)
+                _sync(tm.device)
+                if rep:
+                    prefill_times[(d, t)].append(time.perf_counter() - t0)
+        if progress is not None:
+            progress(f"calibration round {rep}/{reps}")
+    return [CostCurve(d, t, tuple(rows), robust_curve([times[(d, t)][q] for q in rows]),
+                      float(np.min(prefill_times[(d, t)]) * 1e3)) for d, t in configs]
+
+
+def robust_curve(samples: Sequence[Sequence[float]]) -> tuple[float, ...]:
+    """Seconds per pass for increasing q -> ms per q: the minimum over repetitions (interference from other
+    processes only ever adds time), then made non-decreasing from the right (a pass with more rows never costs
+    less; a spike at one q must not make a larger tree look cheaper than a smaller one)."""
+    best = np.array([min(s) for s in samples], np.float64) * 1e3
+    return tuple(float(v) for v in np.minimum.accumulate(best[::-1])[::-1])
+
+
+def _load() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return 0.0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _crop(cache, length: int) -> None:
+    extra = cache_length(cache) - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def calibrated_model(model: str = "", device: str = "auto", dtype: str = "auto", threads: int = 0, *,
+                     force: bool = False, reps: int = REPS,
+                     progress: Callable[[str], None] | None = None) -> tuple[TargetModel, Choice]:
+    """Load the model in the fastest measured configuration (or the user's), measuring what the cache lacks.
+
+    Call on the thread that will run every forward pass (ModelThread). dtype "auto" / threads 0 = choose.
+    """
+    if dtype not in ("auto",) + DTYPES:
+        raise ValueError(f"dtype must be auto, {' or '.join(DTYPES)}, got {dtype!r}")
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+        raise ValueError(f"threads must be an integer >= 0 (0 = choose), got {threads!r}")
+    path = resolve_model_dir(model)
+    dev = pick_device(device)
+    key = machine_key(path, dev)
+    cpath = cache_path(key)
+    cal = None if force else load_cache(cpath, key)
+    if cal is not None and cal.noisy_then_quiet():
+        log.info("calibration %s was measured at load %.1f (now %.1f); measuring again", cpath, cal.load, _load())
+        cal = None
+    dtypes = candidate_dtypes(dev)
+    if dtype != "auto" and dtype not in dtypes:
+        dtypes.append(dtype)
+    thread_list = candidate_threads(available_cores())
+    if threads and threads not in thread_list:
+        thread_list.append(threads)
+    wanted = [(d, t) for d in dtypes for t in thread_list]
+    missing = [w for w in wanted if cal is None or cal.find(*w) is None]
+    loaded: dict[str, TargetModel] = {}
+    if missing:
+        t0, load = time.perf_counter(), _load()
+        base = load_model(path, dtype="fp32", device=str(dev))
+        loaded["fp32"] = base
+        for d in sorted({d for d, _ in missing} - {"fp32"}):
+            loaded[d] = convert(base, d)
+        miss_dtypes = {d: loaded[d] for d in sorted({d for d, _ in missing})}
+        miss_threads = sorted({t for _, t in missing}, reverse=True)
+        log.info("calibrating %s on %s: %s x threads %s", path.name, key["cpu"], list(miss_dtypes), miss_threads)
+        curves = measure_curves(miss_dtypes, miss_threads, reps=reps, progress=progress)
+        # Only the missing (dtype, threads) pairs: the product may hold pairs the cache already had.
+        new = [c for c in curves if (c.dtype, c.threads) in missing]
+        old = [c for c in cal.curves if (c.dtype, c.threads) not in missing] if cal is not None else []
+        cal = Calibration(key, old + new, time.strftime("%Y-%m-%dT%H:%M:%S%z"), time.perf_counter() - t0, load)
+        try:
+            save_cache(cpath, cal)
+        except OSError as e:  # a read-only home must not stop the server; it re-measures next time
+            log.warning("calibration cache %s not written: %s", cpath, e)
+    assert cal is not None
+    curve, warnings = choose(cal.curves, dtype, threads)
+    for w in warnings:
+        log.warning("%s", w)
+    tm = loaded.get(curve.dtype) or load_model(path, dtype=curve.dtype, device=str(dev))
+    loaded.clear()  # drop the other variants' weights
+    torch.set_num_threads(curve.threads)
+    cap_blas_threads(curve.threads)
+    tm.step_cost = StepCost(curve.rows, curve.step_ms)
+    return tm, Choice(curve, cal, tuple(warnings))
+
+
+def convert(tm: TargetModel, dtype: str) -> TargetModel:
+    """A copy of `tm` with weights cast to `dtype` (what loading the checkpoint in that dtype gives)."""
+    target = TORCH_DTYPES[dtype]
+    model = copy.deepcopy(tm.model).to(target)
+    model.config.dtype = target
+    return dataclasses.replace(tm, model=model, dtype=target, min_rows=min_rows_for(target))
+
+
+def format_table(choice: Choice) -> str:
+    cal = choice.calibration
+    rows = cal.curves[0].rows if cal.curves else CURVE_ROWS
+    head = " ".join(f"q={q:<5}" for q in rows)
+    lines = [f"{'candidate':<11} {head} {'prefill':>8} {'exp ms/tok':>10}"]
+    for c in sorted(cal.curves, key=lambda c: c.expected_ms_per_token()):
+        mark = " <- serving" if c == choice.curve else ""
+        cells = " ".join(f"{m:<7.1f}" for m in c.step_ms)
+        lines.append(f"{c.name:<11} {cells} {c.prefill_ms:>8.0f} {c.expected_ms_per_token():>10.1f}{mark}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The model thread
+
+
+class ModelThread:
+    """One long-lived thread that runs every forward pass of the process: loading, calibration, warm-up, decoding.
+
+    Why one thread: see the module docstring (libgomp's throttled mode once two threads own worker pools).
+        mt = ModelThread()
+        tm, choice = mt.call(calibrated_model, "", "auto", "auto", 0)   # runs on the model thread, waits
+        mt.submit(loop)                                                  # long-running work on the same thread
+    """
+
+    def __init__(self, name: str = "model"):
+        self._tasks: "queue.Queue[tuple[Callable, tuple, dict, Future] | None]" = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def ident(self) -> int | None:
+        return self._thread.ident
+
+    def submit(self, fn: Callable[..., T], *args, **kwargs) -> "Future[T]":
+        fut: Future = Future()
+        self._tasks.put((fn, args, kwargs, fut))
+        return fut
+
+    def call(self, fn: Callable[..., T], *args, **kwargs) -> T:
+        return self.submit(fn, *args, **kwargs).result()
+
+    def stop(self, wait: bool = False) -> None:
+        """No more tasks; the thread ends after the ones queued. wait: join it (not from the thread itself)."""
+        self._tasks.put(None)
+        if wait and threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            item = self._tasks.get()
+            if item is None:
+                return
+            fn, args, kwargs, fut = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args, **kwargs))
+            except BaseException as e:  # delivered to the caller
+                fut.set_exception(e)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m generation_service.calibrate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="", help="local HF model directory (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default: auto)")
+    ap.add_argument("--dtype", default="auto", help="auto | bf16 | fp32: restrict the choice (default: auto)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads to restrict the choice to (0 = any)")
+    ap.add_argument("--force", action="store_true", help="measure again even if a cached calibration exists")
+    ap.add_argument("--reps", type=int, default=REPS, help=f"timed passes per point (default: {REPS})")
+    ap.add_argument("--json", default="", help="also write the calibration (and the choice) to this JSON file")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    mt = ModelThread()
+    _, choice = mt.call(calibrated_model, args.model, args.device, args.dtype, args.threads, force=args.force,
+                        reps=args.reps, progress=lambda s: print(s, flush=True))
+    cal = choice.calibration
+    print(f"model {cal.key['model']}\ndevice {cal.key['device']}, CPU {cal.key['cpu']} "
+          f"({' '.join(shown_flags()) or 'no avx flags'}), {cal.key['cores']} cores, torch {cal.key['torch']}")
+    print(f"calibration: {cal.source} ({cal.path}), measured {cal.created} in {cal.seconds:.1f} s\n")
+    print("ms per decode pass with q rows (last token + q-1 draft nodes), after "
+          f"{PREFIX_TOKENS} tokens; prefill = {PREFIX_TOKENS} tokens")
+    print(format_table(choice))
+    cost = StepCost(choice.curve.rows, choice.curve.step_ms)
+    print(f"\nserving with {choice.curve.name}: AR step {choice.curve.ar_ms:.1f} ms; a 16-node tree costs "
+          f"{cost.relative(16):.2f} AR steps, 64 nodes {cost.relative(64):.2f}")
+    for w in choice.warnings:
+        print("warning:", w)
+    if args.json:
+        out = cal.to_json() | {"chosen": {"dtype": choice.dtype, "threads": choice.threads}}
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    mt.stop(wait=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Calibration: the choice on injected cost tables (no timing), user flags, the cache (bad files are measured
+again, never a crash), the model thread; one real measurement on the real model."""
+
+import json
+import threading
+
+import numpy as np
+import pytest
+
+from generation_service.calibrate import (Calibration, CostCurve, ModelThread, cache_path, calibrated_model, choose,
+                                          candidate_threads, load_cache, robust_curve, save_cache)
+
+ROWS = (1, 2, 4, 8, 16, 32, 64)
+# Measured tables (ms per pass by rows, 2 threads, prefill of 200 tokens; ARCHITECTURE.md and calibrate.py's
+# docstring). As calibration measures them: a bf16 AR step carries a pad row, so its q=1 is the q=2 pass.
+AVX2 = [CostCurve("fp32", 2, ROWS, (68, 100, 120, 136, 167, 176, 230), 555),
+        CostCurve("bf16", 2, ROWS, (100, 100, 120, 157, 336, 621, 1029), 3088)]
+AMX = [CostCurve("fp32", 2, ROWS, (44, 70, 80, 90, 100, 114, 167), 300),
+       CostCurve("bf16", 2, ROWS, (51, 52, 54, 57, 62, 71, 85), 250)]
+ZEN5 = [CostCurve("fp32", 2, ROWS, (37.2, 59.5, 59.5, 59.5, 71.8, 101.2, 152.3), 295),
+        CostCurve("fp32", 1, ROWS, (39.6, 65.9, 65.9, 73.6, 94.6, 148.4, 250.1), 497),
+        CostCurve("bf16", 2, ROWS, (24.5, 26.0, 29.4, 29.4, 29.4, 36.2, 49.4), 94),
+        CostCurve("bf16", 1, ROWS, (28.4, 28.4, 29.5, 32.2, 38.7, 50.7, 71.4), 177)]
+
+
+@pytest.mark.parametrize("case, curves, dtype, threads, expected, not_expected", [
+    ("AVX2: bf16 q=16 costs 3.4x q=1 and its prefill 5.6x fp32's -> fp32", AVX2, "auto", 0, ("fp32", 2),
+     ("bf16", 2)),
+    ("AMX: fp32 has the faster AR step, bf16 the flat curve -> bf16", AMX, "auto", 0, ("bf16", 2), ("fp32", 2)),
+    ("Zen 5 avx512_bf16: bf16 on both cores", ZEN5, "auto", 0, ("bf16", 2), ("fp32", 2)),
+    ("a user-fixed dtype is respected", AVX2, "bf16", 0, ("bf16", 2), ("fp32", 2)),
+    ("user-fixed threads are respected", ZEN5, "auto", 1, ("bf16", 1), ("bf16", 2)),
+    ("both fixed", ZEN5, "fp32", 1, ("fp32", 1), ("bf16", 2)),
+])
+def test_choose(case, curves, dtype, threads, expected, not_expected):
+    chosen, _ = choose(curves, dtype, threads)
+    assert (chosen.dtype, chosen.threads) == expected, case
+    assert (chosen.dtype, chosen.threads) != not_expected, case
+
+
+def test_a_measurably_bad_user_choice_is_warned_about():
+    _, warnings = choose(AVX2, "bf16", 0)
+    assert len(warnings) == 1 and "fp32/2t" in warnings[0]  # names the faster candidate
+    assert choose(AVX2, "fp32", 0)[1] == []  # Not a warning when the user picked the best one
+    with pytest.raises(ValueError, match="no measured candidate"):
+        choose(AVX2, "fp32", 3)
+
+
+def test_objective_includes_the_ar_step():
+    # A curve on which no tree pays is judged by its AR step alone.
+    steep = CostCurve("fp32", 1, (1, 2, 64), (10.0, 40.0, 1000.0))
+    assert steep.expected_ms_per_token() == pytest.approx(10.0)
+    assert CostCurve("fp32", 1, (1, 2, 64), (10.0, 40.0, 1000.0), 128.0).expected_ms_per_token() == \
+        pytest.approx(11.0)  # + the prefill spread over 128 tokens
+    flat = CostCurve("bf16", 1, (1, 2, 64), (10.0, 10.5, 12.0))
+    assert flat.expected_ms_per_token() < 10.0 / 1.5  # Not 10: trees pay on a flat curve
+
+
+def test_robust_curve_ignores_interference_spikes():
+    samples = [[0.030, 0.024], [0.026, 0.027], [0.138, 0.140], [0.029, 0.031]]  # seconds; q=4 hit by a spike
+    assert robust_curve(samples) == pytest.approx((24.0, 26.0, 29.0, 29.0))  # Not 138 at q=4
+
+
+@pytest.mark.parametrize("cores, expected", [(1, [1]), (2, [2, 1]), (4, [4, 2, 1]), (16, [16, 8])])
+def test_candidate_threads(cores, expected):
+    assert candidate_threads(cores) == expected
+
+
+KEY = {"model": "/m", "model_id": "abc", "device": "cpu", "cpu": "Some CPU", "cpu_flags": "f", "cores": 2,
+       "torch": "2.13.0", "rows": list(ROWS), "prefix": 200}
+
+
+@pytest.mark.parametrize("case, content", [
+    ("truncated", lambda good: good[: len(good) // 2]),
+    ("not JSON", lambda good: "\x00\x01garbage"),
+    ("another CPU", lambda good: good.replace("Some CPU", "Other CPU")),
+    ("another format", lambda good: good.replace('"format": 1', '"format": 99')),
+    ("a curve without step_ms", lambda good: good.replace('"step_ms"', '"nope"')),
+    ("negative times", lambda good: good.replace("68", "-68")),
+])
+def test_a_bad_cache_is_ignored_not_fatal(tmp_path, case, content):
+    path = tmp_path / "cal.json"
+    save_cache(path, Calibration(KEY, AVX2))
+    good = path.read_text()
+    assert load_cache(path, KEY) is not None
+    path.write_text(content(good))
+    assert load_cache(path, KEY) is None, case  # Not an exception: the caller measures again
+
+
+def test_cache_round_trip_and_key_separation(tmp_path):
+    path = tmp_path / "cal.json"
+    save_cache(path, Calibration(KEY, ZEN5, load=0.5))
+    cal = load_cache(path, KEY)
+    assert cal.source == "cache" and cal.curves == ZEN5 and cal.load == 0.5
+    assert cache_path(KEY) != cache_path(KEY | {"cpu": "Other CPU"})  # Not one file for two machines
+
+
+def test_model_thread_runs_everything_on_one_thread():
+    mt = ModelThread("test-model")
+    idents = [mt.call(threading.get_ident) for _ in range(3)]
+    assert len(set(idents)) == 1 and idents[0] != threading.get_ident()  # Not the caller's thread
+    with pytest.raises(ZeroDivisionError):
+        mt.call(lambda: 1 / 0)
+    assert mt.call(lambda: 7) == 7  # an exception does not kill the thread
+    mt.stop(wait=True)
+
+
+@pytest.mark.model
+def test_real_calibration_measures_then_reuses_and_survives_a_corrupt_cache(monkeypatch, tmp_path):
+    from generation_service.model_files import default_model_dir, is_model_dir
+
+    if not is_model_dir(default_model_dir()):
+        pytest.skip("default model not prepared (make model)")
+    model = str(default_model_dir())
+    monkeypatch.setenv("RAGSERVE_HOME", str(tmp_path))  # the calibration cache goes to tmp_path
+    mt = ModelThread("test-calibration")
+    try:
+        tm, choice = mt.call(calibrated_model, model, "cpu", "auto", 0, reps=1)
+        cal = choice.calibration
+        assert cal.source == "measured" and len(cal.curves) >= 2
+        assert all(c.step_ms == tuple(sorted(c.step_ms)) for c in cal.curves)  # non-decreasing in q
+        best = min(cal.curves, key=lambda c: c.expected_ms_per_token())
+        assert (tm.dtype_name, choice.threads) == (best.dtype, best.threads)
+        assert tm.step_cost.rel[0] == 1.0 and np.all(np.diff(tm.step_cost.rel) >= 0)
+        path = tmp_path / "calibration" / (cal.path.rsplit("/", 1)[-1])
+        _, again = mt.call(calibrated_model, model, "cpu", "fp32", 0, reps=1)
+        assert again.calibration.source == "cache" and again.dtype == "fp32"  # user flag, no new measurement
+        path.write_text(path.read_text()[:100])  # truncated
+        _, third = mt.call(calibrated_model, model, "cpu", "auto", 0, reps=1)
+        assert third.calibration.source == "measured"  # measured again, not a crash
+        assert json.loads(path.read_text())["format"] == 1  # and the cache is whole again
+    finally:
+        mt.stop(wait=True)

@@ -38,7 +38,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     svc.add_argument("--datastore", default="", help="suffix-array datastore directory")
     svc.add_argument("--kb", default="", help="knowledge base directory (enables the Search task)")
     svc.add_argument("--model", default="")
-    svc.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    svc.add_argument("--dtype", default="", choices=["", "bf16", "fp32"],
+                     help="worker dtype (default: its own choice, measured on this machine)")
     svc.add_argument("--replicas", type=int, default=1, help="retrieval replicas")
     svc.add_argument("--retrieval", default="", help="use this running retrieval service")
     svc.add_argument("--generation", default="", help="use this running generation worker")

@@ -39,6 +39,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--text-field", default="text", help="JSONL field holding the text (default: text)")
     ap.add_argument("--stdlib", action="store_true", help="the interpreter's standard library .py files")
     ap.add_argument("--site-packages", action="store_true", help=".py files of the installed site-packages")
+    ap.add_argument("--docs", action="store_true",
+                    help="documentation: python3.11-doc reST pages + docstrings of stdlib and site-packages "
+                         "(written once to $RAGSERVE_HOME/corpora/docs.jsonl)")
     ap.add_argument("--tokenizer", default=str(default_model_dir()), metavar="MODEL_DIR",
                     help="local model directory whose tokenizer the serving model uses (default: %(default)s)")
     ap.add_argument("--out", required=True, help="datastore directory to create (or resume)")
@@ -49,8 +52,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--report", default="", metavar="FILE",
                     help="write build figures (tokens, bytes, seconds, peak RSS, machine) as JSON here")
     args = ap.parse_args(argv)
-    if not (args.input or args.jsonl or args.stdlib or args.site_packages):
-        ap.error("give a corpus: --input, --jsonl, --stdlib and/or --site-packages")
+    if not (args.input or args.jsonl or args.stdlib or args.site_packages or args.docs):
+        ap.error("give a corpus: --input, --jsonl, --stdlib, --site-packages and/or --docs")
     if args.shard_tokens < 1:
         ap.error(f"--shard-tokens must be >= 1, got {args.shard_tokens}")
     if args.limit_tokens is not None and args.limit_tokens < 1:
@@ -66,7 +69,14 @@ def build(args: argparse.Namespace) -> dict:
     tokenizer = load_tokenizer(resolve_model_dir(args.tokenizer))
     tokenizer_id = corpus.tokenizer_identity(tokenizer)
     vocab_size = len(tokenizer)
-    sources = corpus.corpus_sources(args.input, args.jsonl, args.text_field, args.stdlib, args.site_packages)
+    jsonl = list(args.jsonl)
+    if args.docs:
+        from generation_service.model_files import ragserve_home
+
+        bar = tqdm(unit="doc", desc="docs corpus", disable=args.no_progress)
+        jsonl.append(str(corpus.write_docs_jsonl(ragserve_home() / "corpora" / "docs.jsonl", progress=bar.update)))
+        bar.close()
+    sources = corpus.corpus_sources(args.input, jsonl, args.text_field, args.stdlib, args.site_packages)
     if not sources:
         raise FileNotFoundError("the corpus is empty: no files matched")
     key = corpus.corpus_key(sources, tokenizer_id=tokenizer_id, shard_tokens=args.shard_tokens,

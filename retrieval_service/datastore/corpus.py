@@ -79,6 +79,30 @@ def site_packages_files() -> list[Path]:
     return list(dict.fromkeys(files))
 
 
+def write_docs_jsonl(path: Path, workers: int = 2, progress=None) -> Path:
+    """The documentation corpus as JSONL ({"text"} per document), written once (atomic): the python3.11-doc reST
+    pages and the docstrings of the standard library and site-packages (the knowledge base's documents, whole).
+    An existing file is reused; delete it to rebuild."""
+    from retrieval_service.knowledge.passages import iter_documents as iter_doc_documents
+
+    path = Path(path).expanduser()
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as out:
+            for doc in iter_doc_documents(workers=workers):
+                out.write(json.dumps({"text": "\n\n".join((doc.title,) + doc.sections)}, ensure_ascii=False))
+                out.write("\n")
+                if progress is not None:
+                    progress(1)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
 def input_files(spec: str) -> list[Path]:
     """A directory (its text/code files, recursively), a glob pattern, or one file."""
     p = Path(spec).expanduser()

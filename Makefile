@@ -12,7 +12,8 @@ DATASTORE := $(RAGSERVE_HOME)/datastores/stdlib
 PROTOS := $(wildcard proto/*.proto)
 STUBS := $(PROTOS:.proto=_pb2.py)
 
-.PHONY: run test install stubs model datastore system-packages clean-stubs bench-speculative up down loadtest kb
+.PHONY: run test install stubs model datastore system-packages clean-stubs bench-speculative up down loadtest kb \
+	calibrate bench-datastores bench-serving
 
 # Debian packages the project uses (redis-server for the CREST Redis backend, python3.11-doc for the docs corpus).
 # Installed only when running as root and missing; otherwise the features that need them say so.
@@ -57,6 +58,22 @@ run: datastore
 
 test: model
 	$(PYTHON) -m pytest -q
+
+# What the worker will serve with on this machine: the measured cost curves and the choice (cached).
+calibrate: model
+	$(PYTHON) -m generation_service.calibrate
+
+# Datastores of the serving benchmark: code (stdlib + site-packages .py, ~95 M tokens, ~2 min) and docs
+# (python3.11-doc reST + docstrings, ~19 M tokens, ~3 min). Resumable; a finished one is left alone.
+CODE_DATASTORE := $(RAGSERVE_HOME)/datastores/code
+DOCS_DATASTORE := $(RAGSERVE_HOME)/datastores/docs
+bench-datastores: model system-packages
+	$(PYTHON) -m retrieval_service.datastore.build --stdlib --site-packages --tokenizer $(MODEL_DIR) --out $(CODE_DATASTORE)
+	$(PYTHON) -m retrieval_service.datastore.build --docs --tokenizer $(MODEL_DIR) --out $(DOCS_DATASTORE)
+
+# The serving benchmark of record (README): services with default flags, over gRPC; ~40 min on 2 cores.
+bench-serving: bench-datastores
+	$(PYTHON) -m bench.serving --inprocess
 
 # The docker-compose topology as local processes (serving/launcher.py): redis is optional (--redis), more
 # retrieval replicas with REPLICAS=N. Health-gated like compose; `make down` drains and stops them.

@@ -183,7 +183,44 @@ def load(name: str, d: dict) -> str:
         "\n\n" + _source(name, d)
 
 
+def serving(name: str, d: dict) -> str:
+    m = d["machine"]
+    isa = m.get("kernel_isa", {})
+    override = ", ".join(f"{k}={v}" for k, v in isa.items() if k != "aten")
+    cpu = f"{m['cpu']} ({' '.join(m.get('cpu_flags', []))}; kernels {isa.get('aten', '?')}" + \
+        (f", {override}" if override else "") + f"), {m.get('cores', '?')} cores"
+    out = [f"**{cpu}** — {d['limit']} prompts × {d['max_new_tokens']} new tokens per workload"]
+    for wname, w in d["workloads"].items():
+        wi = w["worker"]
+        rows = []
+        for meth, s in w["summary"].items():
+            rows.append([meth, _f(s["ms_per_token"], ".1f"), _f(s["decode_ms_per_token"], ".1f"),
+                         _f(s["speedup_vs_ar"]), _f(s["min_speedup_vs_ar"]), _f(s["mean_accepted_length"]),
+                         _f(s["nodes_per_step"], ".1f"), _f(s["verify_cost_vs_ar_step"]),
+                         _f(s["draft_ms_per_step"], ".2f"), _f(s["ttft_ms"], ".0f"), f"{s['identical_to_ar']}/{s['n']}"])
+        out.append(f"\n*{wname}* (datastore `{Path(w['datastore']).name}`; worker chose {wi['dtype']}, "
+                   f"{wi['threads']} threads)\n")
+        out.append(_table(["method", "ms/token", "decode ms/token", "× ar (median)", "× ar (worst)", "M",
+                           "nodes/step", "pass / AR step", "draft ms/step", "TTFT ms", "same as ar"], rows))
+        a = w.get("ar_vs_inprocess") or {}
+        notes = []
+        if "ratio_vs_inprocess" in a:
+            notes.append(f"`ar` through the server {a['server_ar_decode_ms_per_token']:.1f} ms/token vs our AR loop "
+                         f"in-process {a['inprocess_ar_decode_ms_per_token']:.1f} "
+                         f"({a['ratio_vs_inprocess']:.2f}×); calibrated AR step {a['calibrated_ar_step_ms']:.1f} ms")
+        if w.get("ttft_by_prompt_length"):
+            notes.append("TTFT by prompt length (ar / rest, ms): " + ", ".join(
+                f"{n} tokens {t['ar']:.0f} / {t['rest']:.0f}" for n, t in w["ttft_by_prompt_length"].items()))
+        if notes:
+            out.append("\n" + "\n".join(f"- {n}" for n in notes))
+    load = d.get("loadavg_start")
+    out.append(f"\n_Source: `bench/results/{name}`; load average at start {load[0]:.1f}, at end "
+               f"{d.get('loadavg_end', [0])[0]:.1f}. Command: `{d['command']}`_" if load else "")
+    return "\n".join(out)
+
+
 TABLES: dict[str, tuple[list[str], Callable[[str, dict], str]]] = {
+    "serving": (sorted(p.name for p in RESULTS.glob("serving-*.json")), serving),
     "speculative": (["speculative-humaneval.json", "speculative-mtbench.json"], speculative),
     "draft-retrieval": (["draft-retrieval.json"], draft_retrieval),
     "online-learning": (["online-learning.json"], online_learning),

@@ -35,7 +35,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from bench.speculative import MTBENCH_QUESTIONS, _package_file
-from generation_service.calibrate import cpu_info, shown_flags
+from generation_service.calibrate import cpu_info, kernel_isa, shown_flags
 from generation_service.client import GenerationClient
 from generation_service.model_files import ragserve_home
 from serving import launcher
@@ -117,9 +117,22 @@ def run_request(client: GenerationClient, request: dict, method: str, max_new: i
 # A workload against freshly started services
 
 
+def warm_page_cache(directory: str) -> float:
+    """Read the datastore files once so the benchmark measures drafting, not disk reads (a freshly built or
+    long-unused datastore is not in the page cache; its drafts are then 5-10x slower for a while). Seconds."""
+    t = time.perf_counter()
+    for f in sorted(Path(directory).iterdir()):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                while fh.read(16 << 20):
+                    pass
+    return time.perf_counter() - t
+
+
 def run_workload(name: str, datastore: str, methods: list[str], limit: int, max_new: int, crest: str,
                  bar: tqdm) -> dict:
     requests = REQUESTS[name](limit)
+    warm_s = warm_page_cache(datastore)
     state = Path(tempfile.mkdtemp(prefix="bench-serving-")) / "launcher.json"
     extra = ["--crest", crest] if crest else []
     methods = [m for m in methods if m != "crest" or crest]
@@ -142,7 +155,7 @@ def run_workload(name: str, datastore: str, methods: list[str], limit: int, max_
             ttft = ttft_study(client) if name == "humaneval" else None
     finally:
         launcher.down(state=state)
-    return {"datastore": datastore, "start_s": up_s, "worker": worker_info_dict(info),
+    return {"datastore": datastore, "page_cache_warm_s": warm_s, "start_s": up_s, "worker": worker_info_dict(info),
             "per_prompt": per_prompt, "summary": summarize(per_prompt, methods), "ttft_by_prompt_length": ttft}
 
 
@@ -234,8 +247,19 @@ def inprocess_ar(info: dict, requests: list[dict], max_new: int) -> dict:
 
 def machine() -> dict:
     cpu, _ = cpu_info()
-    return {"cpu": cpu, "cpu_flags": shown_flags(), "cores": len(os.sched_getaffinity(0)),
+    return {"cpu": cpu, "cpu_flags": shown_flags(), "kernel_isa": kernel_isa(), "cores": len(os.sched_getaffinity(0)),
             "platform": platform.platform(), "python": sys.version.split()[0]}
+
+
+def cpu_class() -> str:
+    """Names the result file: the kernels that shape the curve (an ISA override such as ATEN_CPU_CAPABILITY=avx2
+    counts as what it emulates)."""
+    flags, isa = set(shown_flags()), kernel_isa()
+    if "amx_bf16" in flags and isa["aten"] != "AVX2":
+        return "amx"
+    if "avx512_bf16" in flags and isa["aten"] != "AVX2" and isa.get("ONEDNN_MAX_CPU_ISA", "").upper() != "AVX2":
+        return "avx512bf16"
+    return "avx2" + ("-emulated" if "avx512f" in flags else "")
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -277,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--crest-docs", default="", help="CREST store served for mtbench and docs-chat")
     ap.add_argument("--inprocess", action="store_true",
                     help="also time our AR loop in this process on each workload's prompts (same dtype/threads)")
-    ap.add_argument("--json", default="", help="write the results here (atomic)")
+    ap.add_argument("--json", default="",
+                    help="write the results here (atomic); default bench/results/serving-<cpu class>.json")
     args = ap.parse_args(argv)
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -294,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     for w in workloads:
         if not (Path(stores[WORKLOADS[w]]) / "datastore.json").exists():
             raise SystemExit(f"{w}: datastore {stores[WORKLOADS[w]]} is not built (make bench-datastores)")
+    json_path = Path(args.json) if args.json else Path(__file__).parent / "results" / f"serving-{cpu_class()}.json"
     result = {"command": "python -m bench.serving " + " ".join(sys.argv[1:] if argv is None else argv),
               "machine": machine(), "loadavg_start": os.getloadavg(), "limit": args.limit,
               "max_new_tokens": args.max_new_tokens, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -316,9 +342,9 @@ def main(argv: list[str] | None = None) -> int:
                                            "ratio_vs_inprocess": ar_ms / inproc["decode_ms_per_token"]}
             result["workloads"][w] = res
             result["loadavg_end"] = os.getloadavg()
-            if args.json:
-                write_json(Path(args.json), result)  # after every workload: a stopped run keeps what it measured
+            write_json(json_path, result)  # after every workload: a stopped run keeps what it measured
     print_summary(result)
+    print(f"\nwrote {json_path}")
     return 0
 
 

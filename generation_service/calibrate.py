@@ -35,7 +35,9 @@ pays thread wake-ups — measured 1.8x slower decode steps when warm-up and deco
 
 User flags win: a fixed --dtype or --threads restricts the candidates (a warning is logged when an excluded
 candidate is measurably faster). The cache lives in $RAGSERVE_HOME/calibration/, one JSON file per model files
-+ device + CPU model and flags + core count + torch version; an unreadable or mismatching file is measured again.
++ device + CPU model and flags + kernel ISA (ATEN_CPU_CAPABILITY and friends) + core count + torch version; an
+unreadable or mismatching file is measured again, and so is one measured on an overloaded machine once the machine
+is quiet (Calibration.noisy_then_quiet).
 """
 
 from __future__ import annotations
@@ -262,11 +264,21 @@ def model_identity(model_dir: Path) -> str:
     return h.hexdigest()[:16]
 
 
+# Environment variables that change which kernels torch uses (and so the curve) on the same CPU.
+ISA_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_DEFAULT_FPMATH_MODE")
+
+
+def kernel_isa() -> dict:
+    """The instruction set torch's CPU kernels run with, and any environment override of it."""
+    return {"aten": torch.backends.cpu.get_cpu_capability(),
+            **{k: os.environ[k] for k in ISA_ENV if k in os.environ}}
+
+
 def machine_key(model_dir: Path, device: torch.device) -> dict:
     cpu, flags = cpu_info()
     key = {"model": str(model_dir.resolve()), "model_id": model_identity(model_dir), "device": str(device),
            "cpu": cpu, "cpu_flags": hashlib.sha256(" ".join(flags).encode()).hexdigest()[:16],
-           "cores": available_cores(), "torch": torch.__version__, "rows": list(CURVE_ROWS),
+           "isa": kernel_isa(), "cores": available_cores(), "torch": torch.__version__, "rows": list(CURVE_ROWS),
            "prefix": PREFIX_TOKENS}
     if device.type == "cuda":
         key["gpu"] = torch.cuda.get_device_name(device)

@@ -104,7 +104,7 @@ class Sampler:
     def pick(self, logits: torch.Tensor) -> int:
         """logits: [V] for the position being emitted -> token id."""
         if self.greedy:
-            return int(torch.argmax(logits))
+            return int(torch.argmax(logits.float()))  # exact cast; bf16 argmax is a slow scalar loop
         self.draws += 1
         u = float(self._rng.random())
         ids, probs = process_logits(logits, self.params.temperature, self.params.top_k, self.params.top_p)

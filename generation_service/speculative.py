@@ -150,7 +150,9 @@ def accept(logits: torch.Tensor, children: dict[tuple[int, int], int], sampler: 
     `limit` tokens are picked (the request's remaining budget), so no random draw is spent past the output.
     """
     if sampler.greedy:
-        top = logits.argmax(dim=-1).tolist()  # [q], one reduction for all rows
+        # [q], one reduction for all rows; in fp32 because torch's bf16 argmax is a slow scalar loop (1.2 ms for
+        # 2 x 49152 vs 0.2 ms); the cast is exact, so the pick (first maximum) is the same.
+        top = logits.float().argmax(dim=-1).tolist()
 
         def pick(row: int) -> int:
             return top[row]

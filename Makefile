@@ -83,16 +83,18 @@ kb: install
 # The docker-compose deployment for real (tests/deploy/compose_e2e.py): a Docker engine (docker/engine.sh: apt-get
 # install + dockerd when missing; not root / no apt -> one loud SKIPPED line, exit 0), base images pulled or built
 # as local stand-ins (docker/base_images.sh, cached in $(RAGSERVE_HOME)/docker-standin), both images built, the stack
-# up, called, scaled, broken and taken down again. A dockerd started here is stopped at the end.
+# up, called, scaled, broken and taken down again. A dockerd started here is stopped at the end (one that was
+# already running is left alone).
 # The machine's CPU torch wheel (pip's find-links) is staged into the build context when there is one: the torch
 # index may be unreachable, and PyPI's torch of the same version is the CUDA build.
 BASE_IMAGES := python:3.11-slim-bookworm redis:7.0-bookworm
 TORCH_WHEELS ?= $(firstword $(PIP_FIND_LINKS) /opt/wheels)
 COMPOSE_TEST_ARGS ?= --report var/compose-test.json
 compose-test: stubs
-	@rc=0; docker/engine.sh start || rc=$$?; \
+	@running=0; timeout 10 docker info >/dev/null 2>&1 && running=1; \
+	rc=0; docker/engine.sh start || rc=$$?; \
 	if [ $$rc = 3 ]; then exit 0; elif [ $$rc != 0 ]; then exit $$rc; fi; \
-	trap 'docker/engine.sh stop' EXIT; \
+	[ $$running = 1 ] || trap 'docker/engine.sh stop' EXIT; \
 	set -e; \
 	$(BIN)/pip install -q -r requirements/compose.txt; \
 	docker/base_images.sh $(BASE_IMAGES); \

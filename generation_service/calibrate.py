@@ -65,7 +65,7 @@ import torch
 
 from generation_service.draft_budget import StepCost
 from generation_service.model import (DTYPES as TORCH_DTYPES, TargetModel, cache_length, cap_blas_threads, load_model,
-                                      min_rows_for, new_cache, pick_device)
+                                      min_rows_for, new_cache, pick_device, with_forward)
 from generation_service.model_files import ragserve_home, resolve_model_dir
 from generation_service.speculative import prefill, verify_tree
 
@@ -410,7 +410,7 @@ def _crop(cache, length: int) -> None:
 
 
 def calibrated_model(model: str = "", device: str = "auto", dtype: str = "auto", threads: int = 0, *,
-                     force: bool = False, reps: int = REPS,
+                     forward: str = "auto", force: bool = False, reps: int = REPS,
                      progress: Callable[[str], None] | None = None) -> tuple[TargetModel, Choice]:
     """Load the model in the fastest measured configuration (or the user's), measuring what the cache lacks.
 
@@ -422,7 +422,8 @@ def calibrated_model(model: str = "", device: str = "auto", dtype: str = "auto",
         raise ValueError(f"threads must be an integer >= 0 (0 = choose), got {threads!r}")
     path = resolve_model_dir(model)
     dev = pick_device(device)
-    key = machine_key(path, dev)
+    base = load_model(path, dtype="fp32", device=str(dev), forward=forward)  # ~1 s; also resolves "auto"
+    key = machine_key(path, dev) | {"forward": base.forward_name}
     cpath = cache_path(key)
     cal = None if force else load_cache(cpath, key)
     if cal is not None and cal.noisy_then_quiet():
@@ -439,7 +440,6 @@ def calibrated_model(model: str = "", device: str = "auto", dtype: str = "auto",
     loaded: dict[str, TargetModel] = {}
     if missing:
         t0, load = time.perf_counter(), _load()
-        base = load_model(path, dtype="fp32", device=str(dev))
         loaded["fp32"] = base
         for d in sorted({d for d, _ in missing} - {"fp32"}):
             loaded[d] = convert(base, d)
@@ -459,7 +459,7 @@ def calibrated_model(model: str = "", device: str = "auto", dtype: str = "auto",
     curve, warnings = choose(cal.curves, dtype, threads)
     for w in warnings:
         log.warning("%s", w)
-    tm = loaded.get(curve.dtype) or load_model(path, dtype=curve.dtype, device=str(dev))
+    tm = loaded.get(curve.dtype) or (base if curve.dtype == "fp32" else convert(base, curve.dtype))
     loaded.clear()  # drop the other variants' weights
     torch.set_num_threads(curve.threads)
     cap_blas_threads(curve.threads)
@@ -472,7 +472,8 @@ def convert(tm: TargetModel, dtype: str) -> TargetModel:
     target = TORCH_DTYPES[dtype]
     model = copy.deepcopy(tm.model).to(target)
     model.config.dtype = target
-    return dataclasses.replace(tm, model=model, dtype=target, min_rows=min_rows_for(target))
+    out = dataclasses.replace(tm, model=model, dtype=target, min_rows=min_rows_for(target), lean=None)
+    return with_forward(out, tm.forward_name)
 
 
 def format_table(choice: Choice) -> str:

@@ -21,6 +21,9 @@ class GenerationConfig:
     dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     threads: int = 0  # torch intra-op threads; 0 = the fastest measured count
+    # Forward implementation: auto = the lean forward for supported architectures (Llama-family), else
+    # transformers' | lean = require the lean one | hf = always transformers' (generation_service/lean_llama.py).
+    forward: str = "auto"
     # Start-up cost measurement: auto = reuse the cached one or measure | force = measure again | off = none
     # (dtype auto then means fp32, threads 0 all cores; draft trees are sized with a generic cost model).
     calibration: str = "auto"
@@ -79,6 +82,8 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bf16", "fp32"):
             raise ValueError(f"dtype: {self.dtype!r} is not auto, bf16 or fp32")
+        if self.forward not in ("auto", "lean", "hf"):
+            raise ValueError(f"forward: {self.forward!r} is not auto, lean or hf")
         if self.calibration not in ("auto", "force", "off"):
             raise ValueError(f"calibration: {self.calibration!r} is not auto, force or off")
         if self.threads < 0:

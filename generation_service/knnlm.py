@@ -437,11 +437,17 @@ def hit_distributions(backend: KnnBackend, hits: list[tuple[np.ndarray, np.ndarr
 def _output_layer_input(tm: TargetModel):
     """Capture what the output layer multiplies (the final hidden states [1, q, D]) during the passes inside."""
     box: list[torch.Tensor] = []
+    # Passes through forward() run the lean forward when there is one (it fills the sink), direct calls of the
+    # transformers model fire the hook: each pass appends exactly once.
+    if tm.lean is not None:
+        tm.lean.hidden_sink = box
     handle = tm.model.get_output_embeddings().register_forward_hook(lambda _m, inp, _out: box.append(inp[0]))
     try:
         yield box
     finally:
         handle.remove()
+        if tm.lean is not None:
+            tm.lean.hidden_sink = None
 
 
 def lm_prefill(tm: TargetModel, kv, prompt: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from generation_service.draft_budget import StepCost
+from generation_service.lean_llama import LeanLlama
 from generation_service.model_files import load_tokenizer, resolve_model_dir
 from generation_service.tree_attention import tree_mask, tree_position_ids
 
@@ -87,6 +88,12 @@ class TargetModel:
     # Cost of a decode pass by draft-tree size, relative to an AR step (draft_budget.py): the calibrated curve
     # when the server measured one (calibrate.py), else a linear default.
     step_cost: StepCost = field(default_factory=StepCost.linear)
+    # The lean forward (lean_llama.py) when the architecture is supported and not turned off; None = transformers.
+    lean: LeanLlama | None = None
+
+    @property
+    def forward_name(self) -> str:
+        return "lean" if self.lean is not None else "hf"
 
     @property
     def dtype_name(self) -> str:
@@ -127,11 +134,20 @@ def cap_blas_threads(threads: int, blas: int = 1) -> None:
     threadpool_limits(limits={"openmp": max(1, threads), "blas": max(1, blas)})
 
 
+FORWARDS = ("auto", "lean", "hf")
+
+
 def load_model(model_dir: str | os.PathLike | None = "", dtype: str = "bf16", device: str = "auto",
-               threads: int = 0) -> TargetModel:
-    """A local HF model directory ("" / None = default model) -> TargetModel in eval mode on `device`."""
+               threads: int = 0, forward: str = "auto") -> TargetModel:
+    """A local HF model directory ("" / None = default model) -> TargetModel in eval mode on `device`.
+
+    forward: auto = the lean forward where the architecture is supported, else transformers'; lean = require it;
+    hf = always transformers' forward.
+    """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if forward not in FORWARDS:
+        raise ValueError(f"forward must be one of {', '.join(FORWARDS)}, got {forward!r}")
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
         raise ValueError(f"threads must be an integer >= 0 (0 = all cores), got {threads!r}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -153,8 +169,19 @@ def load_model(model_dir: str | os.PathLike | None = "", dtype: str = "bf16", de
     vocab = int(out.weight.shape[0]) if out is not None else int(model.config.vocab_size)
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     max_pos = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
-    return TargetModel(model, tokenizer, dev, torch_dtype, vocab, _eos_ids(model, tokenizer), max_pos, str(path),
-                       min_rows_for(torch_dtype))
+    tm = TargetModel(model, tokenizer, dev, torch_dtype, vocab, _eos_ids(model, tokenizer), max_pos, str(path),
+                     min_rows_for(torch_dtype))
+    return with_forward(tm, forward)
+
+
+def with_forward(tm: TargetModel, forward: str = "auto") -> TargetModel:
+    """Attach the lean forward to `tm` (in place) as `forward` asks; raises ValueError for lean on an
+    unsupported architecture."""
+    why = LeanLlama.supports(tm.model)
+    if forward == "lean" and why:
+        raise ValueError(f"forward: the lean forward does not support this model: {why}")
+    tm.lean = LeanLlama(tm.model, tm.dtype) if forward != "hf" and not why else None
+    return tm
 
 
 def min_rows_for(dtype: torch.dtype) -> int:
@@ -163,7 +190,10 @@ def min_rows_for(dtype: torch.dtype) -> int:
     return 2 if dtype != torch.float32 else 1
 
 
-def new_cache(tm: TargetModel):
+def new_cache(tm: TargetModel, capacity: int = 256):
+    """An empty KV cache for one sequence (capacity: rows preallocated by the lean forward; it grows on demand)."""
+    if tm.lean is not None:
+        return tm.lean.new_cache(capacity)
     from transformers import DynamicCache
 
     return DynamicCache(config=tm.model.config)
@@ -180,6 +210,11 @@ def forward(tm: TargetModel, input_ids: torch.Tensor, cache, position_ids: torch
 
     mask: None = causal (plain prefill / single-token step), else a 4D additive mask [1, 1, q, past + q].
     """
+    if tm.lean is not None:
+        past = cache.length
+        positions = position_ids[0] if position_ids is not None else torch.arange(
+            past, past + input_ids.shape[0], device=input_ids.device)
+        return tm.lean.forward(input_ids, positions, cache, mask[0, 0] if mask is not None else None, logits_to_keep)
     out = tm.model(input_ids=input_ids.unsqueeze(0), position_ids=position_ids, attention_mask=mask,
                    past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep)
     return out.logits[0]  # [q', V]

@@ -13,8 +13,10 @@ calibration, warm-up and every decode step run on one thread, the model thread (
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import os
 import queue
 import sys
 import threading
@@ -64,6 +66,9 @@ class Job:
     submitted: float = field(default_factory=time.monotonic)  # accepted into the queue (TTFT includes the wait)
     knnlm: object = None  # knnlm.KnnLmOptions for kNN-LM requests
     rag: object = None  # ralm.RagParams for RAG requests
+    # False (unary Generate): the worker hands over one merged chunk at the end instead of one per step, so the
+    # gRPC thread does not wake (and take a core from the model's OpenMP team) on every token.
+    stream: bool = True
 
     def is_cancelled(self) -> bool:
         return self.cancelled.is_set() or (self.deadline is not None and time.monotonic() > self.deadline)
@@ -181,6 +186,7 @@ class Worker:
                 job.chunks.put(None)
                 continue
             completion: list[int] = []
+            held: list[StreamChunk] = []
             finish = None
             try:
                 with metrics.GenerationObserver(job.decoding, job.submitted) as observed:
@@ -188,7 +194,12 @@ class Worker:
                         observed.chunk(chunk)
                         completion += chunk.token_ids
                         finish = chunk.finish_reason or finish
-                        job.chunks.put(chunk)
+                        if job.stream:
+                            job.chunks.put(chunk)
+                        else:
+                            held.append(chunk)
+                            if chunk.finish_reason is not None:
+                                job.chunks.put(merge_chunks(held))
             except BaseException as e:  # reported to the caller; the worker keeps serving
                 log.exception("generation failed")
                 job.chunks.put(e)
@@ -196,6 +207,13 @@ class Worker:
             if job.learn and finish in ("stop", "length"):
                 # After the reply is out: learning must not add latency to the request.
                 self.learner.submit(self.link.learn, job.prompt_ids, completion)
+
+
+def merge_chunks(chunks: list[StreamChunk]) -> StreamChunk:
+    """Consecutive chunks of one request -> one chunk (tokens and text joined, the last chunk's final fields)."""
+    last = chunks[-1]
+    return dataclasses.replace(last, token_ids=[t for c in chunks for t in c.token_ids],
+                               text="".join(c.text for c in chunks))
 
 
 def _opt(request, name: str):
@@ -331,7 +349,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
         return self.info
 
-    def _start(self, request, context) -> Job:
+    def _start(self, request, context, stream: bool = True) -> Job:
         if self.worker is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
         try:
@@ -343,7 +361,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
         learn = request.learn_from_output if request.HasField("learn_from_output") else self.cfg.learn_from_outputs
-        job = Job(prompt_ids, params, "knnlm" if knn else decoding, budget, deadline, learn=learn, knnlm=knn)
+        job = Job(prompt_ids, params, "knnlm" if knn else decoding, budget, deadline, learn=learn, knnlm=knn,
+                  stream=stream)
         if rag is not None:
             job.decoding, job.rag = rag.mode, rag
         try:
@@ -372,7 +391,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             yield item
 
     def Generate(self, request, context):
-        job = self._start(request, context)
+        job = self._start(request, context, stream=False)
         tokens: list[int] = []
         text: list[str] = []
         for chunk in self._chunks(job, context):
@@ -418,15 +437,16 @@ def load_serving_model(cfg: GenerationConfig):
     t0 = time.perf_counter()
     if cfg.calibration == "off":
         dtype = "fp32" if cfg.dtype == "auto" else cfg.dtype
-        tm, choice = load_model(cfg.model, dtype=dtype, device=cfg.device, threads=cfg.threads), None
+        tm = load_model(cfg.model, dtype=dtype, device=cfg.device, threads=cfg.threads, forward=cfg.forward)
+        choice = None
     else:
-        tm, choice = calibrated_model(cfg.model, cfg.device, cfg.dtype, cfg.threads,
+        tm, choice = calibrated_model(cfg.model, cfg.device, cfg.dtype, cfg.threads, forward=cfg.forward,
                                       force=cfg.calibration == "force")
         cal = choice.calibration
         log.info("calibration (%s, %s; %s, %s):\n%s", cal.source, cal.path or "not cached", cal.key["cpu"],
                  " ".join(shown_flags()) or "no avx flags", format_table(choice))
-    log.info("model %s loaded in %s with %d threads; warm-up took %.1f s (start-up %.1f s)", tm.model_dir,
-             tm.dtype_name, torch_threads(), warmup(tm), time.perf_counter() - t0)
+    log.info("model %s loaded in %s with %d threads, %s forward; warm-up took %.1f s (start-up %.1f s)",
+             tm.model_dir, tm.dtype_name, torch_threads(), tm.forward_name, warmup(tm), time.perf_counter() - t0)
     return tm, choice
 
 
@@ -443,7 +463,8 @@ def worker_info(cfg: GenerationConfig, tm, choice: Choice | None, threads: int) 
         model=tm.model_dir, device=str(tm.device), dtype=tm.dtype_name, threads=threads, cpu=cpu_info()[0],
         cpu_flags=shown_flags(), torch_version=torch_version(), calibration="off" if choice is None else
         choice.calibration.source, max_draft_nodes=tm.step_cost.max_nodes, default_decoding=cfg.default_decoding,
-        max_positions=min(tm.max_positions, 2**32 - 1), tokenizer_id=tokenizer_identity(tm.tokenizer))
+        max_positions=min(tm.max_positions, 2**32 - 1), tokenizer_id=tokenizer_identity(tm.tokenizer),
+        forward=tm.forward_name)
     if choice is not None:
         info.calibration_file = choice.calibration.path
         info.warnings.extend(choice.warnings)
@@ -513,6 +534,10 @@ def serve(cfg: GenerationConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # Process-wide, once: no model hub; no tokenizer thread pool next to torch's (the worker tokenizes one
+    # request at a time, and on a small machine every extra runnable thread stalls torch's OpenMP team).
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     serve(GenerationConfig.from_args(argv))
 
 

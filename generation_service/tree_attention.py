@@ -140,6 +140,9 @@ def gather_kv(cache, past_len: int, path: list[int]) -> None:
     case for a chain-shaped draft) the rows are already in place and a crop suffices; otherwise the accepted rows
     are copied down with index_select (a copy first, so overlapping source/destination is safe).
     """
+    if hasattr(cache, "gather"):  # lean_llama.KVCache: one indexed copy for all layers
+        cache.gather(past_len, path)
+        return
     m = len(path)
     new_len = past_len + 1 + m
     contiguous = path == list(range(m))

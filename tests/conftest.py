@@ -7,13 +7,14 @@ import pytest
 from generation_service.model_files import default_model_dir, is_model_dir
 
 
-def real_model(dtype: str):
-    """The real default model on CPU; skips the test when it has not been prepared (`make model`)."""
+def real_model(dtype: str, forward: str = "auto"):
+    """The real default model on CPU (the lean forward unless forward="hf"); skips the test when it has not been
+    prepared (`make model`)."""
     if not is_model_dir(default_model_dir()):
         pytest.skip(f"default model not prepared at {default_model_dir()} (make model)")
     from generation_service.model import load_model
 
-    return load_model("", dtype=dtype, device="cpu")
+    return load_model("", dtype=dtype, device="cpu", forward=forward)
 
 
 @pytest.fixture(scope="session")

@@ -40,8 +40,14 @@ class GenerationConfig:
     workers: int = 32
     grace_s: float = 30.0
     max_message_bytes: int = 16 << 20
-    # Operations (serving/metrics.py, serving/security.py). Prometheus /metrics port on `host`; 0 = off.
+    # Operations (serving/metrics.py, serving/security.py). Prometheus /metrics port; 0 = off. It binds to loopback
+    # unless metrics_host says otherwise: exposed beyond the host, give it TLS (metrics_tls_*) and basic auth
+    # (metrics_auth_file holding "user:password"), or a scraper on the same network reads it unauthenticated.
     metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
+    metrics_tls_cert: str = ""
+    metrics_tls_key: str = ""
+    metrics_auth_file: str = ""
     # Bearer token every RPC must carry (`authorization: Bearer <token>`; health is exempt); "" = off.
     # auth_token_file (e.g. /run/secrets/ragserve_token) wins over auth_token.
     auth_token: str = ""
@@ -115,6 +121,10 @@ FLAG_HELP = {
     "grace_s": "seconds in-flight requests get to finish after SIGTERM (health answers NOT_SERVING meanwhile)",
     "max_message_bytes": "largest request and reply message, bytes",
     "metrics_port": "Prometheus /metrics HTTP port (0 = off)",
+    "metrics_host": "address /metrics binds to; loopback by default (0.0.0.0 exposes it: add TLS and basic auth)",
+    "metrics_tls_cert": "PEM certificate to serve /metrics over HTTPS (with --metrics-tls-key; \"\" = plain HTTP)",
+    "metrics_tls_key": "PEM private key of --metrics-tls-cert",
+    "metrics_auth_file": "file holding user:password that scrapes must send as HTTP basic auth (\"\" = none)",
     "auth_token": "bearer token every RPC must carry, health excepted (\"\" = no auth)",
     "auth_token_file": "file holding the bearer token (wins over --auth-token)",
     "tls_cert": "PEM certificate to serve gRPC over TLS (with --tls-key; \"\" = plaintext)",

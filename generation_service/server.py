@@ -42,6 +42,10 @@ _MAX_STOP_CHARS = 512
 _LEARN_PROMPT_TAIL = 16  # prompt tokens sent with a learned output (the longest suffix drafting matches)
 
 
+# A dependency that failed or refused (mapped to UNAVAILABLE / INVALID_ARGUMENT by the servicer): not a bug.
+_EXPECTED_FAILURES = (KBUnavailable, KBRequestError, knnlm.KnnRetrievalError)
+
+
 class BadRequest(ValueError):
     """Invalid request field; the message names it."""
 
@@ -179,7 +183,10 @@ class Worker:
                         finish = chunk.finish_reason or finish
                         job.chunks.put(chunk)
             except BaseException as e:  # reported to the caller; the worker keeps serving
-                log.exception("generation failed")
+                if isinstance(e, _EXPECTED_FAILURES):  # the RPC's status line (grpc_shell) says it; no traceback
+                    log.debug("generation stopped: %s: %s", type(e).__name__, e)
+                else:
+                    log.exception("generation failed")
                 job.chunks.put(e)
             job.chunks.put(None)
             if job.learn and finish in ("stop", "length"):
@@ -407,9 +414,9 @@ def build_server(cfg: GenerationConfig, *, tm=None) -> tuple[RunningServer, Gene
     auth, credentials = security.server_setup(cfg)
     running = start_server(add, host=cfg.host, port=cfg.port, workers=cfg.workers,
                            max_concurrent_rpcs=cfg.max_concurrent_rpcs, max_message_bytes=cfg.max_message_bytes,
-                           interceptors=[metrics.MetricsInterceptor(), *auth], credentials=credentials)
+                           interceptors=auth, observers=[metrics.GrpcMetrics("generation")], credentials=credentials)
     try:
-        running.closers.append(metrics.serve_http(cfg.metrics_port, cfg.host))
+        running.closers.append(metrics.serve_config(cfg, "generation"))
         if tm is None:
             tm = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, threads=cfg.threads)
             log.info("model %s (%s) loaded; warm-up took %.1f s", tm.model_dir, cfg.dtype, warmup(tm))

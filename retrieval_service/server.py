@@ -250,12 +250,12 @@ def build_server(cfg: RetrievalConfig, *, datastore=None, kb=None, crest=None) -
     auth, credentials = security.server_setup(cfg)
     running = start_server(add, host=cfg.host, port=cfg.port, workers=cfg.workers,
                            max_concurrent_rpcs=cfg.max_concurrent_rpcs, max_message_bytes=cfg.max_message_bytes,
-                           interceptors=[metrics.MetricsInterceptor(metrics.observe_retrieval), *auth],
+                           interceptors=auth, observers=[metrics.GrpcMetrics("retrieval", metrics.observe_retrieval)],
                            credentials=credentials,
                            # Searches run in the handler threads: they must get the faiss/BLAS thread cap too.
                            thread_initializer=lambda: dense.configure_faiss(cfg.kb_omp_threads))
     try:
-        running.closers.append(metrics.serve_http(cfg.metrics_port, cfg.host))
+        running.closers.append(metrics.serve_config(cfg, "retrieval"))
         ds = datastore if datastore is not None else open_indexes(cfg)
         learner = None
         if cfg.learn and ds is not None:

@@ -62,8 +62,11 @@ class GenerationConfig:
     retrieval_tls_ca: str = ""
     retrieval_tls_cert: str = ""
     retrieval_tls_key: str = ""
-    # Characters of prompt / messages checked before tokenizing (bounds the CPU a bad request can take).
-    limit_prompt_chars: int = 1 << 20
+    # Characters of prompt / messages checked before tokenizing (bounds the CPU a bad request can take; tokenizing
+    # costs ~1.5 us per character here). 0 = 16 per prompt token (code averages ~3.5 characters per token).
+    limit_prompt_chars: int = 0
+    # Chat messages per request, checked before the chat template is rendered.
+    limit_messages: int = 1024
     # kNN-LM (generation_service/knnlm.py): the datastore directory built by retrieval_service.knowledge.knn_build
     # (the worker memory-maps its values/keys; the retrieval service serves its indexes, --kb-knn-datastores);
     # "" = no kNN-LM. Index name on the retrieval service ("" = the datastore's own name); Search deadline.
@@ -135,7 +138,8 @@ FLAG_HELP = {
     "retrieval_tls_ca": "PEM CA to trust for the retrieval service's TLS (\"\" = plaintext unless a cert is set)",
     "retrieval_tls_cert": "PEM client certificate for mutual TLS with the retrieval service",
     "retrieval_tls_key": "PEM private key of --retrieval-tls-cert",
-    "limit_prompt_chars": "most prompt + message characters, checked before tokenizing",
+    "limit_prompt_chars": "most prompt + message characters, checked before tokenizing (0 = 16 x limit_prompt_tokens)",
+    "limit_messages": "most chat messages per request, checked before the chat template is rendered",
     "knnlm_datastore": "kNN-LM datastore directory (\"\" = no kNN-LM)",
     "knnlm_index": "kNN-LM index name on the retrieval service (\"\" = the datastore's own name)",
     "knnlm_timeout_ms": "deadline of one kNN-LM Search call, ms",

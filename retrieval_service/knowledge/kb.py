@@ -26,6 +26,7 @@ import numpy as np
 from retrieval_service.config import RetrievalConfig
 from retrieval_service.knowledge import dense, sparse
 from retrieval_service.knowledge.passages import PassageStore, fingerprint
+from serving.wire import clip
 
 log = logging.getLogger(__name__)
 
@@ -235,29 +236,31 @@ class KnowledgeBase:
         vi = self.vector_indexes.get(name)
         if vi is None:
             if name == KB_INDEX:
-                raise RetrieverUnavailable(f"retriever {retriever!r}: this server has no dense KB index")
-            raise KBInputError(f"index: unknown vector index {name!r} (known: {sorted(self.vector_indexes)})")
+                raise RetrieverUnavailable(f"retriever {clip(retriever)}: this server has no dense KB index")
+            raise KBInputError(f"index: unknown vector index {clip(name)} (known: {sorted(self.vector_indexes)})")
         if retriever not in vi.retrievers:
-            raise RetrieverUnavailable(f"retriever {retriever!r}: index {name!r} has no "
+            raise RetrieverUnavailable(f"retriever {clip(retriever)}: index {clip(name)} has no "
                                        f"{'exact' if retriever == 'edr' else 'HNSW'} index loaded")
         return vi
 
     def _check_retriever(self, retriever: str, index: str) -> None:
         if retriever not in RETRIEVERS:
-            raise KBInputError(f"retriever: {retriever!r} is not one of {', '.join(RETRIEVERS)}")
+            raise KBInputError(f"retriever: {clip(retriever)} is not one of {', '.join(RETRIEVERS)}")
         if retriever == "sr":
-            if index and index != KB_INDEX:
-                raise KBInputError(f"index: {index!r} given with retriever 'sr' (BM25 searches the KB passages only)")
+            if index:  # the proto: "Must be "" for sr" (not even "kb": one spelling, one meaning)
+                raise KBInputError(f"index: must be empty for retriever 'sr' (BM25 searches the KB passages only), "
+                                   f"got {clip(index)}")
             if self.bm25 is None:
                 raise RetrieverUnavailable("retriever 'sr': this server has no BM25 (Lucene) index")
 
-    def _check_texts(self, texts: Sequence[str], field: str) -> None:
+    def _check_texts(self, texts: Sequence[str], field: str, single: bool = False) -> None:
+        """single: `field` is one string (ScoreCandidates.text), not a repeated field: no [i] in messages."""
         for i, t in enumerate(texts):
-            if not t.strip():
-                raise KBInputError(f"{field}[{i}]: query text is empty")
+            where = field if single else f"{field}[{i}]"
             if len(t) > self.limits.max_query_chars:
-                raise KBInputError(f"{field}[{i}]: {len(t)} characters exceeds the limit of "
-                                   f"{self.limits.max_query_chars}")
+                raise KBInputError(f"{where}: {len(t)} characters exceeds the limit of {self.limits.max_query_chars}")
+            if not t.strip():
+                raise KBInputError(f"{where}: query text is empty")
 
     def _check_vectors(self, vectors: np.ndarray, dim: int, field: str) -> np.ndarray:
         v = np.asarray(vectors, dtype=np.float32)
@@ -282,7 +285,7 @@ class KnowledgeBase:
         vi = self.vector_indexes.get(index or KB_INDEX)
         if vi is None:
             if index and index != KB_INDEX:
-                raise KBInputError(f"index: unknown vector index {index!r} (known: {sorted(self.vector_indexes)})")
+                raise KBInputError(f"index: unknown vector index {clip(index)} (known: {sorted(self.vector_indexes)})")
             raise RetrieverUnavailable(f"{field}: vectors asked for, but this server has no dense KB index")
         return vi.dim
 
@@ -347,7 +350,7 @@ class KnowledgeBase:
         if bool(text) == has_vec:
             raise KBInputError("text: give exactly one of text or vector")
         if text:
-            self._check_texts([text], "text")
+            self._check_texts([text], "text", single=True)
         if retriever == "sr":
             if has_vec:
                 raise KBInputError("vector: retriever 'sr' (BM25) takes a text query only")

@@ -73,6 +73,16 @@ class RetrievalConfig:
     kb_limit_k: int = 1024  # kNN-LM asks for up to 1024 neighbours (Khandelwal et al.'s k)
     kb_limit_ids: int = 10_000
     kb_limit_query_chars: int = 10_000
+    # Queries x k of one Search (kNN-LM verifies up to ~16 queries x k 1024 at once); the reply must also fit
+    # max_message_bytes. Both are checked before any work.
+    kb_limit_results: int = 65_536
+    # KB executor (retrieval_service/knowledge/service.py): encode/search/score/pack run on kb_workers threads at
+    # kb_nice lower CPU priority, so heavy Searches queue there and the Draft path keeps a core. At most
+    # kb_workers + kb_queue KB calls are admitted (and never more than workers - 2, since each waiting call holds a
+    # gRPC handler thread); more get RESOURCE_EXHAUSTED at once.
+    kb_workers: int = 1
+    kb_queue: int = 4
+    kb_nice: int = 10
     # Seconds of JIT warm-up for the Lucene search/scoring paths before SERVING (cold calls are ~5x slower).
     kb_warmup_s: float = 10.0
     # Re-hash passages.jsonl at open and compare with the manifest (catches a swapped or edited file).
@@ -147,6 +157,10 @@ FLAG_HELP = {
     "kb_limit_k": "largest k (hits per query) a Search may ask for",
     "kb_limit_ids": "most doc ids one ScoreCandidates/GetDocuments request may carry",
     "kb_limit_query_chars": "longest text query, characters",
+    "kb_limit_results": "most queries x k in one Search (checked before any work, like the reply size)",
+    "kb_workers": "threads of the knowledge-base executor (Search/ScoreCandidates/GetDocuments run there)",
+    "kb_queue": "KB calls that may wait for the executor (capped at workers - 2); more get RESOURCE_EXHAUSTED",
+    "kb_nice": "nice increment of the KB executor threads, so Draft calls win the CPU (0 = same priority)",
     "kb_warmup_s": "seconds of Lucene JIT warm-up before SERVING",
     "kb_verify": "re-hash passages.jsonl at open and compare it with the KB manifest",
     "kb_knn_datastores": "comma-separated kNN-LM datastore directories served as named vector indexes",

@@ -48,8 +48,14 @@ class GenerationConfig:
     workers: int = 32
     grace_s: float = 30.0
     max_message_bytes: int = 16 << 20
-    # Operations (serving/metrics.py, serving/security.py). Prometheus /metrics port on `host`; 0 = off.
+    # Operations (serving/metrics.py, serving/security.py). Prometheus /metrics port; 0 = off. It binds to loopback
+    # unless metrics_host says otherwise: exposed beyond the host, give it TLS (metrics_tls_*) and basic auth
+    # (metrics_auth_file holding "user:password"), or a scraper on the same network reads it unauthenticated.
     metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
+    metrics_tls_cert: str = ""
+    metrics_tls_key: str = ""
+    metrics_auth_file: str = ""
     # Bearer token every RPC must carry (`authorization: Bearer <token>`; health is exempt); "" = off.
     # auth_token_file (e.g. /run/secrets/ragserve_token) wins over auth_token.
     auth_token: str = ""
@@ -64,8 +70,11 @@ class GenerationConfig:
     retrieval_tls_ca: str = ""
     retrieval_tls_cert: str = ""
     retrieval_tls_key: str = ""
-    # Characters of prompt / messages checked before tokenizing (bounds the CPU a bad request can take).
-    limit_prompt_chars: int = 1 << 20
+    # Characters of prompt / messages checked before tokenizing (bounds the CPU a bad request can take; tokenizing
+    # costs ~1.5 us per character here). 0 = 16 per prompt token (code averages ~3.5 characters per token).
+    limit_prompt_chars: int = 0
+    # Chat messages per request, checked before the chat template is rendered.
+    limit_messages: int = 1024
     # kNN-LM (generation_service/knnlm.py): the datastore directory built by retrieval_service.knowledge.knn_build
     # (the worker memory-maps its values/keys; the retrieval service serves its indexes, --kb-knn-datastores);
     # "" = no kNN-LM. Index name on the retrieval service ("" = the datastore's own name); Search deadline.
@@ -100,4 +109,55 @@ class GenerationConfig:
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> "GenerationConfig":
         return config_util.from_args(cls, _ENV_PREFIX, argv, "python -m generation_service.server",
-                                     "Generation gRPC worker: speculative decoding with retrieval drafts")
+                                     "Generation gRPC worker: speculative decoding with retrieval drafts", FLAG_HELP)
+
+
+# One line per flag for `--help` (serving/config_util.py adds the default and the environment variable). Kept
+# out of the class so adding a field and describing it are separate one-line edits.
+FLAG_HELP = {
+    "host": "address the gRPC port binds to (0.0.0.0 = every interface)",
+    "port": "gRPC port (0 = a free port)",
+    "model": "local Hugging Face model directory (\"\" = SmolLM2-135M-Instruct, prepared on first use)",
+    "dtype": "model weights and activations: bf16 | fp32",
+    "device": "auto | cpu | cuda",
+    "threads": "torch intra-op threads (0 = every core)",
+    "retrieval": "retrieval service target(s): host:port, a comma list, or dns:///name:port (\"\" = no drafts)",
+    "draft_timeout_ms": "deadline of one Draft call; a slower draft is skipped and that step decodes AR",
+    "retry_after_s": "after a failed Draft call, skip drafting this long before trying again",
+    "default_decoding": "decoding mode when a request leaves it empty: ar | pld | rest-ds | rest | knnlm | crest",
+    "draft_budget": "default draft-tree nodes verified per step",
+    "max_draft_budget": "largest draft_budget a request may ask for",
+    "learn_from_outputs": "send finished outputs to the retrieval service's online learning (per-request override)",
+    "default_max_new_tokens": "max_new_tokens when a request leaves it 0",
+    "limit_max_new_tokens": "largest max_new_tokens a request may ask for",
+    "limit_prompt_tokens": "most prompt tokens (after the chat template)",
+    "limit_stop_sequences": "most stop sequences per request",
+    "queue_size": "requests that may wait for the model; more get RESOURCE_EXHAUSTED",
+    "max_concurrent_rpcs": "RPCs in flight before gRPC answers RESOURCE_EXHAUSTED (0 = unlimited)",
+    "workers": "gRPC handler threads",
+    "grace_s": "seconds in-flight requests get to finish after SIGTERM (health answers NOT_SERVING meanwhile)",
+    "max_message_bytes": "largest request and reply message, bytes",
+    "metrics_port": "Prometheus /metrics HTTP port (0 = off)",
+    "metrics_host": "address /metrics binds to; loopback by default (0.0.0.0 exposes it: add TLS and basic auth)",
+    "metrics_tls_cert": "PEM certificate to serve /metrics over HTTPS (with --metrics-tls-key; \"\" = plain HTTP)",
+    "metrics_tls_key": "PEM private key of --metrics-tls-cert",
+    "metrics_auth_file": "file holding user:password that scrapes must send as HTTP basic auth (\"\" = none)",
+    "auth_token": "bearer token every RPC must carry, health excepted (\"\" = no auth)",
+    "auth_token_file": "file holding the bearer token (wins over --auth-token)",
+    "tls_cert": "PEM certificate to serve gRPC over TLS (with --tls-key; \"\" = plaintext)",
+    "tls_key": "PEM private key of --tls-cert",
+    "tls_client_ca": "PEM CA that client certificates must be signed by (mutual TLS; \"\" = no client certs)",
+    "retrieval_auth_token": "bearer token sent to the retrieval service",
+    "retrieval_auth_token_file": "file holding the retrieval service's token (wins over --retrieval-auth-token)",
+    "retrieval_tls_ca": "PEM CA to trust for the retrieval service's TLS (\"\" = plaintext unless a cert is set)",
+    "retrieval_tls_cert": "PEM client certificate for mutual TLS with the retrieval service",
+    "retrieval_tls_key": "PEM private key of --retrieval-tls-cert",
+    "limit_prompt_chars": "most prompt + message characters, checked before tokenizing (0 = 16 x limit_prompt_tokens)",
+    "limit_messages": "most chat messages per request, checked before the chat template is rendered",
+    "knnlm_datastore": "kNN-LM datastore directory (\"\" = no kNN-LM)",
+    "knnlm_index": "kNN-LM index name on the retrieval service (\"\" = the datastore's own name)",
+    "knnlm_timeout_ms": "deadline of one kNN-LM Search call, ms",
+    "kb_target": "knowledge service target(s) for RAG requests (\"\" = no RAG)",
+    "kb_timeout_ms": "deadline of a sequential RAG retrieval, ms",
+    "kb_spec_timeout_ms": "deadline of a speculative RAG call; a slower one falls back to sequential, ms",
+}

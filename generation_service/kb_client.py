@@ -23,6 +23,7 @@ import grpc
 import numpy as np
 
 from proto import knowledge_pb2, knowledge_pb2_grpc
+from serving import metrics
 
 DEFAULT_TIMEOUT_MS = 2000.0
 
@@ -159,8 +160,8 @@ class KBClient:
         ]
         self._replicas = []
         for t in targets:
-            ch = grpc.secure_channel(t, credentials, options=options) if credentials else grpc.insecure_channel(
-                t, options=options)
+            ch = metrics.instrument_channel(grpc.secure_channel(t, credentials, options=options) if credentials
+                                            else grpc.insecure_channel(t, options=options))
             self._replicas.append(_Replica(t, ch, knowledge_pb2_grpc.KnowledgeServiceStub(ch)))
         self._next = itertools.cycle(range(len(self._replicas)))
         self._lock = threading.Lock()

@@ -68,6 +68,7 @@ from generation_service.speculative import (
     verify_tree,
 )
 from generation_service.tree_attention import gather_kv
+from serving.wire import clip
 from retrieval_service.knowledge.knn_build import KnnDatastore, open_datastore
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ class KnnLmOptions:
 
     def __post_init__(self) -> None:
         if self.retriever not in RETRIEVERS:
-            raise ValueError(f"retriever: {self.retriever!r} is not one of {', '.join(RETRIEVERS)}")
+            raise ValueError(f"retriever: {clip(self.retriever)} is not one of {', '.join(RETRIEVERS)}")
         _check_int("k", self.k, 1, MAX_K)
         if not (isinstance(self.lam, (int, float)) and 0.0 <= float(self.lam) <= 1.0):
             raise ValueError(f"lambda: {self.lam!r} is outside [0, 1]")

@@ -60,6 +60,7 @@ from generation_service.speculative import (
     verify_tree,
 )
 from generation_service.tree_attention import gather_kv
+from serving.wire import clip
 
 RETRIEVERS = ("edr", "adr", "sr")
 ENCODERS = ("server", "local")
@@ -97,9 +98,9 @@ class RagParams:
 
     def __post_init__(self) -> None:
         if self.retriever not in RETRIEVERS:
-            raise ValueError(f"rag.retriever: {self.retriever!r} is not one of {', '.join(RETRIEVERS)}")
+            raise ValueError(f"rag.retriever: {clip(self.retriever)} is not one of {', '.join(RETRIEVERS)}")
         if self.encoder not in ENCODERS:
-            raise ValueError(f"rag.encoder: {self.encoder!r} is not one of {', '.join(ENCODERS)}")
+            raise ValueError(f"rag.encoder: {clip(self.encoder)} is not one of {', '.join(ENCODERS)}")
         _int_in("stride", self.stride, 1, 256)
         _int_in("query_tokens", self.query_tokens, 1, 4096)
         _int_in("max_passage_tokens", self.max_passage_tokens, 0, 8192)

@@ -21,6 +21,7 @@ from generation_service.ralm_retrieval import KBRetriever, LocalEncoder
 from generation_service.sampling import SamplingParams
 from proto import generation_pb2
 from serving import security
+from serving.wire import clip
 
 _DEFAULTS = RagParams()
 
@@ -50,7 +51,7 @@ def request_params(request: generation_pb2.GenerateRequest, prompt_len: int, par
     if not request.HasField("rag"):
         return None
     if request.decoding:
-        raise ValueError(f"decoding: {request.decoding!r} cannot be combined with rag options (leave it empty)")
+        raise ValueError(f"decoding: {clip(request.decoding)} cannot be combined with rag options (leave it empty)")
     if request.HasField("knnlm"):
         raise ValueError("rag: cannot be combined with knnlm options")
     rag = params_from_proto(request.rag)

@@ -19,6 +19,7 @@ import numpy as np
 from generation_service.drafters import DraftUnavailable, PromptLookupDrafter
 from proto import draft_pb2, draft_pb2_grpc
 from retrieval_service.datastore.draft_tree import SOURCES, DraftTree
+from serving import metrics
 from serving.wire import pack_tokens
 
 
@@ -55,8 +56,8 @@ class RetrievalClient:
         ]
         self._replicas = []
         for t in targets:
-            ch = grpc.secure_channel(t, credentials, options=options) if credentials else grpc.insecure_channel(
-                t, options=options)
+            ch = metrics.instrument_channel(grpc.secure_channel(t, credentials, options=options) if credentials
+                                            else grpc.insecure_channel(t, options=options))
             self._replicas.append(_Replica(t, ch, draft_pb2_grpc.DraftServiceStub(ch)))
         self._next = itertools.cycle(range(len(self._replicas)))
         self._lock = threading.Lock()

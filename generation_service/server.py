@@ -40,6 +40,7 @@ from retrieval_service.datastore.corpus import tokenizer_identity
 from retrieval_service.datastore.draft_tree import warmup_context_draft
 from serving import metrics, security
 from serving.grpc_shell import RunningServer, install_signal_handlers, start_server
+from serving.wire import clip
 
 log = logging.getLogger("generation_service")
 
@@ -47,6 +48,10 @@ _SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_
 _ROLES = ("system", "user", "assistant")
 _MAX_STOP_CHARS = 512
 _LEARN_PROMPT_TAIL = 16  # prompt tokens sent with a learned output (the longest suffix drafting matches)
+
+
+# A dependency that failed or refused (mapped to UNAVAILABLE / INVALID_ARGUMENT by the servicer): not a bug.
+_EXPECTED_FAILURES = (KBUnavailable, KBRequestError, knnlm.KnnRetrievalError)
 
 
 class BadRequest(ValueError):
@@ -201,7 +206,10 @@ class Worker:
                             if chunk.finish_reason is not None:
                                 job.chunks.put(merge_chunks(held))
             except BaseException as e:  # reported to the caller; the worker keeps serving
-                log.exception("generation failed")
+                if isinstance(e, _EXPECTED_FAILURES):  # the RPC's status line (grpc_shell) says it; no traceback
+                    log.debug("generation stopped: %s: %s", type(e).__name__, e)
+                else:
+                    log.exception("generation failed")
                 job.chunks.put(e)
             job.chunks.put(None)
             if job.learn and finish in ("stop", "length"):
@@ -226,9 +234,18 @@ def parse_request(request: generation_pb2.GenerateRequest, tm, cfg: GenerationCo
                                         ("prompt_tokens", len(request.prompt_tokens) > 0)) if present]
     if len(given) != 1:
         raise BadRequest(f"prompt: give exactly one of prompt, messages, prompt_tokens (got {given or 'none'})")
-    chars = len(request.prompt) + sum(len(m.content) for m in request.messages)
-    if chars > cfg.limit_prompt_chars:
-        raise BadRequest(f"{given[0]}: {chars} characters exceeds the limit of {cfg.limit_prompt_chars}")
+    where = given[0]
+    # Counts and sizes first: tokenizing or rendering a template costs ~1.5 us per character or message, so a
+    # request is sized before any of that work (200,000 empty messages, a 1 MB prompt: refused in microseconds).
+    if len(request.messages) > cfg.limit_messages:
+        raise BadRequest(f"messages: {len(request.messages)} messages exceeds the limit of {cfg.limit_messages}")
+    if len(request.prompt_tokens) > cfg.limit_prompt_tokens:
+        raise BadRequest(f"prompt_tokens: {len(request.prompt_tokens)} tokens exceeds the limit of "
+                         f"{cfg.limit_prompt_tokens}")
+    chars = len(request.prompt) + sum(len(m.content) + len(m.role) for m in request.messages)
+    max_chars = cfg.limit_prompt_chars or 16 * cfg.limit_prompt_tokens
+    if chars > max_chars:
+        raise BadRequest(f"{where}: {chars} characters exceeds the limit of {max_chars}")
     tok = tm.tokenizer
     if request.prompt:
         ids = tok(request.prompt, add_special_tokens=True)["input_ids"]
@@ -236,7 +253,7 @@ def parse_request(request: generation_pb2.GenerateRequest, tm, cfg: GenerationCo
         msgs = []
         for i, m in enumerate(request.messages):
             if m.role not in _ROLES:
-                raise BadRequest(f"messages[{i}].role: {m.role!r} is not one of {', '.join(_ROLES)}")
+                raise BadRequest(f"messages[{i}].role: {clip(m.role)} is not one of {', '.join(_ROLES)}")
             msgs.append({"role": m.role, "content": m.content})
         if getattr(tok, "chat_template", None) is None:
             raise BadRequest("messages: this model has no chat template; send a prompt instead")
@@ -250,9 +267,9 @@ def parse_request(request: generation_pb2.GenerateRequest, tm, cfg: GenerationCo
             raise BadRequest(f"prompt_tokens: token id {bad[0]} is out of vocabulary [0, {tm.vocab_size})")
     prompt_ids = np.asarray(ids, dtype=np.int64)
     if prompt_ids.size == 0:
-        raise BadRequest("prompt: encodes to zero tokens")
+        raise BadRequest(f"{where}: encodes to zero tokens")
     if prompt_ids.size > cfg.limit_prompt_tokens:
-        raise BadRequest(f"prompt: {prompt_ids.size} tokens exceeds the limit of {cfg.limit_prompt_tokens}")
+        raise BadRequest(f"{where}: {prompt_ids.size} tokens exceeds the limit of {cfg.limit_prompt_tokens}")
 
     max_new = request.max_new_tokens or cfg.default_max_new_tokens
     if max_new > cfg.limit_max_new_tokens:
@@ -289,7 +306,7 @@ def parse_request(request: generation_pb2.GenerateRequest, tm, cfg: GenerationCo
         raise BadRequest(f"{name}: {why}") from None
     decoding = request.decoding or cfg.default_decoding
     if decoding not in DECODING_MODES:
-        raise BadRequest(f"decoding: {decoding!r} is not one of {', '.join(DECODING_MODES)}")
+        raise BadRequest(f"decoding: {clip(decoding)} is not one of {', '.join(DECODING_MODES)}")
     budget = request.draft_budget or cfg.draft_budget
     if budget > cfg.max_draft_budget:
         raise BadRequest(f"draft_budget: {budget} exceeds the limit of {cfg.max_draft_budget}")
@@ -301,7 +318,7 @@ def parse_knnlm(request: generation_pb2.GenerateRequest, params: SamplingParams,
     if not request.HasField("knnlm") and decoding != "knnlm":
         return None
     if request.decoding not in ("", "knnlm"):
-        raise BadRequest(f"decoding: {request.decoding!r} cannot be combined with knnlm options (use \"knnlm\" or "
+        raise BadRequest(f"decoding: {clip(request.decoding)} cannot be combined with knnlm options (use \"knnlm\" or "
                          "leave it empty)")
     try:
         return knnlm.request_options(request.knnlm, params, backend)
@@ -494,9 +511,9 @@ def build_server(cfg: GenerationConfig, *, tm=None) -> tuple[RunningServer, Gene
     auth, credentials = security.server_setup(cfg)
     running = start_server(add, host=cfg.host, port=cfg.port, workers=cfg.workers,
                            max_concurrent_rpcs=cfg.max_concurrent_rpcs, max_message_bytes=cfg.max_message_bytes,
-                           interceptors=[metrics.MetricsInterceptor(), *auth], credentials=credentials)
+                           interceptors=auth, observers=[metrics.GrpcMetrics("generation")], credentials=credentials)
     try:
-        running.closers.append(metrics.serve_http(cfg.metrics_port, cfg.host))
+        running.closers.append(metrics.serve_config(cfg, "generation"))
         model_thread = ModelThread("generation-worker")
         choice = None
         if tm is None:

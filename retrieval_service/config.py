@@ -73,6 +73,16 @@ class RetrievalConfig:
     kb_limit_k: int = 1024  # kNN-LM asks for up to 1024 neighbours (Khandelwal et al.'s k)
     kb_limit_ids: int = 10_000
     kb_limit_query_chars: int = 10_000
+    # Queries x k of one Search (kNN-LM verifies up to ~16 queries x k 1024 at once); the reply must also fit
+    # max_message_bytes. Both are checked before any work.
+    kb_limit_results: int = 65_536
+    # KB executor (retrieval_service/knowledge/service.py): encode/search/score/pack run on kb_workers threads at
+    # kb_nice lower CPU priority, so heavy Searches queue there and the Draft path keeps a core. At most
+    # kb_workers + kb_queue KB calls are admitted (and never more than workers - 2, since each waiting call holds a
+    # gRPC handler thread); more get RESOURCE_EXHAUSTED at once.
+    kb_workers: int = 1
+    kb_queue: int = 4
+    kb_nice: int = 10
     # Seconds of JIT warm-up for the Lucene search/scoring paths before SERVING (cold calls are ~5x slower).
     kb_warmup_s: float = 10.0
     # Re-hash passages.jsonl at open and compare with the manifest (catches a swapped or edited file).
@@ -81,8 +91,14 @@ class RetrievalConfig:
     # as a named vector index (its knn.json name, default "knnlm"; edr = exact L2, adr = its HNSW), with or
     # without a knowledge base.
     kb_knn_datastores: str = ""
-    # Operations (serving/metrics.py, serving/security.py). Prometheus /metrics port on `host`; 0 = off.
+    # Operations (serving/metrics.py, serving/security.py). Prometheus /metrics port; 0 = off. It binds to loopback
+    # unless metrics_host says otherwise: exposed beyond the host, give it TLS (metrics_tls_*) and basic auth
+    # (metrics_auth_file holding "user:password"), or a scraper on the same network reads it unauthenticated.
     metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
+    metrics_tls_cert: str = ""
+    metrics_tls_key: str = ""
+    metrics_auth_file: str = ""
     # Bearer token every RPC must carry (`authorization: Bearer <token>`; health is exempt); "" = off.
     # auth_token_file (e.g. /run/secrets/ragserve_token) wins over auth_token.
     auth_token: str = ""
@@ -99,4 +115,63 @@ class RetrievalConfig:
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> "RetrievalConfig":
         return config_util.from_args(cls, _ENV_PREFIX, argv, "python -m retrieval_service.server",
-                                     "Retrieval gRPC service: draft trees and knowledge-base search")
+                                     "Retrieval gRPC service: draft trees and knowledge-base search", FLAG_HELP)
+
+
+# One line per flag for `--help` (serving/config_util.py adds the default and the environment variable).
+FLAG_HELP = {
+    "host": "address the gRPC port binds to (0.0.0.0 = every interface)",
+    "port": "gRPC port (0 = a free port)",
+    "datastore": "suffix-array datastore directory or shard file for REST drafts (\"\" = none)",
+    "kb": "knowledge-base directory for Search/ScoreCandidates/GetDocuments (\"\" = none)",
+    "crest": "CREST n-gram store for Draft source 'crest': a store file or a redis:// URL (\"\" = none)",
+    "crest_namespace": "name of the CREST store inside Redis",
+    "crest_fallback": "embedded CREST store file that answers while Redis is down (\"\" = UNAVAILABLE instead)",
+    "crest_timeout_ms": "deadline of every Redis call of the CREST store, ms",
+    "max_suffix": "Draft default: longest context suffix tried",
+    "min_suffix": "Draft default: shortest context suffix tried",
+    "max_matches": "Draft default: datastore occurrences read per draft",
+    "continuation": "Draft default: tokens read after each occurrence",
+    "max_nodes": "Draft default: draft-tree nodes returned",
+    "limit_max_suffix": "largest max_suffix a request may ask for",
+    "limit_max_matches": "largest max_matches a request may ask for",
+    "limit_continuation": "largest continuation a request may ask for",
+    "limit_max_nodes": "largest max_nodes a request may ask for",
+    "limit_context_tokens": "most context tokens one Draft (or Learn) request may carry",
+    "limit_batch": "most requests in one DraftBatch and most queries in one Search",
+    "learn": "enable online learning (Learn RPC): finished outputs become draftable (needs a datastore)",
+    "learn_dir": "directory keeping compacted learned shards across restarts (\"\" = memory only)",
+    "learn_max_tokens": "tokens the learned shards may hold; the oldest are evicted first",
+    "learn_compact_tokens": "learned tokens buffered in memory before they are compacted into a shard",
+    "max_concurrent_rpcs": "RPCs in flight before gRPC answers RESOURCE_EXHAUSTED (0 = unlimited)",
+    "workers": "gRPC handler threads",
+    "grace_s": "seconds in-flight calls get to finish after SIGTERM (health answers NOT_SERVING meanwhile)",
+    "max_message_bytes": "largest request and reply message, bytes",
+    "kb_retrievers": "KB retrievers to load: comma list of edr,adr,sr (\"\" = every one the KB was built with)",
+    "kb_threads": "Java threads of one batched Lucene (BM25) search",
+    "kb_omp_threads": "intra-op threads of faiss and of the query encoder per handler thread",
+    "kb_ef_search": "HNSW efSearch when a request leaves it 0",
+    "kb_rescore_margin": "extra HNSW candidates re-scored exactly per query",
+    "kb_query_cache": "encoded text queries kept in an LRU cache",
+    "kb_jvm_heap": "max heap of the in-process JVM, e.g. 2g (\"\" = the JVM default, 1/4 of RAM)",
+    "kb_limit_k": "largest k (hits per query) a Search may ask for",
+    "kb_limit_ids": "most doc ids one ScoreCandidates/GetDocuments request may carry",
+    "kb_limit_query_chars": "longest text query, characters",
+    "kb_limit_results": "most queries x k in one Search (checked before any work, like the reply size)",
+    "kb_workers": "threads of the knowledge-base executor (Search/ScoreCandidates/GetDocuments run there)",
+    "kb_queue": "KB calls that may wait for the executor (capped at workers - 2); more get RESOURCE_EXHAUSTED",
+    "kb_nice": "nice increment of the KB executor threads, so Draft calls win the CPU (0 = same priority)",
+    "kb_warmup_s": "seconds of Lucene JIT warm-up before SERVING",
+    "kb_verify": "re-hash passages.jsonl at open and compare it with the KB manifest",
+    "kb_knn_datastores": "comma-separated kNN-LM datastore directories served as named vector indexes",
+    "metrics_port": "Prometheus /metrics HTTP port (0 = off)",
+    "metrics_host": "address /metrics binds to; loopback by default (0.0.0.0 exposes it: add TLS and basic auth)",
+    "metrics_tls_cert": "PEM certificate to serve /metrics over HTTPS (with --metrics-tls-key; \"\" = plain HTTP)",
+    "metrics_tls_key": "PEM private key of --metrics-tls-cert",
+    "metrics_auth_file": "file holding user:password that scrapes must send as HTTP basic auth (\"\" = none)",
+    "auth_token": "bearer token every RPC must carry, health excepted (\"\" = no auth)",
+    "auth_token_file": "file holding the bearer token (wins over --auth-token)",
+    "tls_cert": "PEM certificate to serve gRPC over TLS (with --tls-key; \"\" = plaintext)",
+    "tls_key": "PEM private key of --tls-cert",
+    "tls_client_ca": "PEM CA that client certificates must be signed by (mutual TLS; \"\" = no client certs)",
+}

@@ -23,7 +23,7 @@ from retrieval_service.datastore.draft_tree import DraftTree, context_draft
 from retrieval_service.datastore.ngram_store import StoreUnavailable
 from serving import metrics, security
 from serving.grpc_shell import RunningServer, install_signal_handlers, start_server
-from serving.wire import WireError, unpack_tokens
+from serving.wire import WireError, clip, unpack_tokens
 
 log = logging.getLogger("retrieval_service")
 
@@ -58,7 +58,7 @@ def resolve_limits(params: draft_pb2.DraftParams, cfg: RetrievalConfig, field: s
     min_suffix = pick("min_suffix", min(cfg.min_suffix, max_suffix), max_suffix)
     source = params.source or "datastore"
     if source not in _SOURCES:
-        raise WireError(f"{field}.source: {source!r} is not one of {', '.join(_SOURCES)}")
+        raise WireError(f"{field}.source: {clip(source)} is not one of {', '.join(_SOURCES)}")
     return DraftLimits(
         max_suffix=max_suffix,
         min_suffix=min_suffix,
@@ -108,7 +108,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 raise LookupError(f"{field}params.source='crest' needs a CREST store; this server has none "
                                   f"(start it with --crest FILE|redis://...)")
         elif limits.source != "context" and self._ds is None:
-            raise LookupError(f"{field}params.source={limits.source!r} needs a datastore; this server has none")
+            raise LookupError(f"{field}params.source={clip(limits.source)} needs a datastore; this server has none")
         return ctx, limits
 
     def _draft_one(self, ctx: np.ndarray, limits: DraftLimits) -> DraftTree:
@@ -250,12 +250,12 @@ def build_server(cfg: RetrievalConfig, *, datastore=None, kb=None, crest=None) -
     auth, credentials = security.server_setup(cfg)
     running = start_server(add, host=cfg.host, port=cfg.port, workers=cfg.workers,
                            max_concurrent_rpcs=cfg.max_concurrent_rpcs, max_message_bytes=cfg.max_message_bytes,
-                           interceptors=[metrics.MetricsInterceptor(metrics.observe_retrieval), *auth],
+                           interceptors=auth, observers=[metrics.GrpcMetrics("retrieval", metrics.observe_retrieval)],
                            credentials=credentials,
                            # Searches run in the handler threads: they must get the faiss/BLAS thread cap too.
                            thread_initializer=lambda: dense.configure_faiss(cfg.kb_omp_threads))
     try:
-        running.closers.append(metrics.serve_http(cfg.metrics_port, cfg.host))
+        running.closers.append(metrics.serve_config(cfg, "retrieval"))
         ds = datastore if datastore is not None else open_indexes(cfg)
         learner = None
         if cfg.learn and ds is not None:

@@ -2,6 +2,11 @@
 
 Every field F of the dataclass can be set by <PREFIX><F upper case> (how docker-compose configures a
 service) and by --f-with-dashes on the command line, which overrides the environment.
+
+`--help` lists every flag with a one-line description, its default and its environment variable. The
+descriptions live in a table next to each config class (`{field name: text}`), not in the fields themselves:
+the comments above the fields say why a default is what it is, the table says what the flag does;
+`missing_help` lists fields without a description (a test keeps it empty).
 """
 
 from __future__ import annotations
@@ -9,7 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Mapping, TypeVar
 
 T = TypeVar("T")
 
@@ -25,11 +30,15 @@ def _caster(type_name: Any) -> Callable[[str], Any]:
     return str
 
 
+def env_name(prefix: str, field_name: str) -> str:
+    return prefix + field_name.upper()
+
+
 def from_env(cls: type[T], prefix: str, env: dict[str, str] | None = None) -> T:
     env = dict(os.environ if env is None else env)
     kwargs: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
-        key = prefix + f.name.upper()
+        key = env_name(prefix, f.name)
         if key in env:
             try:
                 kwargs[f.name] = _caster(f.type)(env[key])
@@ -38,11 +47,37 @@ def from_env(cls: type[T], prefix: str, env: dict[str, str] | None = None) -> T:
     return cls(**kwargs)
 
 
-def from_args(cls: type[T], prefix: str, argv: list[str] | None, prog: str, description: str) -> T:
-    base = from_env(cls, prefix)
-    ap = argparse.ArgumentParser(prog=prog, description=description,
-                                 epilog=f"Every flag can also be set as an environment variable {prefix}<FLAG>.")
+def missing_help(cls: type, help: Mapping[str, str]) -> list[str]:
+    """Fields of cls without a description in `help` (and descriptions of fields that do not exist)."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    return [n for n in names if not help.get(n, "").strip()] + [f"{n} (no such field)" for n in help
+                                                                  if n not in names]
+
+
+def _shown(value: Any) -> str:
+    return '""' if value == "" else str(value)
+
+
+def parser(cls: type[T], prefix: str, prog: str, description: str, help: Mapping[str, str],
+           base: T | None = None) -> argparse.ArgumentParser:
+    """The argument parser of a config class: one flag per field, defaults from `base` (the environment)."""
+    ap = argparse.ArgumentParser(
+        prog=prog, description=description,
+        epilog=f"Every flag can also be set as an environment variable {prefix}<FLAG> (shown per flag); "
+               "a flag given on the command line wins over the environment.")
     for f in dataclasses.fields(cls):
-        ap.add_argument("--" + f.name.replace("_", "-"), default=getattr(base, f.name), type=_caster(f.type),
-                        metavar=str(f.type).upper())
+        default = getattr(base, f.name) if base is not None else f.default
+        env = env_name(prefix, f.name)
+        origin = f"default {_shown(default)}" + (" (from the environment)" if env in os.environ else "")
+        text = f"{help.get(f.name) or '(undocumented)'} [{origin}; env {env}]"
+        # argparse expands %-format in help texts: escape literal % signs.
+        ap.add_argument("--" + f.name.replace("_", "-"), default=default, type=_caster(f.type),
+                        metavar=str(f.type).upper(), help=text.replace("%", "%%"))
+    return ap
+
+
+def from_args(cls: type[T], prefix: str, argv: list[str] | None, prog: str, description: str,
+              help: Mapping[str, str] | None = None) -> T:
+    base = from_env(cls, prefix)
+    ap = parser(cls, prefix, prog, description, help or {}, base)
     return cls(**vars(ap.parse_args(argv)))

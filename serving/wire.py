@@ -15,6 +15,17 @@ class WireError(ValueError):
     """A request field is malformed; the message starts with the field name."""
 
 
+def clip(value: object, limit: int = 40) -> str:
+    """repr(value) for an error message, cut to `limit` characters of the value: a 1 MB string sent back in a
+    status message would be refused by gRPC's metadata limit and reach the client as a different error.
+
+    clip("rest") -> "'rest'";  clip("x" * 5000) -> "'xxxx...' (5000 characters)"
+    """
+    if isinstance(value, (str, bytes)) and len(value) > limit:
+        return f"{value[:limit]!r}... ({len(value)} {'characters' if isinstance(value, str) else 'bytes'})"
+    return repr(value)
+
+
 def pack_tokens(ids: Iterable[int] | np.ndarray) -> bytes:
     arr = np.asarray(ids if isinstance(ids, np.ndarray) else list(ids), dtype=np.int64)
     if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):

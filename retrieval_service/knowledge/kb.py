@@ -7,8 +7,13 @@ indexes, behind one typed API that validates its inputs (the gRPC servicer is a 
     kb.score_candidates("sr", res.hits[0].ids, text="how do I parse json").order
 
 Errors: `KBInputError` (bad request field; message starts with the field name) -> INVALID_ARGUMENT,
-`RetrieverUnavailable` (index absent or not loaded) -> UNAVAILABLE, `KBOpenError` from open() for a missing
-or corrupted KB.
+`RetrieverUnavailable` (index absent or not loaded) -> UNAVAILABLE, `SearchStopped` (the caller gave up between
+two chunks of a batch) -> DEADLINE_EXCEEDED / CANCELLED, `KBOpenError` from open() for a missing or corrupted KB.
+
+Size is checked before work: queries x k is bounded (`max_results`), and so is the reply a Search could need
+(`reply_bytes`, against the gRPC message limit). A batch is searched in chunks of SEARCH_CHUNK queries, so a
+cancelled or expired call stops within one chunk and memory stays bounded; batches up to SEARCH_CHUNK run as
+one chunk, exactly as before.
 """
 
 from __future__ import annotations
@@ -19,13 +24,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from retrieval_service.config import RetrievalConfig
 from retrieval_service.knowledge import dense, sparse
 from retrieval_service.knowledge.passages import PassageStore, fingerprint
+from serving.wire import clip
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +40,7 @@ DENSE_DIR = "dense"
 SPARSE_DIR = "sparse"
 RETRIEVERS = ("edr", "adr", "sr")
 KB_INDEX = "kb"
+SEARCH_CHUNK = 64  # queries per encode + index search step (the re-scoring gathers chunk x (k + 16) x dim floats)
 
 
 class KBInputError(ValueError):
@@ -46,6 +53,10 @@ class RetrieverUnavailable(LookupError):
 
 class KBOpenError(RuntimeError):
     """The knowledge base directory is missing, incomplete or corrupted."""
+
+
+class SearchStopped(RuntimeError):
+    """should_stop() said the caller is gone (cancelled, deadline passed) before the batch was done."""
 
 
 @dataclass
@@ -78,11 +89,18 @@ class KBLimits:
     max_k: int = 1000
     max_ids: int = 10_000
     max_query_chars: int = 10_000
+    max_results: int = 65_536  # queries x k per Search
+    max_reply_bytes: int = 64 << 20  # the gRPC message limit replies must fit
 
     @classmethod
     def from_config(cls, cfg: RetrievalConfig) -> "KBLimits":
         return cls(max_batch=cfg.limit_batch, max_k=cfg.kb_limit_k, max_ids=cfg.kb_limit_ids,
-                   max_query_chars=cfg.kb_limit_query_chars)
+                   max_query_chars=cfg.kb_limit_query_chars, max_results=cfg.kb_limit_results,
+                   max_reply_bytes=cfg.max_message_bytes)
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
 
 
 def _which(cfg_value: str) -> set[str]:
@@ -235,29 +253,31 @@ class KnowledgeBase:
         vi = self.vector_indexes.get(name)
         if vi is None:
             if name == KB_INDEX:
-                raise RetrieverUnavailable(f"retriever {retriever!r}: this server has no dense KB index")
-            raise KBInputError(f"index: unknown vector index {name!r} (known: {sorted(self.vector_indexes)})")
+                raise RetrieverUnavailable(f"retriever {clip(retriever)}: this server has no dense KB index")
+            raise KBInputError(f"index: unknown vector index {clip(name)} (known: {sorted(self.vector_indexes)})")
         if retriever not in vi.retrievers:
-            raise RetrieverUnavailable(f"retriever {retriever!r}: index {name!r} has no "
+            raise RetrieverUnavailable(f"retriever {clip(retriever)}: index {clip(name)} has no "
                                        f"{'exact' if retriever == 'edr' else 'HNSW'} index loaded")
         return vi
 
     def _check_retriever(self, retriever: str, index: str) -> None:
         if retriever not in RETRIEVERS:
-            raise KBInputError(f"retriever: {retriever!r} is not one of {', '.join(RETRIEVERS)}")
+            raise KBInputError(f"retriever: {clip(retriever)} is not one of {', '.join(RETRIEVERS)}")
         if retriever == "sr":
-            if index and index != KB_INDEX:
-                raise KBInputError(f"index: {index!r} given with retriever 'sr' (BM25 searches the KB passages only)")
+            if index:  # the proto: "Must be "" for sr" (not even "kb": one spelling, one meaning)
+                raise KBInputError(f"index: must be empty for retriever 'sr' (BM25 searches the KB passages only), "
+                                   f"got {clip(index)}")
             if self.bm25 is None:
                 raise RetrieverUnavailable("retriever 'sr': this server has no BM25 (Lucene) index")
 
-    def _check_texts(self, texts: Sequence[str], field: str) -> None:
+    def _check_texts(self, texts: Sequence[str], field: str, single: bool = False) -> None:
+        """single: `field` is one string (ScoreCandidates.text), not a repeated field: no [i] in messages."""
         for i, t in enumerate(texts):
-            if not t.strip():
-                raise KBInputError(f"{field}[{i}]: query text is empty")
+            where = field if single else f"{field}[{i}]"
             if len(t) > self.limits.max_query_chars:
-                raise KBInputError(f"{field}[{i}]: {len(t)} characters exceeds the limit of "
-                                   f"{self.limits.max_query_chars}")
+                raise KBInputError(f"{where}: {len(t)} characters exceeds the limit of {self.limits.max_query_chars}")
+            if not t.strip():
+                raise KBInputError(f"{where}: query text is empty")
 
     def _check_vectors(self, vectors: np.ndarray, dim: int, field: str) -> np.ndarray:
         v = np.asarray(vectors, dtype=np.float32)
@@ -282,7 +302,7 @@ class KnowledgeBase:
         vi = self.vector_indexes.get(index or KB_INDEX)
         if vi is None:
             if index and index != KB_INDEX:
-                raise KBInputError(f"index: unknown vector index {index!r} (known: {sorted(self.vector_indexes)})")
+                raise KBInputError(f"index: unknown vector index {clip(index)} (known: {sorted(self.vector_indexes)})")
             raise RetrieverUnavailable(f"{field}: vectors asked for, but this server has no dense KB index")
         return vi.dim
 
@@ -299,9 +319,45 @@ class KnowledgeBase:
             raise KBInputError(f"{field}[{j}]: unknown doc id {int(ids[j])} (valid ids are 0..{size - 1})")
         return ids
 
+    def reply_bytes(self, batch: int, k: int, *, index: str = "", with_text: bool = False,
+                    with_vectors: bool = False, with_query_vectors: bool = False) -> int:
+        """Upper bound on the serialized SearchResponse of `batch` queries x k hits (before any work)."""
+        hits = batch * min(k, max(len(self.passages), self._index_size(index)))
+        per_hit = 8 + 4 + 4  # id, score, protobuf framing
+        if with_vectors:
+            per_hit += 4 * self._index_dim(index)
+        if with_text:
+            per_hit += self.passages.max_record_bytes + 24  # title + text (JSON line bound), Document framing
+        return 64 + batch * 16 + hits * per_hit + (batch * 4 * self._index_dim(index) if with_query_vectors else 0)
+
+    def _index_size(self, index: str) -> int:
+        vi = self.vector_indexes.get(index or KB_INDEX)
+        return vi.size if vi is not None else 0
+
+    def _index_dim(self, index: str) -> int:
+        vi = self.vector_indexes.get(index or KB_INDEX)
+        return vi.dim if vi is not None else 0
+
+    def check_search_size(self, batch: int, k: int, **reply) -> None:
+        """Refuse, before any work, a Search whose result count or reply would be too large (KBInputError)."""
+        if batch * k > self.limits.max_results:
+            raise KBInputError(f"k: {batch} queries x k {k} = {batch * k} results exceeds the limit of "
+                               f"{self.limits.max_results} per call (kb_limit_results); split the batch")
+        need = self.reply_bytes(batch, k, **reply)
+        if need > self.limits.max_reply_bytes:
+            asked = [name for name in ("with_text", "with_vectors", "with_query_vectors") if reply.get(name)]
+            raise KBInputError(f"k: {batch} queries x k {k}{' with ' + ', '.join(asked) if asked else ''} could "
+                               f"need a {_mib(need)} reply, over the {_mib(self.limits.max_reply_bytes)} message "
+                               f"limit (max_message_bytes); ask for fewer queries or hits")
+
     def search(self, retriever: str, k: int, *, texts: Sequence[str] | None = None,
-               vectors: np.ndarray | None = None, index: str = "", ef_search: int = 0) -> SearchResult:
-        """One batched search: B text queries (encoded together for edr/adr) or B query vectors [B, D]."""
+               vectors: np.ndarray | None = None, index: str = "", ef_search: int = 0,
+               should_stop: Callable[[], bool] | None = None) -> SearchResult:
+        """One batched search: B text queries (encoded together for edr/adr) or B query vectors [B, D].
+
+        Batches above SEARCH_CHUNK queries run chunk by chunk; should_stop() is asked between chunks and ends
+        the search with SearchStopped (the caller left or its deadline passed: the rest would be wasted).
+        """
         self._check_retriever(retriever, index)
         texts = list(texts or [])
         n_vec = 0 if vectors is None else (1 if np.ndim(vectors) == 1 else len(vectors))
@@ -315,29 +371,48 @@ class KnowledgeBase:
                                f"{self.limits.max_batch}")
         if not 1 <= k <= self.limits.max_k:
             raise KBInputError(f"k: {k} is outside [1, {self.limits.max_k}]")
+        if batch * k > self.limits.max_results:
+            self.check_search_size(batch, k, index=index)
         if ef_search < 0 or ef_search > 1 << 16:
             raise KBInputError(f"ef_search: {ef_search} is outside [0, 65536]")
         if texts:
             self._check_texts(texts, "texts")
+        # Even chunks (not 64 + a remainder of 1): every chunk stays on faiss's BLAS path.
+        n_chunks = -(-batch // SEARCH_CHUNK)
+        bounds = [batch * i // n_chunks for i in range(n_chunks + 1)]
+
+        def stop_check() -> None:
+            if should_stop is not None and should_stop():
+                raise SearchStopped(f"search stopped after {len(hits)} of {batch} queries: the caller is gone")
+
+        hits: list[tuple[np.ndarray, np.ndarray]] = []
         if retriever == "sr":
             if not texts:
                 raise KBInputError("vectors: retriever 'sr' (BM25) takes text queries only")
             t0 = time.perf_counter()
-            hits = self.bm25.search(texts, k)
+            for lo, hi in zip(bounds, bounds[1:]):
+                stop_check()
+                hits += self.bm25.search(texts[lo:hi], k)
             return SearchResult([Hits(i, s) for i, s in hits], None, 0.0, (time.perf_counter() - t0) * 1e3)
         vi = self._vector_index(retriever, index)
-        encode_ms = 0.0
-        if texts:
-            if vi.name != KB_INDEX or self.encoder is None:
-                raise KBInputError(f"texts: index {vi.name!r} takes vector queries only (no text encoder)")
+        if texts and (vi.name != KB_INDEX or self.encoder is None):
+            raise KBInputError(f"texts: index {vi.name!r} takes vector queries only (no text encoder)")
+        given = None if texts else self._check_vectors(vectors, vi.dim, "vectors")
+        queries = np.empty((batch, vi.dim), np.float32)  # [B, D]
+        encode_ms = search_ms = 0.0
+        for lo, hi in zip(bounds, bounds[1:]):
+            stop_check()
+            if texts:
+                t0 = time.perf_counter()
+                queries[lo:hi] = self.encoder.encode_queries(texts[lo:hi])
+                encode_ms += (time.perf_counter() - t0) * 1e3
+                stop_check()
+            else:
+                queries[lo:hi] = given[lo:hi]
             t0 = time.perf_counter()
-            q = self.encoder.encode_queries(texts)  # [B, D]
-            encode_ms = (time.perf_counter() - t0) * 1e3
-        else:
-            q = self._check_vectors(vectors, vi.dim, "vectors")
-        t0 = time.perf_counter()
-        hits = vi.search(q, k, approx=retriever == "adr", ef_search=ef_search)
-        return SearchResult([Hits(i, s) for i, s in hits], q, encode_ms, (time.perf_counter() - t0) * 1e3)
+            hits += vi.search(queries[lo:hi], k, approx=retriever == "adr", ef_search=ef_search)
+            search_ms += (time.perf_counter() - t0) * 1e3
+        return SearchResult([Hits(i, s) for i, s in hits], queries, encode_ms, search_ms)
 
     def score_candidates(self, retriever: str, ids: np.ndarray, *, text: str = "",
                          vector: np.ndarray | None = None, index: str = "") -> CandidateScores:
@@ -347,7 +422,7 @@ class KnowledgeBase:
         if bool(text) == has_vec:
             raise KBInputError("text: give exactly one of text or vector")
         if text:
-            self._check_texts([text], "text")
+            self._check_texts([text], "text", single=True)
         if retriever == "sr":
             if has_vec:
                 raise KBInputError("vector: retriever 'sr' (BM25) takes a text query only")

@@ -17,6 +17,7 @@ On disk: `passages.jsonl` ({"id", "key", "title", "text"} per line) and `passage
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import json
 import mmap
@@ -321,6 +322,11 @@ class PassageStore:
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
+
+    @functools.cached_property
+    def max_record_bytes(self) -> int:
+        """Bytes of the longest JSON line: an upper bound on one passage's title + text (for reply sizes)."""
+        return int(np.diff(self.offsets).max()) if len(self) else 0
 
     def record(self, i: int) -> dict:
         start, end = int(self.offsets[i]), int(self.offsets[i + 1])

@@ -5,25 +5,45 @@
     names = servicer.add_to_server(server)               # -> [SERVICE_NAME] for health/reflection
 
 Validation lives in KnowledgeBase (KBInputError -> INVALID_ARGUMENT, RetrieverUnavailable -> UNAVAILABLE);
-this layer adds the wire checks (packed byte lengths) and deadlines: a call whose deadline passes between the
-encoding, search and packing stages ends with DEADLINE_EXCEEDED instead of doing the remaining work.
+this layer adds the wire checks (packed byte lengths), the reply-size check before any work, and deadlines: a
+call whose deadline passes (or whose client cancels) between the encoding, search and packing stages, or between
+two chunks of a large batch, ends with DEADLINE_EXCEEDED / CANCELLED instead of doing the remaining work.
+
+Isolation: the knowledge-base work (encode, search, score, pack) runs on its own small executor (`kb_workers`
+threads, at a lower CPU priority), not on the gRPC handler threads, so a burst of heavy Searches queues there
+while the latency-critical Draft calls keep a core. A KB call waiting for its result still holds a gRPC handler
+thread, so at most `kb_workers + kb_queue` KB calls are admitted, and never more than `workers - 2`: two handler
+threads always remain for Draft (measured with 8 clients searching flat out and 8 handler threads: Draft p50
+~300 ms when KB calls could take every handler thread, sub-millisecond with the cap). Beyond the cap a KB call
+gets RESOURCE_EXHAUSTED at once.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, TypeVar
 
 import grpc
 import numpy as np
 
 from proto import knowledge_pb2, knowledge_pb2_grpc
 from retrieval_service.config import RetrievalConfig
-from retrieval_service.knowledge.kb import KB_INDEX, KBInputError, KnowledgeBase, RetrieverUnavailable
-from serving.wire import WireError, pack_f32, unpack_f32
+from retrieval_service.knowledge.kb import (KB_INDEX, KBInputError, KnowledgeBase, RetrieverUnavailable,
+                                            SearchStopped)
+from serving.wire import WireError, clip, pack_f32, unpack_f32
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = knowledge_pb2.DESCRIPTOR.services_by_name["KnowledgeService"].full_name
+T = TypeVar("T")
+DRAFT_HANDLERS = 2  # gRPC handler threads KB calls may never take (Draft, Info, Learn keep them)
+
+
+class KBBusy(RuntimeError):
+    """As many KB calls as allowed are running or queued (-> RESOURCE_EXHAUSTED)."""
 
 
 # ------------------------------------------------------------------------------------------------ wire
@@ -50,9 +70,70 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
     def __init__(self, kb: KnowledgeBase | None, config: RetrievalConfig | None = None):
         self._cfg = config or RetrievalConfig()
         self._kb = kb
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._admitted = 0  # calls running or queued on the KB executor
 
     def attach(self, kb: KnowledgeBase) -> None:
         self._kb = kb
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------------------------------ executor
+
+    def _init_kb_thread(self) -> None:
+        from retrieval_service.knowledge import dense
+
+        dense.configure_faiss(self._cfg.kb_omp_threads)  # OpenMP's thread count is per thread
+        if self._cfg.kb_nice and hasattr(os, "setpriority"):
+            try:  # Linux: a thread's nice value is its own (the tid is a "process" for setpriority)
+                tid = threading.get_native_id()
+                os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + self._cfg.kb_nice))
+            except OSError:
+                pass
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=max(1, self._cfg.kb_workers), thread_name_prefix="kb",
+                                                initializer=self._init_kb_thread)
+            return self._pool
+
+    def _offload(self, context, work: Callable[[Callable[[], bool]], T]) -> T:
+        """Run work(should_stop) on the KB executor and wait for it. should_stop() is true once the client
+        cancelled or the deadline passed; KB code checks it between stages and chunks (SearchStopped)."""
+        limit = max(1, min(max(1, self._cfg.kb_workers) + self._cfg.kb_queue, self._cfg.workers - DRAFT_HANDLERS))
+        with self._lock:
+            if self._admitted >= limit:
+                busy = self._admitted
+                admitted = False
+            else:
+                self._admitted += 1
+                admitted = True
+        if not admitted:
+            raise KBBusy(f"knowledge base busy: {busy} calls running or queued (limit {limit}: kb_workers + kb_queue, "
+                         f"at most workers - {DRAFT_HANDLERS}); retry later")
+        gone = threading.Event()
+        context.add_callback(gone.set)  # runs when the RPC ends: cancelled, deadline passed (or done)
+
+        def should_stop() -> bool:
+            if gone.is_set() or not context.is_active():
+                return True
+            remaining = context.time_remaining()
+            return remaining is not None and remaining <= 0
+
+        def run() -> T:
+            if should_stop():  # waited in the queue past the deadline: nothing to do
+                raise SearchStopped("the call ended while it waited for the knowledge base")
+            return work(should_stop)
+
+        try:
+            return self._executor().submit(run).result()
+        finally:
+            with self._lock:
+                self._admitted -= 1
 
     def add_to_server(self, server: grpc.Server) -> list[str]:
         knowledge_pb2_grpc.add_KnowledgeServiceServicer_to_server(self, server)
@@ -95,6 +176,12 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RetrieverUnavailable as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except KBBusy as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except SearchStopped as e:
+            remaining = context.time_remaining()
+            expired = remaining is not None and remaining <= 0
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED, str(e))
         except Exception as e:  # a bug or a JVM error: say so instead of gRPC's bare UNKNOWN
             log.exception("knowledge base call failed")
             context.abort(grpc.StatusCode.INTERNAL, f"knowledge base error: {type(e).__name__}: {e}")
@@ -105,21 +192,28 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
         kb = self._ready(context)
         self._deadline(context, "before the search")
 
-        def run():
+        def check():
             vectors = None
             if request.vectors:
                 vectors = unpack_f32(request.vectors, "vectors", dim=kb.query_dim(request.retriever, request.index))
             if request.with_text and request.index not in ("", KB_INDEX):
-                raise KBInputError(f"with_text: index {request.index!r} has no passages")
+                raise KBInputError(f"with_text: index {clip(request.index)} has no passages")
             vec_dim = kb.stored_dim(request.index, "with_vectors") if request.with_vectors else 0
+            batch = len(request.texts) or (len(vectors) if vectors is not None else 0)
+            if batch and 1 <= request.k <= kb.limits.max_k and batch <= kb.limits.max_batch:
+                # Before any work: 1024 queries x k 1024 with vectors would be ~1.6 GB of reply.
+                kb.check_search_size(batch, request.k, index=request.index, with_text=request.with_text,
+                                     with_vectors=request.with_vectors,
+                                     with_query_vectors=request.with_query_vectors)
+            return vectors, vec_dim
+
+        vectors, vec_dim = self._run(context, check)
+
+        def work(should_stop):
             result = kb.search(request.retriever, request.k, texts=list(request.texts), vectors=vectors,
-                               index=request.index, ef_search=request.ef_search)
-            return result, vec_dim
-
-        result, vec_dim = self._run(context, run)
-        self._deadline(context, "after the search")
-
-        def pack():
+                               index=request.index, ef_search=request.ef_search, should_stop=should_stop)
+            if should_stop():
+                raise SearchStopped("the call ended during the search")
             results = []
             for h in result.hits:
                 msg = knowledge_pb2.Hits(ids=pack_ids(h.ids), scores=pack_f32(h.scores))
@@ -129,21 +223,22 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
                 if request.with_vectors and len(h.ids):
                     msg.vectors = pack_f32(kb.passage_vectors(h.ids, "with_vectors", request.index))
                 results.append(msg)
-            return results
+            dim = result.query_vectors.shape[1] if result.query_vectors is not None else vec_dim
+            out = knowledge_pb2.SearchResponse(results=results, dim=dim, encode_ms=result.encode_ms,
+                                               search_ms=result.search_ms)
+            if request.with_query_vectors and result.query_vectors is not None:
+                out.query_vectors = pack_f32(result.query_vectors)
+            return out
 
-        results = self._run(context, pack)
-        dim = result.query_vectors.shape[1] if result.query_vectors is not None else vec_dim
-        out = knowledge_pb2.SearchResponse(results=results, dim=dim, encode_ms=result.encode_ms,
-                                           search_ms=result.search_ms)
-        if request.with_query_vectors and result.query_vectors is not None:
-            out.query_vectors = pack_f32(result.query_vectors)
+        out = self._run(context, lambda: self._offload(context, work))
+        self._deadline(context, "after the search")
         return out
 
     def ScoreCandidates(self, request, context):
         kb = self._ready(context)
         self._deadline(context, "before scoring")
 
-        def run():
+        def run(should_stop):
             ids = unpack_ids(request.ids, "ids")
             vector = None
             if request.vector:
@@ -154,7 +249,7 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
             return kb.score_candidates(request.retriever, ids, text=request.text, vector=vector,
                                        index=request.index)
 
-        res = self._run(context, run)
+        res = self._run(context, lambda: self._offload(context, run))
         out = knowledge_pb2.ScoreCandidatesResponse(scores=pack_f32(res.scores),
                                                     order=res.order.astype("<i4").tobytes(),
                                                     encode_ms=res.encode_ms, score_ms=res.score_ms)
@@ -165,13 +260,17 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
     def GetDocuments(self, request, context):
         kb = self._ready(context)
 
-        def run():
-            ids = unpack_ids(request.ids, "ids")
+        def run(should_stop):
+            ids = kb.check_ids(unpack_ids(request.ids, "ids"), "ids")
+            need = len(ids) * (kb.passages.max_record_bytes + 32)
+            if need > kb.limits.max_reply_bytes:
+                raise KBInputError(f"ids: {len(ids)} documents could need a {need >> 20} MiB reply, over the "
+                                   f"{kb.limits.max_reply_bytes >> 20} MiB message limit; ask for fewer")
             docs = kb.documents(ids)
             vecs = kb.passage_vectors(ids, "with_vectors") if request.with_vectors else None
             return docs, vecs
 
-        docs, vecs = self._run(context, run)
+        docs, vecs = self._run(context, lambda: self._offload(context, run))
         self._deadline(context, "after reading the documents")
         out = knowledge_pb2.GetDocumentsResponse(
             documents=[knowledge_pb2.Document(id=i, title=t, text=x) for i, t, x in docs])
@@ -196,6 +295,12 @@ class _NoContext:
 
     def time_remaining(self):
         return None
+
+    def is_active(self) -> bool:
+        return True
+
+    def add_callback(self, callback) -> bool:
+        return True
 
     def abort(self, code, details):
         raise RuntimeError(f"warm-up call failed: {code} {details}")

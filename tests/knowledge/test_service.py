@@ -87,6 +87,8 @@ def test_info(stub, kb):
     (pb.SearchRequest(retriever="sr", k=3, vectors=pack_f32(np.zeros(384))), "vectors"),
     (pb.SearchRequest(retriever="edr", k=3, texts=["q"], vectors=pack_f32(np.zeros(384))), "texts"),
     (pb.SearchRequest(retriever="edr", k=3, texts=["q"], index="knnlm"), "index"),
+    (pb.SearchRequest(retriever="sr", k=3, texts=["q"], index="kb"), "index"),     # proto: must be "" for sr
+    (pb.SearchRequest(retriever="sr", k=3, texts=["q" * 20_000]), "texts[0]"),     # over kb_limit_query_chars
 ])
 def test_search_bad_input_is_invalid_argument(stub, request_, field):
     code, details = status(lambda: stub.Search(request_))
@@ -100,6 +102,7 @@ def test_search_bad_input_is_invalid_argument(stub, request_, field):
     (pb.ScoreCandidatesRequest(retriever="edr", text="q", ids=b"\0" * 5), "ids"),
     (pb.ScoreCandidatesRequest(retriever="edr", ids=pack_ids([1])), "text"),
     (pb.ScoreCandidatesRequest(retriever="adr", vector=pack_f32(np.zeros(100)), ids=pack_ids([1])), "vector"),
+    (pb.ScoreCandidatesRequest(retriever="sr", text="q" * 20_000, ids=pack_ids([1])), "text: "),  # Not "text[0]"
 ])
 def test_score_candidates_bad_input_is_invalid_argument(stub, request_, field):
     code, details = status(lambda: stub.ScoreCandidates(request_))

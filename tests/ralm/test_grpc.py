@@ -3,6 +3,8 @@ returns RaLMSeq's output with RAG stats; bad options are INVALID_ARGUMENT naming
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 import pytest
 
@@ -68,7 +70,8 @@ def test_bad_options_are_invalid_argument(gen, prompts, fields, decoding, bad):
     assert e.value.details().startswith(bad), e.value.details()
 
 
-def test_kb_down_is_unavailable(tm, prompts):
+def test_kb_down_is_unavailable(tm, prompts, caplog):
+    caplog.set_level(logging.DEBUG)
     running, servicer = _start(tm, f"127.0.0.1:{free_port()}")  # nothing listens there
     try:
         with grpc.insecure_channel(running.address) as ch:
@@ -81,3 +84,7 @@ def test_kb_down_is_unavailable(tm, prompts):
     finally:
         running.stop(0)
         servicer.worker.stop()
+    # A dependency that is down is a WARNING line per call, not an ERROR with a traceback.
+    failed = [r for r in caplog.records if "GenerationService/Generate" in r.getMessage()]
+    assert [r.levelno for r in failed] == [logging.WARNING] * 2, [r.getMessage() for r in caplog.records]
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]

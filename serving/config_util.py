@@ -81,3 +81,19 @@ def from_args(cls: type[T], prefix: str, argv: list[str] | None, prog: str, desc
     base = from_env(cls, prefix)
     ap = parser(cls, prefix, prog, description, help or {}, base)
     return cls(**vars(ap.parse_args(argv)))
+
+
+# One-line help of the flags every service's gRPC shell has (metrics endpoint, auth, TLS); each service's
+# FLAG_HELP includes it.
+SHELL_FLAG_HELP = {
+    "metrics_port": "Prometheus /metrics HTTP port (0 = off)",
+    "metrics_host": "address /metrics binds to; loopback by default (0.0.0.0 exposes it: add TLS and basic auth)",
+    "metrics_tls_cert": "PEM certificate to serve /metrics over HTTPS (with --metrics-tls-key; \"\" = plain HTTP)",
+    "metrics_tls_key": "PEM private key of --metrics-tls-cert",
+    "metrics_auth_file": "file holding user:password that scrapes must send as HTTP basic auth (\"\" = none)",
+    "auth_token": "bearer token every RPC must carry, health excepted (\"\" = no auth)",
+    "auth_token_file": "file holding the bearer token (wins over --auth-token)",
+    "tls_cert": "PEM certificate to serve gRPC over TLS (with --tls-key; \"\" = plaintext)",
+    "tls_key": "PEM private key of --tls-cert",
+    "tls_client_ca": "PEM CA that client certificates must be signed by (mutual TLS; \"\" = no client certs)",
+}

@@ -22,7 +22,9 @@ def test_retrieval_down_degrades_to_ar_and_recovers(tm, datastore, client):
     port = free_port()
     cfg = RetrievalConfig(port=port, workers=2)
     retrieval = build_retrieval(cfg, datastore=datastore)
-    running, servicer = start_generation(tm, retrieval.address, retry_after_s=0.2)
+    # A generous draft deadline (as the shared `generation` fixture has): with the default 50 ms a loaded CI box
+    # degrades a step of the healthy phase now and then. A stopped service still fails fast (connection refused).
+    running, servicer = start_generation(tm, retrieval.address, retry_after_s=0.2, draft_timeout_ms=2000)
     try:
         with GenerationClient(running.address) as c:
             want = client.generate(PROMPTS[0], max_new_tokens=N_TOKENS, decoding="ar", ignore_eos=True, timeout=300)

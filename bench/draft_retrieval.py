@@ -142,7 +142,7 @@ def _timed(fn) -> float:
 def measure(ds, contexts: list[np.ndarray], numpy_contexts: int) -> dict:
     from retrieval_service.datastore import kernels
 
-    _, toks, sas, buckets, n_shards, _sep = ds._state
+    _, toks, sas, buckets, n_shards, _, _sep = ds._state
     shard = ds.shards[0]
     methods = {
         "numba": lambda c: ds.draft(c, **REST),

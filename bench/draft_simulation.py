@@ -141,7 +141,8 @@ def merged_variant(ds, ctx: np.ndarray, max_nodes: int, mode: str, w_ctx: float,
     length, lows, highs = kernels.search(toks, sas, buckets, n_shards, ctx, 16, 2)
     ctx_len, crows, clens = kernels.context_rows(ctx, 16, ctx_min, ctx_matches, 10)
     n_ctx = clens.shape[0]
-    rows, lens, runs, m = kernels.gather(toks, sas, n_shards, sep, length, lows, highs, 5000, 10, 10, False, n_ctx)
+    rows, lens, runs, m = kernels.gather(toks, sas, n_shards, sep, length, lows, highs, 5000, 10, 10, False, n_ctx,
+                                         ds.vocab_size)
     rows[m:], lens[m:] = crows, clens
     w = np.empty(m + n_ctx)
     if mode == "counts":

@@ -19,6 +19,12 @@ class RetrievalConfig:
     port: int = 50051
     # Suffix-array datastore directory (single shard or a directory of shards); "" = no datastore.
     datastore: str = ""
+    # Read every byte of the datastore before SERVING: section checksums, suffix-array entries and tokens in range
+    # (with a warm page cache ~20 ms for the 55 MB stdlib store, ~0.1 s for 574 MB). Files that passed are remembered
+    # by identity (path, size, mtime, ctime, inode, header checksum) in verify_cache: "" = $RAGSERVE_HOME/cache/
+    # verified-stores.json, "off" = verify at every start.
+    datastore_verify: bool = True
+    verify_cache: str = ""
     # Knowledge base directory (passages + dense/sparse indexes); "" = no knowledge base.
     kb: str = ""
     # CREST n-gram store (Draft source "crest"): a store file (embedded, memory-mapped) or a redis:// URL, then
@@ -123,6 +129,8 @@ FLAG_HELP = {
     "host": "address the gRPC port binds to (0.0.0.0 = every interface)",
     "port": "gRPC port (0 = a free port)",
     "datastore": "suffix-array datastore directory or shard file for REST drafts (\"\" = none)",
+    "datastore_verify": "verify the datastore's content (checksums, value ranges) before SERVING",
+    "verify_cache": "JSON file remembering verified store files by identity (\"\" = $RAGSERVE_HOME/cache/verified-stores.json, off = none)",
     "kb": "knowledge-base directory for Search/ScoreCandidates/GetDocuments (\"\" = none)",
     "crest": "CREST n-gram store for Draft source 'crest': a store file or a redis:// URL (\"\" = none)",
     "crest_namespace": "name of the CREST store inside Redis",

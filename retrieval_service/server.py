@@ -10,9 +10,12 @@ index is open and its kernels are warmed up.
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -21,6 +24,7 @@ from proto import draft_pb2, draft_pb2_grpc
 from retrieval_service.config import RetrievalConfig
 from retrieval_service.datastore.draft_tree import DraftTree, context_draft
 from retrieval_service.datastore.ngram_store import StoreUnavailable
+from retrieval_service.datastore.shards import DatastoreCorrupted
 from serving import metrics, security
 from serving.grpc_shell import RunningServer, install_signal_handlers, start_server
 from serving.wire import WireError, clip, unpack_tokens
@@ -80,8 +84,14 @@ def tree_to_proto(tree: DraftTree, server_ms: float) -> draft_pb2.DraftResponse:
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     """Thin shell: validate, call the datastore, pack the tree."""
 
-    def __init__(self, cfg: RetrievalConfig, datastore=None, vocab_size: int | None = None):
+    def __init__(self, cfg: RetrievalConfig, datastore=None, vocab_size: int | None = None,
+                 on_corrupted=None):
         self._cfg = cfg
+        # Called once with the error when drafting finds the datastore corrupted (the server marks DraftService
+        # NOT_SERVING: only a restart, which verifies the files again, can bring it back).
+        self._on_corrupted = on_corrupted
+        self._corrupted: DatastoreCorrupted | None = None
+        self._corrupted_lock = threading.Lock()
         self._ds = None
         self._crest = None  # CREST n-gram store (embedded / Redis), source="crest"
         self._learner = None
@@ -122,6 +132,15 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         if not self._ready:
             context.abort(grpc.StatusCode.UNAVAILABLE, "datastore is still loading")
 
+    def _data_loss(self, context, e: DatastoreCorrupted) -> None:
+        with self._corrupted_lock:
+            first, self._corrupted = self._corrupted is None, self._corrupted or e
+        if first:
+            log.error("datastore corrupted while drafting (Draft answers DATA_LOSS; restart to re-verify): %s", e)
+            if self._on_corrupted is not None:
+                self._on_corrupted(e)
+        context.abort(grpc.StatusCode.DATA_LOSS, str(e))
+
     def Draft(self, request, context):
         self._check_ready(context)
         try:
@@ -135,6 +154,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             tree = self._draft_one(ctx, limits)
         except StoreUnavailable as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except DatastoreCorrupted as e:
+            self._data_loss(context, e)
         return tree_to_proto(tree, (time.perf_counter() - t0) * 1e3)
 
     def DraftBatch(self, request, context):
@@ -159,7 +180,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         elif self._ds is not None and limits0.source not in ("context", "crest") and same:
             # One call: the datastore spreads the batch over both cores with GIL-free kernels.
-            trees = self._ds.draft_batch([c for c, _ in parsed], source=limits0.source, **limits0.kwargs())
+            try:
+                trees = self._ds.draft_batch([c for c, _ in parsed], source=limits0.source, **limits0.kwargs())
+            except DatastoreCorrupted as e:
+                self._data_loss(context, e)
         else:
             trees = []
             for ctx, lim in parsed:
@@ -169,6 +193,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                     trees.append(self._draft_one(ctx, lim))
                 except StoreUnavailable as e:
                     context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+                except DatastoreCorrupted as e:
+                    self._data_loss(context, e)
         ms = (time.perf_counter() - t0) * 1e3 / n
         return draft_pb2.DraftBatchResponse(responses=[tree_to_proto(t, ms) for t in trees])
 
@@ -202,13 +228,30 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                                        documents=self._learner.documents_learned)
 
 
+def verify_cache_path(cfg: RetrievalConfig) -> Path | None:
+    """cfg.verify_cache resolved: "" = $RAGSERVE_HOME/cache/verified-stores.json, "off" = no cache."""
+    if cfg.verify_cache == "off":
+        return None
+    if cfg.verify_cache:
+        return Path(cfg.verify_cache).expanduser()
+    home = Path(os.environ.get("RAGSERVE_HOME", Path.home() / ".cache" / "ragserve")).expanduser()
+    return home / "cache" / "verified-stores.json"
+
+
 def open_indexes(cfg: RetrievalConfig):
-    """Open (and warm up) every configured index; raise a clear error if one is missing or corrupted."""
+    """Open, verify and warm up every configured index; raise a clear error naming the file if one is missing or
+    corrupted (the server then never reports SERVING)."""
     datastore = None
     if cfg.datastore:
         from retrieval_service.datastore.suffix_array import SuffixArrayDatastore
 
-        datastore = SuffixArrayDatastore.open(cfg.datastore)
+        t0 = time.perf_counter()
+        datastore = SuffixArrayDatastore.open(cfg.datastore, verify=cfg.datastore_verify,
+                                              verify_cache=verify_cache_path(cfg))
+        if cfg.datastore_verify:
+            states = [state for _, state in datastore.verification]
+            log.info("datastore %s: %d shard(s) verified, %d unchanged since verified (%.2f s)", cfg.datastore,
+                     states.count("verified"), states.count("cached"), time.perf_counter() - t0)
         datastore.warmup()
     return datastore
 
@@ -238,7 +281,8 @@ def build_server(cfg: RetrievalConfig, *, datastore=None, kb=None, crest=None) -
     """
     from retrieval_service.knowledge.service import KnowledgeServicer
 
-    draft = DraftServicer(cfg)
+    running_ref: list[RunningServer] = []
+    draft = DraftServicer(cfg, on_corrupted=lambda e: running_ref[0].set_serving(False, [_DRAFT_SERVICE]))
     knowledge = KnowledgeServicer(None, cfg)  # UNAVAILABLE until a knowledge base is attached
 
     def add(server: grpc.Server) -> list[str]:
@@ -254,6 +298,7 @@ def build_server(cfg: RetrievalConfig, *, datastore=None, kb=None, crest=None) -
                            credentials=credentials,
                            # Searches run in the handler threads: they must get the faiss/BLAS thread cap too.
                            thread_initializer=lambda: dense.configure_faiss(cfg.kb_omp_threads))
+    running_ref.append(running)
     try:
         running.closers.append(metrics.serve_config(cfg, "retrieval"))
         ds = datastore if datastore is not None else open_indexes(cfg)

@@ -327,20 +327,43 @@ def context_tree(ctx, max_suffix, min_suffix, max_matches, continuation, max_nod
 # ----------------------------------------------------------------------------------------------------------------
 # (3) Suffix-array search and gather, see suffix_array.py
 #     one shard: tokens [N], sa int32 [N], bucket int64 [vocab + 1]; pattern = ctx[T-L:T]
+#
+# Bounds: numba does not check indexes, so every index that comes from the file (bucket entries, suffix-array
+# entries, reads past a match) is checked here before it is used, and a bad one raises IndexError (the datastore
+# turns it into DatastoreCorrupted naming the file): a corrupted store is an error, never a wild read. Valid data
+# never trips them (open() verifies the content; these guard a store changed or crafted behind our back). The
+# checks are per comparison / per row, not per token, and cost nothing measurable (bench/draft_retrieval.py).
 
 
 @nb.njit(**_JIT)
 def _cmp(tokens, pos, ctx, start, end, skip) -> int:
     """Compare tokens[pos:pos+(end-start)] with ctx[start:end] from offset `skip`: -1 less, 0 prefix-equal, 1 greater.
 
-    Never reads past the array: the last token is a separator, which differs from every context token.
+    Never reads past the array: in a valid shard the last token is a separator, which differs from every context
+    token, so running into the end (or an entry outside it) means the shard is corrupted.
     """
-    for j in range(skip, end - start):
+    n = tokens.shape[0]
+    if pos < 0 or pos >= n:
+        raise IndexError("suffix-array entry outside the tokens", pos, n)
+    stop = min(end - start, n - pos)
+    for j in range(skip, stop):
         x = np.int64(tokens[pos + j])
         y = np.int64(ctx[start + j])
         if x != y:
             return -1 if x < y else 1
+    if stop < end - start:
+        raise IndexError("suffix runs past the end of the tokens without a separator", pos, n)
     return 0
+
+
+@nb.njit(**_JIT)
+def _bucket_range(bucket, first, n_sa):
+    """(lo, hi) = bucket[first], bucket[first + 1], checked to lie within the suffix array."""
+    lo = bucket[first]
+    hi = bucket[first + 1]
+    if lo < 0 or lo > hi or hi > n_sa:
+        raise IndexError("bucket table entry outside the suffix array", first, hi)
+    return lo, hi
 
 
 @nb.njit(**_JIT)
@@ -351,8 +374,7 @@ def _lower_bound(tokens, sa, bucket, ctx, length) -> tuple:
     first = np.int64(ctx[start])
     if first >= bucket.shape[0] - 1:
         return 0, False
-    lo = bucket[first]
-    hi = bucket[first + 1]
+    lo, hi = _bucket_range(bucket, first, sa.shape[0])
     end_ = hi
     while lo < hi:
         mid = (lo + hi) >> 1
@@ -369,7 +391,7 @@ def _upper_bound(tokens, sa, bucket, ctx, length, lo) -> int:
     """First sa index after `lo` whose suffix does not start with ctx[-length:]."""
     t = ctx.shape[0]
     start = t - length
-    hi = bucket[np.int64(ctx[start]) + 1]
+    _, hi = _bucket_range(bucket, np.int64(ctx[start]), sa.shape[0])
     while lo < hi:
         mid = (lo + hi) >> 1
         if _cmp(tokens, sa[mid], ctx, start, t, 1) <= 0:
@@ -447,12 +469,14 @@ def _allocate(counts, budget):
 
 
 @nb.njit(**_JIT)
-def gather(toks, sas, n_shards, sep, length, lows, highs, max_matches, continuation, width, sample_first, extra_rows):
+def gather(toks, sas, n_shards, sep, length, lows, highs, max_matches, continuation, width, sample_first, extra_rows,
+           vocab_size):
     """Continuations after the sampled occurrences, stopping at a document separator.
 
     Returns (rows int32 [m + extra_rows, width], lens int32 [...], run_starts int64 [S + 1], m); shard s's rows
     are rows[run_starts[s]:run_starts[s+1]], sorted (suffix-array order), each at most `continuation` tokens;
-    `extra_rows` rows are left for the caller.
+    `extra_rows` rows are left for the caller. A token >= vocab_size that is not the separator, or a row running
+    past the end of the tokens, raises IndexError (a corrupted shard; valid shards end with a separator).
     """
     counts = highs - lows
     take = _allocate(counts, max_matches)
@@ -467,22 +491,32 @@ def gather(toks, sas, n_shards, sep, length, lows, highs, max_matches, continuat
         sa = sas[s]
         n = counts[s]
         k = take[s]
+        n_tok = toks[s].shape[0]
         for i in range(k):
-            pos[r] = np.int64(sa[lows[s] + (i if sample_first else (i * n) // k)]) + length
+            v = np.int64(sa[lows[s] + (i if sample_first else (i * n) // k)])
+            if v < 0 or v + length > n_tok:  # an occurrence of the matched suffix lies inside the tokens
+                raise IndexError("suffix-array entry outside the tokens", v, n_tok)
+            pos[r] = v + length
             r += 1
     rows = np.empty((m + extra_rows, max(width, continuation)), np.int32)
     lens = np.zeros(m + extra_rows, np.int32)
     for s in range(n_shards):
         tokens = toks[s]
+        n_tok = tokens.shape[0]
         for r in range(run_starts[s], run_starts[s] + take[s]):
             p = pos[r]
+            stop = min(continuation, n_tok - p)  # >= 0: checked when the position was read
             c = 0
-            while c < continuation:
+            while c < stop:
                 v = np.int64(tokens[p + c])
                 if v == sep:
                     break
+                if v >= vocab_size:
+                    raise IndexError("token outside the vocabulary", v, vocab_size)
                 rows[r, c] = v
                 c += 1
+            if c == stop and c < continuation and p + c >= n_tok:
+                raise IndexError("continuation runs past the end of the tokens without a separator", p, n_tok)
             lens[r] = c
     run_starts[n_shards] = m
     return rows, lens, run_starts, m
@@ -508,7 +542,7 @@ def draft_kernel(toks, sas, buckets, n_shards, n_base, sep, ctx, max_suffix, min
     n_ctx = clens.shape[0]
     width = ctx_continuation if n_ctx > 0 else continuation
     rows, lens, ds_runs, m = gather(toks, sas, n_shards, sep, length, lows, highs, max_matches, continuation, width,
-                                    sample_first, n_ctx)
+                                    sample_first, n_ctx, buckets[0].shape[0] - 1)
     weights = np.empty(m + n_ctx, np.float64)
     weights[:m] = ds_weight / m if use_context and m > 0 else 1.0
     row_src = np.full(m + n_ctx, SRC_CONTEXT, np.int64)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from retrieval_service.datastore.shards import Shard
+from retrieval_service.datastore.shards import Shard, verify_shards
 from retrieval_service.datastore.suffix_array import SuffixArrayDatastore
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,9 @@ class OnlineLearner:
         shards = []
         for path in sorted(self.dir.glob("learned-*.rsa")):
             try:
-                shards.append(Shard.open(path, expected_tokenizer_id=self.ds.tokenizer_id))
+                shard = Shard.open(path, expected_tokenizer_id=self.ds.tokenizer_id)
+                verify_shards([shard])  # written by us, but a disk can still corrupt it
+                shards.append(shard)
             except Exception as e:  # a damaged learned shard must not keep the service down
                 log.error("skipping learned shard %s: %s", path, e)
         return shards

@@ -102,9 +102,11 @@ def test_corrupted_files_are_refused(tmp_path):
     header, data_start = shards_mod.read_header(shard_path)
     del ds
 
-    # A flipped data bit passes the fast open check but not the checksum verification.
+    # A flipped data bit passes the structural check (verify=False) but not the content verification open() runs.
     _flip(shard_path, data_start + header["sections"]["sa"]["offset"] + 1)
-    SuffixArrayDatastore.open(tmp_path / "ds")
+    SuffixArrayDatastore.open(tmp_path / "ds", verify=False)
+    with pytest.raises(DatastoreError, match="section 'sa' checksum"):
+        SuffixArrayDatastore.open(tmp_path / "ds")
     with pytest.raises(DatastoreError, match="section 'sa' checksum"):
         verify_datastore(tmp_path / "ds")
     with pytest.raises(DatastoreError, match="checksum"):

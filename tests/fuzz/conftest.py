@@ -13,7 +13,7 @@ from tests.integration.conftest import datastore, tm, tokenizer  # noqa: F401  (
 
 GEN_LIMITS = dict(limit_prompt_tokens=256, limit_prompt_chars=4096, limit_max_new_tokens=4, default_max_new_tokens=2,
                   limit_stop_sequences=4, max_draft_budget=64, draft_budget=16, queue_size=64, workers=8,
-                  max_message_bytes=1 << 20)
+                  max_message_bytes=1 << 20, limit_messages=16)
 
 
 class Raw:
@@ -77,7 +77,8 @@ def fuzz_knowledge(tmp_path_factory):
     out = tmp_path_factory.mktemp("fuzz_kb")
     build_kb(out, tiny_corpus()[:12], retrievers=("edr", "sr"), corpus={"source": "fuzz"}, encoder=encoder,
              progress=False)
-    cfg = RetrievalConfig(limit_batch=8, kb_limit_k=50, kb_limit_ids=32, kb_limit_query_chars=2000, kb_warmup_s=0.5)
+    cfg = RetrievalConfig(limit_batch=8, kb_limit_k=50, kb_limit_ids=32, kb_limit_query_chars=2000, kb_warmup_s=0.5,
+                          kb_limit_results=200)
     kb = KnowledgeBase.open(out, cfg, encoder=encoder)
     servicer = KnowledgeServicer(kb, cfg)
     running = start_server(servicer.add_to_server, host="127.0.0.1", port=0, workers=4, max_concurrent_rpcs=None,

@@ -7,6 +7,7 @@ are remembered by identity in a small JSON cache (VerifiedCache), so a restart d
 from __future__ import annotations
 
 import json
+import logging
 import os
 import struct
 import tempfile
@@ -15,6 +16,8 @@ from pathlib import Path
 import xxhash
 
 PREFIX = struct.Struct("<8sQQ")  # magic, header length, xxh3_64 of the header
+
+log = logging.getLogger(__name__)
 
 
 def align(n: int, to: int) -> int:
@@ -136,5 +139,5 @@ class VerifiedCache:
             with os.fdopen(fd, "w") as f:
                 json.dump({"version": 1, "entries": entries}, f, indent=1, sort_keys=True)
             os.replace(tmp, self.path)
-        except OSError:
-            pass  # a read-only cache directory only costs the next start a verification pass
+        except OSError as e:  # a read-only cache directory only costs the next start a verification pass
+            log.debug("verified-stores cache %s not written: %s", self.path, e)

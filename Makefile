@@ -12,7 +12,7 @@ DATASTORE := $(RAGSERVE_HOME)/datastores/stdlib
 PROTOS := $(wildcard proto/*.proto)
 STUBS := $(PROTOS:.proto=_pb2.py)
 
-.PHONY: run test install stubs model datastore system-packages clean-stubs bench-speculative up down loadtest kb \
+.PHONY: run test lint install stubs model datastore system-packages clean-stubs bench-speculative up down loadtest kb \
 	calibrate bench-datastores bench-serving compose-test docker-engine
 
 # Debian packages the project uses (redis-server for the CREST Redis backend, python3.11-doc for the docs corpus).
@@ -48,16 +48,20 @@ clean-stubs:
 	rm -f proto/*_pb2.py proto/*_pb2.pyi proto/*_pb2_grpc.py
 
 model: install
-	$(PYTHON) -m generation_service.model_files --out $(MODEL_DIR)
+	$(PYTHON) -m ragcore.model_files --out $(MODEL_DIR)
 
 datastore: model
 	$(PYTHON) -m retrieval_service.datastore.build --stdlib --tokenizer $(MODEL_DIR) --out $(DATASTORE)
 
 run: datastore
-	$(PYTHON) -m generation_service.demo --model $(MODEL_DIR) --datastore $(DATASTORE)
+	$(PYTHON) -m tools.demo --model $(MODEL_DIR) --datastore $(DATASTORE)
 
-test: model
+test: model lint
 	$(PYTHON) -m pytest -q
+
+# Unused or undefined names, import order (ruff, pinned in the dev extra); part of make test.
+lint: install
+	$(BIN)/ruff check --no-cache .
 
 # What the worker will serve with on this machine: the measured cost curves and the choice (cached).
 calibrate: model
@@ -75,14 +79,14 @@ bench-datastores: model system-packages
 bench-serving: bench-datastores
 	$(PYTHON) -m bench.serving --inprocess
 
-# The docker-compose topology as local processes (serving/launcher.py): redis is optional (--redis), more
+# The docker-compose topology as local processes (tools/launcher.py): redis is optional (--redis), more
 # retrieval replicas with REPLICAS=N. Health-gated like compose; `make down` drains and stops them.
 REPLICAS ?= 1
 up: datastore
-	$(PYTHON) -m serving.launcher up --datastore $(DATASTORE) --replicas $(REPLICAS)
+	$(PYTHON) -m tools.launcher up --datastore $(DATASTORE) --replicas $(REPLICAS)
 
 down:
-	$(PYTHON) -m serving.launcher down
+	$(PYTHON) -m tools.launcher down
 
 # Locust gRPC load test at CI scale (< 1 min of load): starts the services, fails on any failure or a p95 above
 # loadtests/thresholds.toml. Reports in loadtests/reports/. Longer runs: see loadtests/run.py.

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.crest_stores import CrestStores, cached_counts, dir_bytes, rest_sample
-from generation_service.model_files import ragserve_home
+from ragcore.model_files import ragserve_home
 
 WORKLOADS = {"humaneval": ("code", 5), "mtbench": ("docs", 4)}  # corpus datastore, CREST max_n
 FRACTIONS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.0)
@@ -346,9 +346,10 @@ def _parse(argv):
 def _reference(args, root: Path):
     """-> (model, prompts, greedy outputs)."""
     from bench.speculative import load_prompts
-    from generation_service.model import load_model, warmup
+    from generation_service.model import load_model, set_threads, warmup
 
-    tm = load_model("", dtype=args.dtype, device="cpu", threads=args.threads)
+    set_threads(args.threads)
+    tm = load_model("", dtype=args.dtype, device="cpu")
     warmup(tm)
     prompts = load_prompts(args.workload, tm.tokenizer, args.limit)
     outputs = greedy_outputs(tm, prompts, args.max_new_tokens,

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from retrieval_service.datastore.draft_tree import DraftTree
+from ragcore.draft_tree import DraftTree
 
 REST = dict(max_suffix=16, min_suffix=2, max_matches=5000, continuation=10, max_nodes=64)
 
@@ -111,7 +111,7 @@ def prefix_datastore(big, n_tokens: int, root: Path):
 
 def bench_contexts(n: int, prompts: int, seed: int = 0) -> list[np.ndarray]:
     from bench.draft_simulation import greedy_outputs
-    from generation_service.model_files import default_model_dir, resolve_model_dir
+    from ragcore.model_files import default_model_dir, resolve_model_dir
 
     items = greedy_outputs(resolve_model_dir(default_model_dir()), prompts)
     all_ctx = []
@@ -229,7 +229,7 @@ def rss_mb() -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from generation_service.model_files import ragserve_home
+    from ragcore.model_files import ragserve_home
     from retrieval_service.datastore.suffix_array import SuffixArrayDatastore
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from retrieval_service.datastore.draft_tree import DraftTree
+from ragcore.draft_tree import DraftTree
 
 _CACHE = Path("var") / "draft_simulation"
 BUDGETS = (16, 32, 64)
@@ -48,7 +48,7 @@ def greedy_outputs(model_dir: Path, n: int, new_tokens: int = 128) -> list[dict]
     import torch
     from transformers import AutoModelForCausalLM
 
-    from generation_service.model_files import load_tokenizer
+    from ragcore.model_files import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).eval()
@@ -104,7 +104,7 @@ def simulate(items: list[dict], draft) -> dict:
 
 
 def table(items, ds, budgets=BUDGETS, **knobs) -> dict:
-    from retrieval_service.datastore.draft_tree import context_draft
+    from ragcore.draft_tree import context_draft
 
     results: dict = {}
     for source in SOURCES:
@@ -158,7 +158,7 @@ def merged_variant(ds, ctx: np.ndarray, max_nodes: int, mode: str, w_ctx: float,
 
 def tune(items, ds) -> list[dict]:
     """Sweeps at the 32- and 64-node budgets: merge weighting, context-source knobs, datastore sampling."""
-    from retrieval_service.datastore.draft_tree import context_draft
+    from ragcore.draft_tree import context_draft
 
     rows = []
 
@@ -193,7 +193,7 @@ def tune(items, ds) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from generation_service.model_files import default_model_dir, ragserve_home, resolve_model_dir
+    from ragcore.model_files import default_model_dir, ragserve_home, resolve_model_dir
     from retrieval_service.datastore.suffix_array import SuffixArrayDatastore
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

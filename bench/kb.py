@@ -67,8 +67,8 @@ def time_batches(run: Callable[[int, int], None], n: int, batch: int, min_querie
 
 def start_local_server(kb: KnowledgeBase, cfg: RetrievalConfig):
     """The knowledge servicer on a free loopback port in this process -> (target, stop)."""
+    from ragcore.grpc_shell import start_server
     from retrieval_service.knowledge.service import KnowledgeServicer
-    from serving.grpc_shell import start_server
 
     servicer = KnowledgeServicer(kb, cfg)
     running = start_server(servicer.add_to_server, host="127.0.0.1", port=0, workers=cfg.workers,
@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> dict:
         import grpc
 
         from proto import knowledge_pb2 as pb, knowledge_pb2_grpc
-        from retrieval_service.knowledge.service import pack_f32, pack_ids
+        from ragcore.wire import pack_f32, pack_ids
 
         channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 64 << 20),
                                                          ("grpc.max_send_message_length", 64 << 20)])

@@ -32,9 +32,9 @@ from pathlib import Path
 
 import numpy as np
 
-from generation_service.knnlm import KNN_OS3, KnnBackend, KnnLmOptions, generate_tokens, _output_layer_input
+from generation_service.knnlm import KNN_OS3, KnnBackend, KnnLmOptions, _output_layer_input, generate_tokens
 from generation_service.sampling import SamplingParams
-from retrieval_service.knowledge.knn_build import DEFAULT_DIR, load_held_out, open_datastore
+from ragcore.knn_store import DEFAULT_DIR, load_held_out, open_datastore
 
 SPECULATIVE = ("s1", "s2", "s4", "s8", "s16", "os3")
 CONFIGS = ("base",) + SPECULATIVE + tuple(f"{c}-sync" for c in SPECULATIVE)
@@ -56,7 +56,7 @@ class RetrievalProcess:
     """python -m retrieval_service.server serving the datastore with one retriever, on a free loopback port."""
 
     def __init__(self, datastore: Path, retriever: str, omp_threads: int, log_dir: Path):
-        from serving.launcher import free_port
+        from tools.launcher import free_port
 
         self.port = free_port()
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -72,7 +72,7 @@ class RetrievalProcess:
         return f"127.0.0.1:{self.port}"
 
     def wait(self, timeout_s: float = 1200.0) -> None:
-        from serving.grpc_shell import wait_until_serving
+        from ragcore.grpc_shell import wait_until_serving
 
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -278,13 +278,14 @@ def main(argv: list[str] | None = None) -> None:
 
     from threadpoolctl import threadpool_info
 
-    from generation_service.model import load_model
+    from generation_service.model import load_model, set_threads
 
     t_start = time.time()
     ds = open_datastore(args.datastore)
     held = load_held_out(args.datastore)
     prompts = [d[: args.prompt_tokens].astype(np.int64) for d in held if len(d) >= args.prompt_tokens][: args.limit]
-    tm = load_model("", dtype=args.dtype, device="cpu", threads=args.threads)  # also caps numpy's BLAS threads
+    set_threads(args.threads)  # also caps numpy's BLAS threads
+    tm = load_model("", dtype=args.dtype, device="cpu")
     result: dict = {
         "command": "python -m bench.knnlm " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},

@@ -30,7 +30,7 @@ import numpy as np
 
 from bench.speculative import load_prompts, our_runner, summarize
 from generation_service.drafters import DatastoreDrafter
-from generation_service.model import load_model, warmup
+from generation_service.model import load_model, set_threads, warmup
 from generation_service.sampling import SamplingParams
 from generation_service.speculative import DEFAULT_DRAFT_BUDGET, generate
 from retrieval_service.datastore.online import OnlineLearner
@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
 
-    tm = load_model(args.model, dtype=args.dtype, device="cpu", threads=args.threads)
+    set_threads(args.threads)
+    tm = load_model(args.model, dtype=args.dtype, device="cpu")
     warmup(tm)
     prompts = load_prompts(args.workload, tm.tokenizer, args.limit)
     ds_off = SuffixArrayDatastore.open(args.datastore)

@@ -37,8 +37,8 @@ from tqdm import tqdm
 from bench.speculative import MTBENCH_QUESTIONS, _package_file
 from generation_service.calibrate import cpu_info, kernel_isa, shown_flags
 from generation_service.client import GenerationClient
-from generation_service.model_files import ragserve_home
-from serving import launcher
+from ragcore.model_files import ragserve_home
+from tools import launcher
 
 METHODS = ("ar", "pld", "rest-ds", "rest", "crest")
 WORKLOADS = {"humaneval": "code", "mtbench": "docs", "docs-chat": "docs"}
@@ -163,7 +163,7 @@ def ttft_study(client: GenerationClient, reps: int = 3) -> dict:
     """TTFT of 100/500/2000-token prompts (stdlib source text), ar and rest, median of `reps`."""
     import sysconfig
 
-    from generation_service.model_files import load_tokenizer, resolve_model_dir
+    from ragcore.model_files import load_tokenizer, resolve_model_dir
 
     tok = load_tokenizer(resolve_model_dir(""))
     text = (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text()
@@ -218,12 +218,13 @@ def inprocess_ar(info: dict, requests: list[dict], max_new: int) -> dict:
     import torch
 
     from generation_service.calibrate import ModelThread
-    from generation_service.model import load_model, warmup
+    from generation_service.model import load_model, set_threads, warmup
     from generation_service.sampling import SamplingParams
     from generation_service.speculative import generate
 
     def run() -> list[float]:
-        tm = load_model("", dtype=info["dtype"], threads=info["threads"])
+        set_threads(info["threads"])
+        tm = load_model("", dtype=info["dtype"])
         torch.set_num_threads(info["threads"])
         warmup(tm)
         out = []

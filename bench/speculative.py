@@ -28,7 +28,16 @@ import numpy as np
 import torch
 
 from generation_service.drafters import DatastoreDrafter, PromptLookupDrafter
-from generation_service.model import ATTENTION, TargetModel, cache_length, forward, load_model, new_cache, warmup
+from generation_service.model import (
+    ATTENTION,
+    TargetModel,
+    cache_length,
+    forward,
+    load_model,
+    new_cache,
+    set_threads,
+    warmup,
+)
 from generation_service.sampling import SamplingParams
 from generation_service.speculative import DEFAULT_DRAFT_BUDGET, first_divergence, generate, verify_tree
 
@@ -309,7 +318,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.limit < 1 or args.max_new_tokens < 1 or args.repeat < 1:
         raise SystemExit("--limit, --max-new-tokens and --repeat must be >= 1")
 
-    tm = load_model(args.model, dtype=args.dtype, device=args.device, threads=args.threads)
+    set_threads(args.threads)
+    tm = load_model(args.model, dtype=args.dtype, device=args.device)
     print(f"model {tm.model_dir} ({args.dtype}, {tm.device}); warm-up {warmup(tm):.1f} s", file=sys.stderr)
     result: dict = {"workload": args.workload, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
                     "draft_budget": args.draft_budget, "ignore_eos": args.ignore_eos, "datastore": args.datastore,

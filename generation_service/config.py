@@ -4,115 +4,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar, Mapping
 
-from serving import config_util
+from ragcore import config_util
 
 _ENV_PREFIX = "RAGSERVE_GENERATION_"
 DECODING_MODES = ("ar", "pld", "rest-ds", "rest", "knnlm", "crest")
 
 
-@dataclass
-class GenerationConfig:
-    host: str = "127.0.0.1"
-    port: int = 50052
-    # Local Hugging Face model directory; "" = the default SmolLM2-135M-Instruct (prepared on first use).
-    model: str = ""
-    # auto = the fastest on this machine, measured at start (calibrate.py; cached in RAGSERVE_HOME) | bf16 | fp32
-    dtype: str = "auto"
-    device: str = "auto"  # auto | cpu | cuda
-    threads: int = 0  # torch intra-op threads; 0 = the fastest measured count
-    # Forward implementation: auto = the lean forward for supported architectures (Llama-family), else
-    # transformers' | lean = require the lean one | hf = always transformers' (generation_service/lean_llama.py).
-    forward: str = "auto"
-    # Start-up cost measurement: auto = reuse the cached one or measure | force = measure again | off = none
-    # (dtype auto then means fp32, threads 0 all cores; draft trees are sized with a generic cost model).
-    calibration: str = "auto"
-    # Retrieval service target(s): "host:port", or several comma-separated (client-side round-robin),
-    # or a DNS name (dns:///retrieval:50051) that resolves to several replicas. "" = no retrieval.
-    retrieval: str = "127.0.0.1:50051"
-    draft_timeout_ms: float = 50.0  # a draft that takes longer is skipped (that step decodes AR)
-    retry_after_s: float = 1.0  # after a failed draft call, skip drafting this long before trying again
-    default_decoding: str = "rest"
-    # Draft-tree nodes asked for per step; each step verifies only the part its measured cost says pays.
-    draft_budget: int = 64
-    max_draft_budget: int = 256
-    # Feed finished outputs back to the retrieval service's online-learning shard (per-request override).
-    learn_from_outputs: bool = False
-    default_max_new_tokens: int = 128
-    limit_max_new_tokens: int = 4096
-    limit_prompt_tokens: int = 8192
-    limit_stop_sequences: int = 16
-    # Requests run one at a time on the model (it already uses every core); this many may wait.
-    queue_size: int = 16
-    max_concurrent_rpcs: int = 64
-    workers: int = 32
-    grace_s: float = 30.0
-    max_message_bytes: int = 16 << 20
-    # Operations (serving/metrics.py, serving/security.py). Prometheus /metrics port; 0 = off. It binds to loopback
-    # unless metrics_host says otherwise: exposed beyond the host, give it TLS (metrics_tls_*) and basic auth
-    # (metrics_auth_file holding "user:password"), or a scraper on the same network reads it unauthenticated.
-    metrics_port: int = 0
-    metrics_host: str = "127.0.0.1"
-    metrics_tls_cert: str = ""
-    metrics_tls_key: str = ""
-    metrics_auth_file: str = ""
-    # Bearer token every RPC must carry (`authorization: Bearer <token>`; health is exempt); "" = off.
-    # auth_token_file (e.g. /run/secrets/ragserve_token) wins over auth_token.
-    auth_token: str = ""
-    auth_token_file: str = ""
-    # TLS: PEM certificate + key; tls_client_ca also requires client certificates signed by it. "" = plaintext.
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_client_ca: str = ""
-    # How the worker calls the retrieval service: token (file wins), CA to trust, client cert/key for mutual TLS.
-    retrieval_auth_token: str = ""
-    retrieval_auth_token_file: str = ""
-    retrieval_tls_ca: str = ""
-    retrieval_tls_cert: str = ""
-    retrieval_tls_key: str = ""
-    # Characters of prompt / messages checked before tokenizing (bounds the CPU a bad request can take; tokenizing
-    # costs ~1.5 us per character here). 0 = 16 per prompt token (code averages ~3.5 characters per token).
-    limit_prompt_chars: int = 0
-    # Chat messages per request, checked before the chat template is rendered.
-    limit_messages: int = 1024
-    # kNN-LM (generation_service/knnlm.py): the datastore directory built by retrieval_service.knowledge.knn_build
-    # (the worker memory-maps its values/keys; the retrieval service serves its indexes, --kb-knn-datastores);
-    # "" = no kNN-LM. Index name on the retrieval service ("" = the datastore's own name); Search deadline.
-    knnlm_datastore: str = ""
-    knnlm_index: str = ""
-    knnlm_timeout_ms: float = 10_000.0
-    # RaLM (generation_service/ralm.py, GenerateRequest.rag): the knowledge service target(s) ("" = no RAG; by
-    # default the retrieval service, which serves the KB next to the drafts); deadline of a sequential retrieval
-    # and of a speculative call (ScoreCandidates / verification: a slow one falls back to sequential retrieval).
-    kb_target: str = "127.0.0.1:50051"
-    kb_timeout_ms: float = 10_000.0
-    kb_spec_timeout_ms: float = 2_000.0
-
-    def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "bf16", "fp32"):
-            raise ValueError(f"dtype: {self.dtype!r} is not auto, bf16 or fp32")
-        if self.forward not in ("auto", "lean", "hf"):
-            raise ValueError(f"forward: {self.forward!r} is not auto, lean or hf")
-        if self.calibration not in ("auto", "force", "off"):
-            raise ValueError(f"calibration: {self.calibration!r} is not auto, force or off")
-        if self.threads < 0:
-            raise ValueError(f"threads: {self.threads} must be >= 0 (0 = choose)")
-        if self.default_decoding not in DECODING_MODES:
-            raise ValueError(f"default_decoding: {self.default_decoding!r} is not one of {DECODING_MODES}")
-        if not 1 <= self.draft_budget <= self.max_draft_budget:
-            raise ValueError(f"draft_budget: {self.draft_budget} is outside [1, {self.max_draft_budget}]")
-
-    @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> "GenerationConfig":
-        return config_util.from_env(cls, _ENV_PREFIX, env)
-
-    @classmethod
-    def from_args(cls, argv: list[str] | None = None) -> "GenerationConfig":
-        return config_util.from_args(cls, _ENV_PREFIX, argv, "python -m generation_service.server",
-                                     "Generation gRPC worker: speculative decoding with retrieval drafts", FLAG_HELP)
-
-
-# One line per flag for `--help` (serving/config_util.py adds the default and the environment variable). Kept
+# One line per flag for `--help` (ragcore/config_util.py adds the default and the environment variable). Kept
 # out of the class so adding a field and describing it are separate one-line edits.
 FLAG_HELP = {
     "host": "address the gRPC port binds to (0.0.0.0 = every interface)",
@@ -154,3 +54,84 @@ FLAG_HELP = {
     "kb_timeout_ms": "deadline of a sequential RAG retrieval, ms",
     "kb_spec_timeout_ms": "deadline of a speculative RAG call; a slower one falls back to sequential, ms",
 }
+
+
+@dataclass
+class GenerationConfig(config_util.ShellConfig):
+    ENV_PREFIX: ClassVar[str] = _ENV_PREFIX
+    PROG: ClassVar[str] = "python -m generation_service.server"
+    DESCRIPTION: ClassVar[str] = "Generation gRPC worker: speculative decoding with retrieval drafts"
+    FLAG_HELP: ClassVar[Mapping[str, str]] = FLAG_HELP
+
+    host: str = "127.0.0.1"
+    port: int = 50052
+    # Local Hugging Face model directory; "" = the default SmolLM2-135M-Instruct (prepared on first use).
+    model: str = ""
+    # auto = the fastest on this machine, measured at start (calibrate.py; cached in RAGSERVE_HOME) | bf16 | fp32
+    dtype: str = "auto"
+    device: str = "auto"  # auto | cpu | cuda
+    threads: int = 0  # torch intra-op threads; 0 = the fastest measured count
+    # Forward implementation: auto = the lean forward for supported architectures (Llama-family), else
+    # transformers' | lean = require the lean one | hf = always transformers' (generation_service/lean_llama.py).
+    forward: str = "auto"
+    # Start-up cost measurement: auto = reuse the cached one or measure | force = measure again | off = none
+    # (dtype auto then means fp32, threads 0 all cores; draft trees are sized with a generic cost model).
+    calibration: str = "auto"
+    # Retrieval service target(s): "host:port", or several comma-separated (client-side round-robin),
+    # or a DNS name (dns:///retrieval:50051) that resolves to several replicas. "" = no retrieval.
+    retrieval: str = "127.0.0.1:50051"
+    draft_timeout_ms: float = 50.0  # a draft that takes longer is skipped (that step decodes AR)
+    retry_after_s: float = 1.0  # after a failed draft call, skip drafting this long before trying again
+    default_decoding: str = "rest"
+    # Draft-tree nodes asked for per step; each step verifies only the part its measured cost says pays.
+    draft_budget: int = 64
+    max_draft_budget: int = 256
+    # Feed finished outputs back to the retrieval service's online-learning shard (per-request override).
+    learn_from_outputs: bool = False
+    default_max_new_tokens: int = 128
+    limit_max_new_tokens: int = 4096
+    limit_prompt_tokens: int = 8192
+    limit_stop_sequences: int = 16
+    # Requests run one at a time on the model (it already uses every core); this many may wait.
+    queue_size: int = 16
+    max_concurrent_rpcs: int = 64
+    workers: int = 32
+    grace_s: float = 30.0
+    max_message_bytes: int = 16 << 20
+    # How the worker calls the retrieval service: token (file wins), CA to trust, client cert/key for mutual TLS.
+    retrieval_auth_token: str = ""
+    retrieval_auth_token_file: str = ""
+    retrieval_tls_ca: str = ""
+    retrieval_tls_cert: str = ""
+    retrieval_tls_key: str = ""
+    # Characters of prompt / messages checked before tokenizing (bounds the CPU a bad request can take; tokenizing
+    # costs ~1.5 us per character here). 0 = 16 per prompt token (code averages ~3.5 characters per token).
+    limit_prompt_chars: int = 0
+    # Chat messages per request, checked before the chat template is rendered.
+    limit_messages: int = 1024
+    # kNN-LM (generation_service/knnlm.py): the datastore directory built by tools.knn_build
+    # (the worker memory-maps its values/keys; the retrieval service serves its indexes, --kb-knn-datastores);
+    # "" = no kNN-LM. Index name on the retrieval service ("" = the datastore's own name); Search deadline.
+    knnlm_datastore: str = ""
+    knnlm_index: str = ""
+    knnlm_timeout_ms: float = 10_000.0
+    # RaLM (generation_service/ralm.py, GenerateRequest.rag): the knowledge service target(s) ("" = no RAG; by
+    # default the retrieval service, which serves the KB next to the drafts); deadline of a sequential retrieval
+    # and of a speculative call (ScoreCandidates / verification: a slow one falls back to sequential retrieval).
+    kb_target: str = "127.0.0.1:50051"
+    kb_timeout_ms: float = 10_000.0
+    kb_spec_timeout_ms: float = 2_000.0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"dtype: {self.dtype!r} is not auto, bf16 or fp32")
+        if self.forward not in ("auto", "lean", "hf"):
+            raise ValueError(f"forward: {self.forward!r} is not auto, lean or hf")
+        if self.calibration not in ("auto", "force", "off"):
+            raise ValueError(f"calibration: {self.calibration!r} is not auto, force or off")
+        if self.threads < 0:
+            raise ValueError(f"threads: {self.threads} must be >= 0 (0 = choose)")
+        if self.default_decoding not in DECODING_MODES:
+            raise ValueError(f"default_decoding: {self.default_decoding!r} is not one of {DECODING_MODES}")
+        if not 1 <= self.draft_budget <= self.max_draft_budget:
+            raise ValueError(f"draft_budget: {self.draft_budget} is outside [1, {self.max_draft_budget}]")

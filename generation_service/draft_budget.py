@@ -36,7 +36,7 @@ from typing import Sequence
 
 import numpy as np
 
-from retrieval_service.datastore.draft_tree import SOURCES
+from ragcore.draft_tree import SOURCES
 
 DEFAULT_NODE_COST = 0.0125  # a linear curve for models that were never calibrated (tests, tools)
 TREE_MS = 0.25  # per verified tree, outside the forward pass (measured 0.1-0.3 ms for 1-32 nodes)

@@ -15,12 +15,14 @@ from typing import Protocol
 
 import numpy as np
 
-from retrieval_service.datastore.draft_tree import SOURCES, DraftTree
+from ragcore import draft_tree
+from ragcore.draft_tree import SOURCES, DraftTree
+from ragcore.errors import Unavailable
 
 _DATASTORE, _CONTEXT = SOURCES.index("datastore"), SOURCES.index("context")
 
 
-class DraftUnavailable(RuntimeError):
+class DraftUnavailable(Unavailable):
     """The drafter could not produce a draft this step (the reason is the message)."""
 
 
@@ -49,8 +51,6 @@ class PromptLookupDrafter:
 
     def __init__(self, max_suffix: int = 16, min_suffix: int | None = None, max_matches: int | None = None,
                  continuation: int = 10):
-        from retrieval_service.datastore import draft_tree
-
         self._draft = draft_tree.context_draft
         self.kwargs = dict(max_suffix=max_suffix, continuation=continuation,
                            min_suffix=draft_tree.CONTEXT_MIN_SUFFIX if min_suffix is None else min_suffix,
@@ -102,13 +102,10 @@ class CrestDrafter:
         return self
 
     def __init__(self, store):
-        from retrieval_service.datastore.ngram_store import StoreUnavailable
-
         self.store = store
-        self._unavailable = StoreUnavailable
 
     def propose(self, context_ids: np.ndarray, max_nodes: int) -> DraftTree:
         try:
             return self.store.lookup(context_ids, max_nodes=max_nodes)
-        except self._unavailable as e:
+        except Unavailable as e:  # the store's backend (Redis) is down
             raise DraftUnavailable(str(e)) from None

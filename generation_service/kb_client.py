@@ -3,8 +3,8 @@
 Unlike drafting (which may silently degrade to AR decoding), a RAG step cannot go on without its passage, so
 every failure is surfaced: a replica that is down, overloaded, not loaded, or a missed deadline becomes
 `KBUnavailable` (the request then falls back to sequential retrieval or fails with UNAVAILABLE); a request the
-KB rejects as malformed becomes `KBRequestError` (INVALID_ARGUMENT). Several replicas are used round-robin; one
-that failed is skipped for `retry_after_s`.
+KB rejects as malformed becomes `KBRequestError` (INVALID_ARGUMENT). Replicas, failover and deadlines are
+ragcore/replicated.py's.
 
     kb = KBClient("127.0.0.1:50051", timeout_ms=2000)
     reply = kb.search("edr", 20, texts=["how do I sort a dict"], with_vectors=True)
@@ -14,26 +14,34 @@ that failed is skipped for `retry_after_s`.
 
 from __future__ import annotations
 
-import itertools
-import threading
 import time
 from dataclasses import dataclass
 
 import grpc
 import numpy as np
 
+from generation_service import metrics
 from proto import knowledge_pb2, knowledge_pb2_grpc
-from serving import metrics
+from ragcore.errors import InvalidArgument, Unavailable
+from ragcore.replicated import Replica, ReplicatedClient
+from ragcore.wire import pack_f32, pack_ids, read_array
 
 DEFAULT_TIMEOUT_MS = 2000.0
 
 
-class KBUnavailable(RuntimeError):
+class KBUnavailable(Unavailable):
     """The knowledge service could not answer in time (the message says which replica and why)."""
 
+    def __init__(self, why: str):
+        super().__init__(f"knowledge service unavailable: {why}")
 
-class KBRequestError(ValueError):
-    """The knowledge service rejected the request as invalid (INVALID_ARGUMENT); retrying cannot help."""
+
+class KBRequestError(InvalidArgument):
+    """The knowledge service rejected the request as invalid (INVALID_ARGUMENT); retrying cannot help. To the
+    worker's own client it is the `rag` options that led to it."""
+
+    def __init__(self, problem: str):
+        super().__init__("rag", f"the knowledge service rejected it: {problem}")
 
 
 @dataclass
@@ -73,43 +81,27 @@ class Candidates:
     score_ms: float
 
 
-def _f32(data: bytes, dim: int = 0) -> np.ndarray:
-    arr = np.frombuffer(data, dtype="<f4").astype(np.float32)
-    return arr.reshape(-1, dim) if dim else arr
-
-
-def _ids(data: bytes) -> np.ndarray:
-    return np.frombuffer(data, dtype="<i8").astype(np.int64)
-
-
 def parse_search(reply: knowledge_pb2.SearchResponse, rpc_s: float = 0.0) -> SearchReply:
     dim = int(reply.dim)
     hits = []
     for h in reply.results:
-        vecs = _f32(h.vectors, dim) if h.vectors and dim else None
+        vecs = read_array(h.vectors, "<f4", dim) if h.vectors and dim else None
         docs = [Document(int(d.id), d.title, d.text) for d in h.documents] if len(h.documents) else None
-        hits.append(Hits(_ids(h.ids), _f32(h.scores), vecs, docs))
-    qv = _f32(reply.query_vectors, dim) if reply.query_vectors and dim else None
+        hits.append(Hits(read_array(h.ids, "<i8"), read_array(h.scores, "<f4"), vecs, docs))
+    qv = read_array(reply.query_vectors, "<f4", dim) if reply.query_vectors and dim else None
     return SearchReply(hits, qv, reply.encode_ms, reply.search_ms, rpc_s)
 
 
-def split_targets(target: str) -> list[str]:
-    return [t.strip() for t in target.split(",") if t.strip()]
-
-
-@dataclass
-class _Replica:
-    target: str
-    channel: grpc.Channel
-    stub: knowledge_pb2_grpc.KnowledgeServiceStub
-    down_until: float = 0.0
+def _failure(kind: str, message: str) -> Exception:
+    return KBRequestError(message) if kind == "request" else KBUnavailable(message)
 
 
 class SearchFuture:
     """A Search in flight. done() never blocks; result() waits and returns a SearchReply or raises
     KBUnavailable / KBRequestError. `finished_at` is the perf_counter time the reply arrived (for OS³'s b)."""
 
-    def __init__(self, client: "KBClient", replica: _Replica | None, future, started: float, error: str = ""):
+    def __init__(self, client: "KBClient", replica: Replica | None, future, started: float,
+                 error: Exception | None = None):
         self._client, self._replica, self._future = client, replica, future
         self.started = started
         self.finished_at: float | None = None
@@ -129,101 +121,26 @@ class SearchFuture:
 
     def result(self) -> SearchReply:
         if self._future is None:
-            raise KBUnavailable(self._error)
+            raise self._error
         try:
             reply = self._future.result()
         except grpc.FutureCancelledError:
             raise KBUnavailable("verification was cancelled") from None
         except grpc.RpcError as e:
-            raise self._client._failed(self._replica, e) from None
+            raise self._client.failed(self._replica, e) from None
         end = self.finished_at if self.finished_at is not None else time.perf_counter()
         return parse_search(reply, end - self.started)
 
 
-class KBClient:
+class KBClient(ReplicatedClient):
     def __init__(self, target: str, *, timeout_ms: float = DEFAULT_TIMEOUT_MS, retry_after_s: float = 1.0,
                  max_message_bytes: int = 64 << 20, token: str = "",
                  credentials: grpc.ChannelCredentials | None = None):
         """target: "host:port" or several comma-separated; token: bearer token ("" = none); credentials: TLS."""
-        targets = split_targets(target)
-        if not targets:
-            raise ValueError("kb: no target given")
-        if not timeout_ms > 0:
-            raise ValueError(f"timeout_ms must be > 0, got {timeout_ms!r}")
-        options = [
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.enable_retries", 0),
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000),
-        ]
-        self._replicas = []
-        for t in targets:
-            ch = metrics.instrument_channel(grpc.secure_channel(t, credentials, options=options) if credentials
-                                            else grpc.insecure_channel(t, options=options))
-            self._replicas.append(_Replica(t, ch, knowledge_pb2_grpc.KnowledgeServiceStub(ch)))
-        self._next = itertools.cycle(range(len(self._replicas)))
-        self._lock = threading.Lock()
-        self.timeout_s = timeout_ms / 1e3
-        self.retry_after_s = retry_after_s
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
-        self._last_error = ""
-        self.calls = 0  # RPCs attempted (stats)
-
-    @property
-    def targets(self) -> list[str]:
-        return [r.target for r in self._replicas]
-
-    def close(self) -> None:
-        for r in self._replicas:
-            r.channel.close()
-
-    # ------------------------------------------------------------------------------------------ plumbing
-
-    def _pick(self) -> list[_Replica]:
-        now = time.monotonic()
-        with self._lock:
-            start = next(self._next)
-        order = [self._replicas[(start + i) % len(self._replicas)] for i in range(len(self._replicas))]
-        return [r for r in order if r.down_until <= now]
-
-    def _budget(self, deadline: float | None, timeout_s: float | None) -> float:
-        budget = self.timeout_s if timeout_s is None else timeout_s
-        if deadline is not None:
-            budget = min(budget, deadline - time.monotonic())
-        if budget <= 0:
-            raise KBUnavailable("the request deadline leaves no time for retrieval")
-        return budget
-
-    def _failed(self, replica: _Replica | None, e: grpc.RpcError) -> Exception:
-        code = e.code()
-        where = replica.target if replica is not None else "kb"
-        msg = f"{where}: {code.name} {e.details() or ''}".strip()
-        if code == grpc.StatusCode.INVALID_ARGUMENT:
-            return KBRequestError(msg)
-        if replica is not None and code not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
-            replica.down_until = time.monotonic() + self.retry_after_s
-            self._last_error = msg
-        return KBUnavailable(msg)
-
-    def call(self, method: str, request, *, deadline: float | None = None, timeout_s: float | None = None):
-        """Call `method` on the first healthy replica, failing over to the next within the deadline."""
-        replicas = self._pick()
-        if not replicas:
-            raise KBUnavailable(f"knowledge service unavailable (all replicas failed recently; last error: "
-                                f"{self._last_error})")
-        err: Exception = KBUnavailable("no replica tried")
-        for r in replicas:
-            budget = self._budget(deadline, timeout_s)
-            self.calls += 1
-            try:
-                return getattr(r.stub, method)(request, timeout=budget, metadata=self._metadata)
-            except grpc.RpcError as e:
-                err = self._failed(r, e)
-                if isinstance(err, KBRequestError):
-                    raise err from None
-        raise err
+        super().__init__(target, knowledge_pb2_grpc.KnowledgeServiceStub, failure=_failure,
+                         timeout_s=timeout_ms / 1e3, retry_after_s=retry_after_s, max_message_bytes=max_message_bytes,
+                         token=token, credentials=credentials, instrument=metrics.instrument_channel,
+                         what="knowledge service")
 
     # ---------------------------------------------------------------------------------------------- RPCs
 
@@ -236,7 +153,7 @@ class KBClient:
         if texts:
             req.texts.extend(texts)
         if vectors is not None:
-            req.vectors = np.ascontiguousarray(vectors, dtype="<f4").tobytes()
+            req.vectors = pack_f32(vectors)
         return req
 
     def search(self, retriever: str, k: int, *, deadline: float | None = None, timeout_s: float | None = None,
@@ -252,36 +169,30 @@ class KBClient:
         """Start a Search and return at once (gRPC future on one replica; failover is the caller's retry)."""
         req = self.search_request(retriever, k, **kwargs)
         started = time.perf_counter()
-        replicas = self._pick()
-        if not replicas:
-            return SearchFuture(self, None, None, started, f"knowledge service unavailable (all replicas failed "
-                                                           f"recently; last error: {self._last_error})")
         try:
-            budget = self._budget(deadline, timeout_s)
+            replica, future = self.call_future("Search", req, deadline=deadline, timeout_s=timeout_s)
         except KBUnavailable as e:
-            return SearchFuture(self, None, None, started, str(e))
-        r = replicas[0]
-        self.calls += 1
-        return SearchFuture(self, r, r.stub.Search.future(req, timeout=budget, metadata=self._metadata), started)
+            return SearchFuture(self, None, None, started, e)
+        return SearchFuture(self, replica, future, started)
 
     def score_candidates(self, retriever: str, ids: np.ndarray, *, text: str = "", vector: np.ndarray | None = None,
                          deadline: float | None = None, timeout_s: float | None = None) -> Candidates:
         req = knowledge_pb2.ScoreCandidatesRequest(retriever=retriever, text=text,
-                                                   ids=np.ascontiguousarray(ids, dtype="<i8").tobytes())
+                                                   ids=pack_ids(ids))
         if vector is not None:
-            req.vector = np.ascontiguousarray(vector, dtype="<f4").tobytes()
+            req.vector = pack_f32(vector)
         reply = self.call("ScoreCandidates", req, deadline=deadline, timeout_s=timeout_s)
-        qv = _f32(reply.query_vector) if reply.query_vector else None
-        return Candidates(_f32(reply.scores), np.frombuffer(reply.order, dtype="<i4").astype(np.int32), qv,
+        qv = read_array(reply.query_vector, "<f4") if reply.query_vector else None
+        return Candidates(read_array(reply.scores, "<f4"), read_array(reply.order, "<i4"), qv,
                           reply.encode_ms, reply.score_ms)
 
     def get_documents(self, ids, *, with_vectors: bool = False, deadline: float | None = None,
                       timeout_s: float | None = None) -> tuple[list[Document], np.ndarray | None]:
-        req = knowledge_pb2.GetDocumentsRequest(ids=np.ascontiguousarray(ids, dtype="<i8").tobytes(),
+        req = knowledge_pb2.GetDocumentsRequest(ids=pack_ids(ids),
                                                 with_vectors=with_vectors)
         reply = self.call("GetDocuments", req, deadline=deadline, timeout_s=timeout_s)
         docs = [Document(int(d.id), d.title, d.text) for d in reply.documents]
-        vecs = _f32(reply.vectors, int(reply.dim)) if reply.vectors and reply.dim else None
+        vecs = read_array(reply.vectors, "<f4", int(reply.dim)) if reply.vectors and reply.dim else None
         return docs, vecs
 
     def info(self, timeout_s: float = 5.0) -> knowledge_pb2.KnowledgeInfo:

@@ -4,7 +4,7 @@ Key: q = the model's final hidden state at the last position (the input of its o
 norm), not the last FFN input that Khandelwal et al. found slightly better. Why: serving gets it for free from the
 single-token pass it runs anyway (a forward hook on the output layer, no second pass and no hook into one
 architecture's blocks), it means the same thing for every HF causal LM, and the datastore builder
-(retrieval_service/knowledge/knn_build.py) reads the very same tensor, so build and serving cannot drift apart.
+(tools/knn_build.py) reads the very same tensor, so build and serving cannot drift apart.
 
 Next-token distribution:
     p(v) = λ·p_kNN(v) + (1 − λ)·p_LM(v),   p_kNN(v) = Σ_{neighbour j: value_j = v} softmax_j(score_j / T)
@@ -36,7 +36,7 @@ tokens decided without neighbours would be another model's output under the kNN-
 
 The retrieval service answers Search with entry ids and scores; the worker maps ids to next tokens (and reads the
 keys of cached successor entries) through the datastore's memory-mapped values.npy / keys.npy, which it opens
-read-only (see retrieval_service/knowledge/knn_build.py for why).
+read-only (see tools/knn_build.py for why).
 """
 
 from __future__ import annotations
@@ -58,18 +58,19 @@ from generation_service.os3 import OS3Config, StrideScheduler
 from generation_service.sampling import SamplingParams
 from generation_service.speculative import (
     FINISH_CANCELLED,
-    FINISH_LENGTH,
-    FINISH_STOP,
     SpeculationStats,
     StreamChunk,
+    cut_emitted,
     prefill,
     stream_tokenizer,
     text_chunks,
     verify_tree,
 )
 from generation_service.tree_attention import gather_kv
-from serving.wire import clip
-from retrieval_service.knowledge.knn_build import KnnDatastore, open_datastore
+from ragcore.errors import InvalidArgument, Unavailable
+from ragcore.knn_store import KnnDatastore, open_datastore
+from ragcore.model_files import tokenizer_identity
+from ragcore.wire import clip
 
 log = logging.getLogger(__name__)
 
@@ -103,13 +104,13 @@ class KnnLmOptions:
 
     def __post_init__(self) -> None:
         if self.retriever not in RETRIEVERS:
-            raise ValueError(f"retriever: {clip(self.retriever)} is not one of {', '.join(RETRIEVERS)}")
+            raise InvalidArgument("retriever", f"{clip(self.retriever)} is not one of {', '.join(RETRIEVERS)}")
         _check_int("k", self.k, 1, MAX_K)
         if not (isinstance(self.lam, (int, float)) and 0.0 <= float(self.lam) <= 1.0):
-            raise ValueError(f"lambda: {self.lam!r} is outside [0, 1]")
+            raise InvalidArgument("lambda", f"{self.lam!r} is outside [0, 1]")
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
                 and self.temperature > 0):
-            raise ValueError(f"temperature: {self.temperature!r} must be a finite number > 0")
+            raise InvalidArgument("temperature", f"{self.temperature!r} must be a finite number > 0")
         _check_int("stride", self.stride, 0, MAX_STRIDE)
         _check_int("cache_next", self.cache_next, 1, 64)
         _check_int("cache_capacity", self.cache_capacity, 1, 1 << 20)
@@ -125,7 +126,7 @@ class KnnLmOptions:
 
 def _check_int(name: str, value, lo: int, hi: int) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= value <= hi:
-        raise ValueError(f"{name}: {value!r} is outside [{lo}, {hi}]")
+        raise InvalidArgument(f"{name}", f"{value!r} is outside [{lo}, {hi}]")
 
 
 @dataclass
@@ -293,8 +294,11 @@ class NeighbourCache:
 # ---------------------------------------------------------------------------------------- retrieval side
 
 
-class KnnRetrievalError(RuntimeError):
+class KnnRetrievalError(Unavailable):
     """Search failed (service down, deadline, bad reply): the request fails (gRPC UNAVAILABLE)."""
+
+    def __init__(self, why: str):
+        super().__init__(f"kNN-LM retrieval failed: {why}")
 
 
 class KnnSearchClient:
@@ -372,21 +376,19 @@ class KnnBackend:
 
     def check_model(self, tm: TargetModel) -> None:
         """The datastore must have been built with this model's tokenizer and hidden size (ValueError if not)."""
-        from retrieval_service.datastore.corpus import tokenizer_identity
-
         want = self.datastore.meta.get("tokenizer_id")
         if want and want != tokenizer_identity(tm.tokenizer):
-            raise ValueError(f"knnlm_datastore: {self.datastore.path} was built with tokenizer {want}, the model's "
+            raise InvalidArgument("knnlm_datastore", f"{self.datastore.path} was built with tokenizer {want}, the model's "
                              f"is {tokenizer_identity(tm.tokenizer)}")
         hidden = tm.model.get_output_embeddings().weight.shape[1]
         if hidden != self.datastore.dim:
-            raise ValueError(f"knnlm_datastore: keys of dimension {self.datastore.dim}, the model's hidden size is "
+            raise InvalidArgument("knnlm_datastore", f"keys of dimension {self.datastore.dim}, the model's hidden size is "
                              f"{hidden}")
 
     def check(self, opts: KnnLmOptions) -> None:
         """Request-level limits that depend on the datastore (ValueError naming the field)."""
         if opts.k > self.datastore.size:
-            raise ValueError(f"k: {opts.k} exceeds the datastore size ({self.datastore.size} entries)")
+            raise InvalidArgument("k", f"{opts.k} exceeds the datastore size ({self.datastore.size} entries)")
 
     def verify_served(self) -> str | None:
         """None if the retrieval service serves an index matching our datastore, else why not."""
@@ -478,26 +480,17 @@ def _truncate(kv, length: int) -> None:
 # ------------------------------------------------------------------------------------------ decode loops
 
 
-def _cut(tokens: list[int], remaining: int, eos: frozenset[int]) -> tuple[list[int], str | None]:
-    """One step's emitted tokens -> (output tokens, finish reason or None): EOS ends (not emitted), budget cuts."""
-    tokens = tokens[:remaining]
-    for i, t in enumerate(tokens):
-        if t in eos:
-            return tokens[:i], FINISH_STOP
-    return tokens, (FINISH_LENGTH if len(tokens) >= remaining else None)
-
-
 def _check_prompt(tm: TargetModel, prompt_ids, params: SamplingParams) -> np.ndarray:
     prompt = np.asarray(prompt_ids)
     if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
-        raise ValueError(f"prompt_ids: need a non-empty 1-D sequence of token ids, got {prompt.dtype} {prompt.shape}")
+        raise InvalidArgument("prompt_ids", f"need a non-empty 1-D sequence of token ids, got {prompt.dtype} {prompt.shape}")
     if int(prompt.min()) < 0 or int(prompt.max()) >= tm.vocab_size:
-        raise ValueError(f"prompt_ids: ids must lie in [0, {tm.vocab_size})")
+        raise InvalidArgument("prompt_ids", f"ids must lie in [0, {tm.vocab_size})")
     if prompt.size + params.max_new_tokens > tm.max_positions:
-        raise ValueError(f"max_new_tokens: prompt ({prompt.size}) + {params.max_new_tokens} exceeds the model's "
+        raise InvalidArgument("max_new_tokens", f"prompt ({prompt.size}) + {params.max_new_tokens} exceeds the model's "
                          f"{tm.max_positions} positions")
     if not params.greedy:
-        raise ValueError("temperature: kNN-LM decoding is greedy only (leave temperature unset or 0)")
+        raise InvalidArgument("temperature", "kNN-LM decoding is greedy only (leave temperature unset or 0)")
     return prompt.astype(np.int64)
 
 
@@ -531,7 +524,7 @@ def _baseline(tm, kv, logits, hidden, max_new, eos, opts, backend, stats, cancel
             return
         (p,), _ = true_distributions(backend, hidden[None, :], [logits], opts, stats)
         token = next_token(p)
-        out, finish = _cut([token], max_new - n_out, eos)
+        out, finish = cut_emitted([token], max_new - n_out, eos)
         n_out += len(out)
         stats.tokens = n_out
         yield out, finish
@@ -671,7 +664,7 @@ def _speculative(tm, kv, logits, hidden, max_new, eos, opts, backend, stats, can
             stats.wasted_passes += max(0, cache_length(kv) - keep)
             _truncate(kv, keep)
             steps, spec_s, passes, head, last_token = [], 0.0, 0, None, emitted[-1]
-        out, finish = _cut(emitted, max_new - n_out, eos)
+        out, finish = cut_emitted(emitted, max_new - n_out, eos)
         n_out += len(out)
         stats.tokens = n_out
         yield out, finish
@@ -707,7 +700,7 @@ def generate_stream(tm: TargetModel, prompt_ids, params: SamplingParams, opts: K
     finish, ids, delta, n_tokens = yield from text_chunks(steps, tok, prompt_ids, params.stop, KnnStreamChunk)
     stats = SpeculationStats(
         decoding="knnlm", forward_steps=knn.tokens if not opts.speculate else knn.tokens + knn.wasted_passes,
-        draft_ms=knn.speculation_ms, verify_ms=knn.retrieval_ms + knn.generation_ms, prefill_ms=knn.prefill_ms,
+        verify_ms=knn.generation_ms, prefill_ms=knn.prefill_ms,  # retrieval and speculation: knnlm stats
         total_ms=(time.perf_counter() - t0) * 1e3, draft_tokens_proposed=knn.speculated,
         draft_tokens_accepted=knn.correct)
     yield KnnStreamChunk(ids, delta, finish_reason=finish, stats=stats, prompt_tokens=len(prompt_ids),
@@ -725,20 +718,20 @@ def options_from_proto(msg, defaults: KnnLmOptions | None = None) -> KnnLmOption
             speculate=msg.speculate, stride=msg.stride, cache_next=msg.cache_next or d.cache_next,
             async_verify=msg.async_verify if msg.HasField("async_verify") else d.async_verify,
             cache_capacity=d.cache_capacity, ef_search=msg.ef_search or d.ef_search)
-    except ValueError as e:
-        raise ValueError(f"knnlm.{e}") from None
+    except InvalidArgument as e:
+        raise InvalidArgument(f"knnlm.{e.field}", e.problem) from None
 
 
 def request_options(msg, params: SamplingParams, backend: KnnBackend | None) -> KnnLmOptions:
     """A Generate request's kNN-LM options, checked against the sampling settings and the datastore
     (ValueError whose message starts with the field)."""
     if backend is None:
-        raise ValueError("knnlm: this server has no kNN-LM datastore (start it with --knnlm-datastore DIR)")
+        raise InvalidArgument("knnlm", "this server has no kNN-LM datastore (start it with --knnlm-datastore DIR)")
     if not params.greedy:
-        raise ValueError("temperature: kNN-LM decoding is greedy only (leave temperature unset or 0)")
+        raise InvalidArgument("temperature", "kNN-LM decoding is greedy only (leave temperature unset or 0)")
     opts = options_from_proto(msg)
     try:
         backend.check(opts)
-    except ValueError as e:
-        raise ValueError(f"knnlm.{e}") from None
+    except InvalidArgument as e:
+        raise InvalidArgument(f"knnlm.{e.field}", e.problem) from None
     return opts

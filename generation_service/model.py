@@ -26,11 +26,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from threadpoolctl import threadpool_limits
 
 from generation_service.draft_budget import StepCost
 from generation_service.lean_llama import LeanLlama
-from generation_service.model_files import load_tokenizer, resolve_model_dir
 from generation_service.tree_attention import tree_mask, tree_position_ids
+from ragcore.model_files import load_tokenizer, resolve_model_dir
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ def _decode_attention(module, query, key, value, attention_mask, scaling=None, d
     rows are in the pass. Everything else (causal prefill: None; HF-built boolean masks: chunked prefill, HF
     generate) goes to SDPA, which is memory-efficient for long queries.
     """
-    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward  # seconds to import
 
     if attention_mask is None or attention_mask.dtype == torch.bool or kwargs.get("s_aux") is not None \
             or kwargs.get("sinks") is not None:
@@ -65,7 +66,7 @@ def _decode_attention(module, query, key, value, attention_mask, scaling=None, d
 
 
 def _register_attention() -> None:
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface  # seconds to import: only processes that load a model pay
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
     AttentionInterface.register(ATTENTION, _decode_attention)
@@ -129,16 +130,24 @@ def cap_blas_threads(threads: int, blas: int = 1) -> None:
     doubled kNN-LM speculation gains, bench/results/knnlm.json). The worker's numpy work is tiny vectors, so one
     BLAS thread is enough.
     """
-    from threadpoolctl import threadpool_limits
-
     threadpool_limits(limits={"openmp": max(1, threads), "blas": max(1, blas)})
 
 
 FORWARDS = ("auto", "lean", "hf")
 
 
+def set_threads(threads: int) -> None:
+    """Process-level, for mains and the model thread (never called by library code on its own): torch's intra-op
+    threads and the calling thread's OpenMP / BLAS pools. 0 = leave the defaults (all cores)."""
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+        raise ValueError(f"threads must be an integer >= 0 (0 = all cores), got {threads!r}")
+    if threads:
+        torch.set_num_threads(threads)
+        cap_blas_threads(threads)
+
+
 def load_model(model_dir: str | os.PathLike | None = "", dtype: str = "bf16", device: str = "auto",
-               threads: int = 0, forward: str = "auto") -> TargetModel:
+               forward: str = "auto") -> TargetModel:
     """A local HF model directory ("" / None = default model) -> TargetModel in eval mode on `device`.
 
     forward: auto = the lean forward where the architecture is supported, else transformers'; lean = require it;
@@ -148,21 +157,14 @@ def load_model(model_dir: str | os.PathLike | None = "", dtype: str = "bf16", de
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if forward not in FORWARDS:
         raise ValueError(f"forward must be one of {', '.join(FORWARDS)}, got {forward!r}")
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
-        raise ValueError(f"threads must be an integer >= 0 (0 = all cores), got {threads!r}")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
+    from transformers import AutoModelForCausalLM  # seconds to import: only processes that load a model pay
 
-    hf_logging.disable_progress_bar()
-    if threads:
-        torch.set_num_threads(threads)
-        cap_blas_threads(threads)
     dev = pick_device(device)
     path = resolve_model_dir(model_dir)
     torch_dtype = DTYPES[dtype]
     _register_attention()
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, attn_implementation=ATTENTION)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, attn_implementation=ATTENTION,
+                                                 local_files_only=True)
     model.to(dev).eval()
     tokenizer = load_tokenizer(path)
     out = model.get_output_embeddings()
@@ -194,7 +196,7 @@ def new_cache(tm: TargetModel, capacity: int = 256):
     """An empty KV cache for one sequence (capacity: rows preallocated by the lean forward; it grows on demand)."""
     if tm.lean is not None:
         return tm.lean.new_cache(capacity)
-    from transformers import DynamicCache
+    from transformers import DynamicCache  # the generic path only (the lean forward has its own cache)
 
     return DynamicCache(config=tm.model.config)
 

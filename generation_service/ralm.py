@@ -60,7 +60,8 @@ from generation_service.speculative import (
     verify_tree,
 )
 from generation_service.tree_attention import gather_kv
-from serving.wire import clip
+from ragcore.errors import InvalidArgument
+from ragcore.wire import clip
 
 RETRIEVERS = ("edr", "adr", "sr")
 ENCODERS = ("server", "local")
@@ -70,7 +71,7 @@ _EMPTY = np.zeros(0, np.int32)
 
 def _int_in(name: str, value, lo: int, hi: int) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= value <= hi:
-        raise ValueError(f"rag.{name}: must be an integer in [{lo}, {hi}], got {value!r}")
+        raise InvalidArgument(f"rag.{name}", f"must be an integer in [{lo}, {hi}], got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -98,9 +99,9 @@ class RagParams:
 
     def __post_init__(self) -> None:
         if self.retriever not in RETRIEVERS:
-            raise ValueError(f"rag.retriever: {clip(self.retriever)} is not one of {', '.join(RETRIEVERS)}")
+            raise InvalidArgument("rag.retriever", f"{clip(self.retriever)} is not one of {', '.join(RETRIEVERS)}")
         if self.encoder not in ENCODERS:
-            raise ValueError(f"rag.encoder: {clip(self.encoder)} is not one of {', '.join(ENCODERS)}")
+            raise InvalidArgument("rag.encoder", f"{clip(self.encoder)} is not one of {', '.join(ENCODERS)}")
         _int_in("stride", self.stride, 1, 256)
         _int_in("query_tokens", self.query_tokens, 1, 4096)
         _int_in("max_passage_tokens", self.max_passage_tokens, 0, 8192)
@@ -112,10 +113,10 @@ class RagParams:
         _int_in("os3_window", self.os3_window, 1, 1024)
         _int_in("s_max", self.s_max, 1, 64)
         if not (isinstance(self.gamma_max, (int, float)) and 0.0 <= self.gamma_max <= 1.0):
-            raise ValueError(f"rag.gamma_max: must lie in [0, 1], got {self.gamma_max!r}")
+            raise InvalidArgument("rag.gamma_max", f"must lie in [0, 1], got {self.gamma_max!r}")
         for name in ("speculate", "os3", "async_verify", "reuse_kv", "allow_sequential"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"rag.{name}: must be a bool, got {getattr(self, name)!r}")
+                raise InvalidArgument(f"rag.{name}", f"must be a bool, got {getattr(self, name)!r}")
 
     @property
     def mode(self) -> str:
@@ -124,35 +125,34 @@ class RagParams:
 
 @dataclass
 class RagStats:
-    """Per-request RAG statistics; field names match proto RagStats (times in seconds here, ms on the wire)."""
+    """Per-request RAG statistics; field names and units (ms) match proto RagStats."""
 
     mode: str = "ralmseq"
     retriever: str = ""
-    retrieval_s: float = 0.0  # R: retrieval on the critical path (query encoding, searches, cache ranking,
+    retrieval_ms: float = 0.0  # R: retrieval on the critical path (query encoding, searches, cache ranking,
     #                            waiting for verification, passage texts)
-    generation_s: float = 0.0  # G: model forward passes, including work later thrown away
+    generation_ms: float = 0.0  # G: model forward passes, including work later thrown away
     kb_calls: int = 0
     retrievals: int = 0  # retrieval points of the committed output (steps)
     speculative_steps: int = 0  # speculated steps that were verified
     speculation_hits: int = 0  # ... whose speculated passage was the KB's top-1
     strides: list[int] = field(default_factory=list)  # per round; 0 = a sequential step
     rollbacks: int = 0
-    wasted_generation_s: float = 0.0  # generation of steps rolled back or cut short
+    wasted_generation_ms: float = 0.0  # generation of steps rolled back or cut short
     prefill_tokens: int = 0
     prefills: int = 0
-    prefill_s: float = 0.0
+    prefill_ms: float = 0.0
     decode_tokens: int = 0
     cache_size: int = 0
     fallback: bool = False  # the KB failed during speculation; the rest ran with sequential retrieval
     fallback_reason: str = ""
-    # In-process only (not on the wire):
     prefetches: int = 0  # background cache fills of sequential steps that arrived and were cached
     prefetch_failures: int = 0
     # R split: sequential steps (RaLMSeq's search) + speculative ranking (query, cache top-1, passage, starting an
-    # async verification) + waiting for verifications (and a mismatched step's passage) = retrieval_s
-    sequential_retrieval_s: float = 0.0
-    speculation_retrieval_s: float = 0.0
-    verification_wait_s: float = 0.0
+    # async verification) + waiting for verifications (and a mismatched step's passage) = retrieval_ms
+    sequential_retrieval_ms: float = 0.0
+    speculation_retrieval_ms: float = 0.0
+    verification_wait_ms: float = 0.0
 
     @property
     def speculation_accuracy(self) -> float:
@@ -188,7 +188,7 @@ class Checkpoint:
     cache_doc: object
     rng_state: dict
     draws: int
-    generation_s: float  # stats.generation_s then (to measure the generation a rollback throws away)
+    generation_ms: float  # stats.generation_ms then (to measure the generation a rollback throws away)
 
 
 class StepRunner:
@@ -214,7 +214,7 @@ class StepRunner:
     def checkpoint(self) -> Checkpoint:
         rng = self.sampler._rng.bit_generator
         return Checkpoint(len(self.out), self.cache, cache_length(self.cache) if self.cache is not None else 0,
-                          self.cache_doc, rng.state, self.sampler.draws, self.stats.generation_s)
+                          self.cache_doc, rng.state, self.sampler.draws, self.stats.generation_ms)
 
     def restore(self, ck: Checkpoint) -> None:
         del self.out[ck.n_out:]
@@ -242,7 +242,7 @@ class StepRunner:
                     t1 = time.perf_counter()
                     self.cache, self.cache_doc = new_cache(self.tm), doc
                     logits = prefill(self.tm, self.cache, torch.from_numpy(ids).to(self.tm.device))  # [V]
-                    self.stats.prefill_s += time.perf_counter() - t1
+                    self.stats.prefill_ms += (time.perf_counter() - t1) * 1e3
                     self.stats.prefill_tokens += int(ids.shape[0])
                     self.stats.prefills += 1
                 else:
@@ -257,7 +257,7 @@ class StepRunner:
                 self.finish = FINISH_LENGTH
             return True
         finally:
-            self.stats.generation_s += time.perf_counter() - t0
+            self.stats.generation_ms += (time.perf_counter() - t0) * 1e3
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -312,11 +312,11 @@ class SpeculationGate:
 
 def _check_rag_prompt(tm: TargetModel, prompt: np.ndarray, params: SamplingParams, rag: RagParams) -> None:
     if prompt.shape[0] > rag.max_prompt_tokens:
-        raise ValueError(f"rag.max_prompt_tokens: the prompt has {prompt.shape[0]} tokens, more than "
+        raise InvalidArgument("rag.max_prompt_tokens", f"the prompt has {prompt.shape[0]} tokens, more than "
                          f"{rag.max_prompt_tokens} (passage + prompt must fit)")
     total = prompt.shape[0] + passage_budget(prompt.shape[0], rag) + params.max_new_tokens
     if total > tm.max_positions:
-        raise ValueError(f"max_new_tokens: passage + prompt + max_new_tokens ({total}) exceeds the model's "
+        raise InvalidArgument("max_new_tokens", f"passage + prompt + max_new_tokens ({total}) exceeds the model's "
                          f"{tm.max_positions} positions")
 
 
@@ -356,7 +356,7 @@ def _sequential(runner: StepRunner, retr: Retriever, rag: RagParams, stats: RagS
         q = retr.query(runner.window())
         doc = prev if q is None else retr.search([q], 1, sequential=True)[0].top1
         passage = retr.passage(doc)
-        stats.retrieval_s += time.perf_counter() - t0
+        stats.retrieval_ms += (time.perf_counter() - t0) * 1e3
         stats.retrievals += 1
         start = len(runner.out)
         runner.step(doc, passage)
@@ -493,8 +493,8 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
                         pending.append(retr.search_async([q], k_fetch))
                 passage = retr.passage(doc)
                 r = time.perf_counter() - t0
-                stats.retrieval_s += r
-                stats.sequential_retrieval_s += r
+                stats.retrieval_ms += r * 1e3
+                stats.sequential_retrieval_ms += r * 1e3
                 stats.retrievals += 1
                 stats.strides.append(0)
                 if gate is not None and q is not None:
@@ -534,7 +534,7 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
                     failure = f"speculation: {e}"
                     dt = time.perf_counter() - t0
                     r_round += dt
-                    stats.speculation_retrieval_s += dt
+                    stats.speculation_retrieval_ms += dt * 1e3
                     break
                 ckpts.append(ck)
                 queries.append(q)
@@ -543,7 +543,7 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
                     ver = _Verification(retr, queries, k_fetch, prev, wait=False)  # in flight during this step
                 dt = time.perf_counter() - t0
                 r_round += dt
-                stats.speculation_retrieval_s += dt
+                stats.speculation_retrieval_ms += dt * 1e3
                 ok = runner.step(d, passage, abort if ver is not None else None)
                 if ok:
                     step_s.append(time.perf_counter() - t0)
@@ -559,7 +559,7 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
                 true = ver.settle()
                 dt = time.perf_counter() - t0
                 r_round += dt
-                stats.verification_wait_s += dt
+                stats.verification_wait_ms += dt * 1e3
                 if true is None:
                     failure = f"verification: {ver.error}"
             if failure:
@@ -570,7 +570,7 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
                     runner.restore(ckpts[0])
                 fallback = failure
                 stats.fallback, stats.fallback_reason = True, failure[:500]
-                stats.retrieval_s += r_round
+                stats.retrieval_ms += r_round * 1e3
                 continue
 
             cache_hits(ver.reply_hits)
@@ -584,20 +584,20 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
                                      verification_s=ver.latency_s)
             waste = 0.0
             if m is not None:
-                g_before = stats.generation_s
+                g_before = stats.generation_ms
                 runner.restore(ckpts[m])
-                waste = g_before - ckpts[m].generation_s
-                stats.wasted_generation_s += waste
+                waste = (g_before - ckpts[m].generation_ms) / 1e3  # s
+                stats.wasted_generation_ms += waste * 1e3
                 stats.rollbacks += 1
                 t0 = time.perf_counter()
                 passage = retr.passage(true[m])  # KBUnavailable here fails the request (nothing to fall back on)
                 dt = time.perf_counter() - t0
                 r_round += dt
-                stats.verification_wait_s += dt
+                stats.verification_wait_ms += dt * 1e3
                 runner.step(true[m], passage)  # the passage is known now: not speculative
             n_committed = len(specs) if m is None else m + 1
             prev = true[n_committed - 1]
-            stats.retrieval_s += r_round
+            stats.retrieval_ms += r_round * 1e3
             stats.retrievals += n_committed
             if gate is not None:
                 gate.record_round(r_round + waste, n_committed)
@@ -626,8 +626,8 @@ def ralm_stream(tm: TargetModel, prompt_ids, params: SamplingParams, rag: RagPar
     steps = ralm_decode(tm, prompt_ids, params, rag, retriever, stats=rstats, is_cancelled=is_cancelled)
     finish, ids, delta, n_tokens = yield from text_chunks(steps, tok, prompt_ids, params.stop, RagChunk)
     total = time.perf_counter() - t0
-    stats = SpeculationStats(decoding=rag.mode, prefill_ms=rstats.prefill_s * 1e3,
-                             verify_ms=rstats.generation_s * 1e3, draft_ms=rstats.retrieval_s * 1e3,
+    # Retrieval time is rag_stats.retrieval_ms (a RAG request drafts nothing: draft_ms stays 0).
+    stats = SpeculationStats(decoding=rag.mode, prefill_ms=rstats.prefill_ms, verify_ms=rstats.generation_ms,
                              total_ms=total * 1e3, forward_steps=rstats.prefills + rstats.decode_tokens)
     yield RagChunk(ids, delta, finish_reason=finish, stats=stats, prompt_tokens=len(prompt_ids),
                    completion_tokens=n_tokens, rag_stats=rstats)

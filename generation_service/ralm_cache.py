@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from retrieval_service.knowledge.dense import exact_scores
+from ragcore.encoder import exact_scores
 
 
 class PassageCache:

@@ -24,6 +24,7 @@ import numpy as np
 
 from generation_service.kb_client import Hits, KBClient, KBUnavailable, SearchFuture, SearchReply
 from generation_service.ralm_cache import PassageCache
+from ragcore.encoder import ENCODER_NAME, Encoder
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +80,6 @@ class LocalEncoder:
     def get(self):
         with self._lock:
             if self._enc is None:
-                from retrieval_service.knowledge.dense import Encoder
-
                 # threads=0: leave torch's thread count to the model (the encoder runs between model steps).
                 self._enc = Encoder(threads=0, cache_size=self.cache_size, dtype=self.dtype)
             return self._enc
@@ -96,8 +95,6 @@ class LocalEncoder:
     def dtype_of(kb: KBClient) -> str:
         """The encoder dtype the KB's passages were embedded with (kb.json), so local queries match them."""
         info = kb.info()
-        from retrieval_service.knowledge.dense import ENCODER_NAME
-
         if info.encoder and info.encoder != ENCODER_NAME:
             raise KBUnavailable(f"the KB encodes with {info.encoder}; the worker only has {ENCODER_NAME}")
         manifest = json.loads(info.manifest_json or "{}")

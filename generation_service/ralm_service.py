@@ -20,8 +20,9 @@ from generation_service.ralm import MAX_PREFETCH, RagChunk, RagParams, RagStats,
 from generation_service.ralm_retrieval import KBRetriever, LocalEncoder
 from generation_service.sampling import SamplingParams
 from proto import generation_pb2
-from serving import security
-from serving.wire import clip
+from ragcore import security
+from ragcore.errors import InvalidArgument
+from ragcore.wire import clip
 
 _DEFAULTS = RagParams()
 
@@ -29,7 +30,7 @@ _DEFAULTS = RagParams()
 def params_from_proto(msg: generation_pb2.RagOptions) -> RagParams:
     """Wire options -> RagParams; zero / unset fields take the defaults. ValueError("rag.<field>: ...")."""
     if msg.HasField("prefetch") and msg.prefetch > MAX_PREFETCH:  # uint32 -> check before RagParams sees it
-        raise ValueError(f"rag.prefetch: must be an integer in [0, {MAX_PREFETCH}], got {msg.prefetch}")
+        raise InvalidArgument("rag.prefetch", f"must be an integer in [0, {MAX_PREFETCH}], got {msg.prefetch}")
     return RagParams(
         retriever=msg.retriever or _DEFAULTS.retriever,
         stride=msg.stride or _DEFAULTS.stride,
@@ -51,28 +52,22 @@ def request_params(request: generation_pb2.GenerateRequest, prompt_len: int, par
     if not request.HasField("rag"):
         return None
     if request.decoding:
-        raise ValueError(f"decoding: {clip(request.decoding)} cannot be combined with rag options (leave it empty)")
+        raise InvalidArgument("decoding", f"{clip(request.decoding)} cannot be combined with rag options (leave it empty)")
     if request.HasField("knnlm"):
-        raise ValueError("rag: cannot be combined with knnlm options")
+        raise InvalidArgument("rag", "cannot be combined with knnlm options")
     rag = params_from_proto(request.rag)
     if prompt_len > rag.max_prompt_tokens:
-        raise ValueError(f"rag.max_prompt_tokens: the prompt has {prompt_len} tokens, more than "
+        raise InvalidArgument("rag.max_prompt_tokens", f"the prompt has {prompt_len} tokens, more than "
                          f"{rag.max_prompt_tokens}")
     total = prompt_len + passage_budget(prompt_len, rag) + params.max_new_tokens
     if total > max_positions:
-        raise ValueError(f"max_new_tokens: passage + prompt + max_new_tokens ({total}) exceeds the model's "
+        raise InvalidArgument("max_new_tokens", f"passage + prompt + max_new_tokens ({total}) exceeds the model's "
                          f"{max_positions} positions")
     return rag
 
 
 def stats_proto(s: RagStats) -> generation_pb2.RagStats:
-    return generation_pb2.RagStats(
-        mode=s.mode, retriever=s.retriever, retrieval_ms=s.retrieval_s * 1e3, generation_ms=s.generation_s * 1e3,
-        kb_calls=s.kb_calls, retrievals=s.retrievals, speculative_steps=s.speculative_steps,
-        speculation_hits=s.speculation_hits, speculation_accuracy=s.speculation_accuracy, strides=s.strides,
-        rollbacks=s.rollbacks, wasted_generation_ms=s.wasted_generation_s * 1e3, prefill_tokens=s.prefill_tokens,
-        prefills=s.prefills, prefill_ms=s.prefill_s * 1e3, decode_tokens=s.decode_tokens, cache_size=s.cache_size,
-        fallback=s.fallback, fallback_reason=s.fallback_reason)
+    return generation_pb2.RagStats(**s.as_dict())
 
 
 class RagBackend:

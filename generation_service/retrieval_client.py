@@ -1,112 +1,35 @@
 """Client side of the retrieval service, as seen from the generation worker.
 
 Drafting must never fail a generation request: every error, a missed deadline or a replica that is down
-becomes DraftUnavailable, and the verify loop decodes that step autoregressively. Several replicas are
-used round-robin; a replica that failed is skipped for `retry_after_s` so a dead service costs one fast
-failure per interval instead of one timeout per token.
+becomes DraftUnavailable, and the verify loop decodes that step autoregressively. Replicas, failover and
+deadlines are ragcore/replicated.py's.
 """
 
 from __future__ import annotations
 
-import itertools
-import threading
-import time
-from dataclasses import dataclass
-
 import grpc
 import numpy as np
 
+from generation_service import metrics
 from generation_service.drafters import DraftUnavailable, PromptLookupDrafter
 from proto import draft_pb2, draft_pb2_grpc
-from retrieval_service.datastore.draft_tree import SOURCES, DraftTree
-from serving import metrics
-from serving.wire import pack_tokens
+from ragcore.draft_tree import SOURCES, DraftTree
+from ragcore.replicated import ReplicatedClient
+from ragcore.wire import pack_tokens
 
 
-def split_targets(target: str) -> list[str]:
-    """'a:1,b:2' -> ['a:1', 'b:2']; a dns:/// target stays one (gRPC balances it with round_robin)."""
-    return [t.strip() for t in target.split(",") if t.strip()]
+def _failure(kind: str, message: str) -> DraftUnavailable:
+    return DraftUnavailable(message)  # drafting never fails a request, whatever went wrong
 
 
-@dataclass
-class _Replica:
-    target: str
-    channel: grpc.Channel
-    stub: draft_pb2_grpc.DraftServiceStub
-    down_until: float = 0.0
-
-
-class RetrievalClient:
+class RetrievalClient(ReplicatedClient):
     def __init__(self, target: str, *, timeout_ms: float = 50.0, retry_after_s: float = 1.0,
                  max_message_bytes: int = 64 << 20, token: str = "",
                  credentials: grpc.ChannelCredentials | None = None):
         """token: bearer token sent with every call ("" = none); credentials: TLS (None = plaintext)."""
-        targets = split_targets(target)
-        if not targets:
-            raise ValueError("retrieval: no target given")
-        options = [
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.service_config", '{"loadBalancingConfig": [{"round_robin": {}}]}'),
-            ("grpc.enable_retries", 0),
-            # Reconnect quickly once a restarted replica is back (gRPC's default backoff grows to minutes).
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000),
-        ]
-        self._replicas = []
-        for t in targets:
-            ch = metrics.instrument_channel(grpc.secure_channel(t, credentials, options=options) if credentials
-                                            else grpc.insecure_channel(t, options=options))
-            self._replicas.append(_Replica(t, ch, draft_pb2_grpc.DraftServiceStub(ch)))
-        self._next = itertools.cycle(range(len(self._replicas)))
-        self._lock = threading.Lock()
-        self.timeout_s = timeout_ms / 1e3
-        self.retry_after_s = retry_after_s
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
-        self._last_error = ""  # why a replica was last marked down (kept in later DraftUnavailable messages)
-
-    @property
-    def targets(self) -> list[str]:
-        return [r.target for r in self._replicas]
-
-    def close(self) -> None:
-        for r in self._replicas:
-            r.channel.close()
-
-    def _pick(self) -> list[_Replica]:
-        """Replicas to try, in round-robin order, skipping those that failed recently."""
-        now = time.monotonic()
-        with self._lock:
-            start = next(self._next)
-        order = [self._replicas[(start + i) % len(self._replicas)] for i in range(len(self._replicas))]
-        return [r for r in order if r.down_until <= now]
-
-    def call(self, method: str, request, *, deadline: float | None = None, timeout_s: float | None = None):
-        """Call `method` on the first healthy replica; on failure try the next one within the deadline."""
-        replicas = self._pick()
-        if not replicas:
-            raise DraftUnavailable(f"retrieval service unavailable (all replicas failed recently; last error: "
-                                   f"{self._last_error})")
-        last = "no replica tried"
-        for r in replicas:
-            budget = self.timeout_s if timeout_s is None else timeout_s
-            if deadline is not None:
-                budget = min(budget, deadline - time.monotonic())
-            if budget <= 0:
-                raise DraftUnavailable("request deadline leaves no time for drafting")
-            try:
-                return getattr(r.stub, method)(request, timeout=budget, metadata=self._metadata)
-            except grpc.RpcError as e:
-                code = e.code()
-                last = f"{r.target}: {code.name} {e.details() or ''}".strip()
-                if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
-                    # Our request is wrong for this server; another replica would say the same.
-                    raise DraftUnavailable(last) from None
-                if code != grpc.StatusCode.DEADLINE_EXCEEDED:
-                    r.down_until = time.monotonic() + self.retry_after_s
-                    self._last_error = last
-        raise DraftUnavailable(last)
+        super().__init__(target, draft_pb2_grpc.DraftServiceStub, failure=_failure, timeout_s=timeout_ms / 1e3,
+                         retry_after_s=retry_after_s, max_message_bytes=max_message_bytes, token=token,
+                         credentials=credentials, instrument=metrics.instrument_channel, what="retrieval service")
 
     def draft(self, context_ids: np.ndarray, params: draft_pb2.DraftParams, *, deadline: float | None = None) -> DraftTree:
         reply = self.call("Draft", draft_pb2.DraftRequest(context=pack_tokens(context_ids), params=params),

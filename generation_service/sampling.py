@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ragcore.errors import InvalidArgument
+
 _MAX_SEED = 2**64
 
 
@@ -37,22 +39,22 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, (int, np.integer)) \
                 or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+            raise InvalidArgument("max_new_tokens", f"must be an integer >= 1, got {self.max_new_tokens!r}")
         t = float(self.temperature)
         if not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            raise InvalidArgument("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
         p = float(self.top_p)
         if not (0.0 < p <= 1.0):
-            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p!r}")
+            raise InvalidArgument("top_p", f"must lie in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+            raise InvalidArgument("top_k", f"must be an integer >= 0, got {self.top_k!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))
                                       or not 0 <= self.seed < _MAX_SEED):
-            raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+            raise InvalidArgument("seed", f"must be an integer in [0, 2**64), got {self.seed!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         for s in stop:
             if not isinstance(s, str) or s == "":
-                raise ValueError(f"stop sequences must be non-empty strings, got {s!r}")
+                raise InvalidArgument("stop", f"sequences must be non-empty strings, got {s!r}")
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "temperature", t)
         object.__setattr__(self, "top_p", p)

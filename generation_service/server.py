@@ -16,31 +16,33 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import queue
 import sys
 import threading
-from concurrent import futures
 import time
+from concurrent import futures
 from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
+import torch
 
-from generation_service import knnlm, ralm_service
-from generation_service.calibrate import Choice, ModelThread, calibrated_model, format_table, shown_flags
+from generation_service import knnlm, metrics, ralm_service
+from generation_service.calibrate import Choice, ModelThread, calibrated_model, cpu_info, format_table, shown_flags
 from generation_service.config import DECODING_MODES, GenerationConfig
 from generation_service.drafters import Drafter, DraftUnavailable, PromptLookupDrafter
-from generation_service.kb_client import KBRequestError, KBUnavailable
+from generation_service.model import load_model, set_threads, warmup
 from generation_service.retrieval_client import RemoteDrafter, RetrievalClient
 from generation_service.sampling import SamplingParams
 from generation_service.speculative import StreamChunk, generate_stream
 from proto import generation_pb2, generation_pb2_grpc
-from retrieval_service.datastore.corpus import tokenizer_identity
-from retrieval_service.datastore.draft_tree import warmup_context_draft
-from serving import metrics, security
-from serving.grpc_shell import RunningServer, install_signal_handlers, start_server
-from serving.wire import clip
+from ragcore import metrics as core_metrics, security
+from ragcore.draft_tree import warmup_context_draft
+from ragcore.errors import Cancelled, DeadlineExceeded, InvalidArgument, ResourceExhausted, ServiceError, Unavailable
+from ragcore.grpc_shell import RunningServer, install_signal_handlers, start_server
+from ragcore.model_files import tokenizer_identity
+from ragcore.process import offline_process
+from ragcore.wire import clip
 
 log = logging.getLogger("generation_service")
 
@@ -50,12 +52,8 @@ _MAX_STOP_CHARS = 512
 _LEARN_PROMPT_TAIL = 16  # prompt tokens sent with a learned output (the longest suffix drafting matches)
 
 
-# A dependency that failed or refused (mapped to UNAVAILABLE / INVALID_ARGUMENT by the servicer): not a bug.
-_EXPECTED_FAILURES = (KBUnavailable, KBRequestError, knnlm.KnnRetrievalError)
 
 
-class BadRequest(ValueError):
-    """Invalid request field; the message names it."""
 
 
 @dataclass
@@ -206,7 +204,7 @@ class Worker:
                             if chunk.finish_reason is not None:
                                 job.chunks.put(merge_chunks(held))
             except BaseException as e:  # reported to the caller; the worker keeps serving
-                if isinstance(e, _EXPECTED_FAILURES):  # the RPC's status line (grpc_shell) says it; no traceback
+                if isinstance(e, ServiceError):  # a dependency failed or refused: the RPC's status line says it
                     log.debug("generation stopped: %s: %s", type(e).__name__, e)
                 else:
                     log.exception("generation failed")
@@ -229,23 +227,23 @@ def _opt(request, name: str):
 
 
 def parse_request(request: generation_pb2.GenerateRequest, tm, cfg: GenerationConfig) -> tuple[np.ndarray, SamplingParams, str, int]:
-    """Validate every field (BadRequest names it) and turn the request into (prompt ids, params, mode, budget)."""
+    """Validate every field (InvalidArgument names it) and turn the request into (prompt ids, params, mode, budget)."""
     given = [name for name, present in (("prompt", bool(request.prompt)), ("messages", len(request.messages) > 0),
                                         ("prompt_tokens", len(request.prompt_tokens) > 0)) if present]
     if len(given) != 1:
-        raise BadRequest(f"prompt: give exactly one of prompt, messages, prompt_tokens (got {given or 'none'})")
+        raise InvalidArgument("prompt", f"give exactly one of prompt, messages, prompt_tokens (got {given or 'none'})")
     where = given[0]
     # Counts and sizes first: tokenizing or rendering a template costs ~1.5 us per character or message, so a
     # request is sized before any of that work (200,000 empty messages, a 1 MB prompt: refused in microseconds).
     if len(request.messages) > cfg.limit_messages:
-        raise BadRequest(f"messages: {len(request.messages)} messages exceeds the limit of {cfg.limit_messages}")
+        raise InvalidArgument("messages", f"{len(request.messages)} messages exceeds the limit of {cfg.limit_messages}")
     if len(request.prompt_tokens) > cfg.limit_prompt_tokens:
-        raise BadRequest(f"prompt_tokens: {len(request.prompt_tokens)} tokens exceeds the limit of "
+        raise InvalidArgument("prompt_tokens", f"{len(request.prompt_tokens)} tokens exceeds the limit of "
                          f"{cfg.limit_prompt_tokens}")
     chars = len(request.prompt) + sum(len(m.content) + len(m.role) for m in request.messages)
     max_chars = cfg.limit_prompt_chars or 16 * cfg.limit_prompt_tokens
     if chars > max_chars:
-        raise BadRequest(f"{where}: {chars} characters exceeds the limit of {max_chars}")
+        raise InvalidArgument(f"{where}", f"{chars} characters exceeds the limit of {max_chars}")
     tok = tm.tokenizer
     if request.prompt:
         ids = tok(request.prompt, add_special_tokens=True)["input_ids"]
@@ -253,10 +251,10 @@ def parse_request(request: generation_pb2.GenerateRequest, tm, cfg: GenerationCo
         msgs = []
         for i, m in enumerate(request.messages):
             if m.role not in _ROLES:
-                raise BadRequest(f"messages[{i}].role: {clip(m.role)} is not one of {', '.join(_ROLES)}")
+                raise InvalidArgument(f"messages[{i}].role", f"{clip(m.role)} is not one of {', '.join(_ROLES)}")
             msgs.append({"role": m.role, "content": m.content})
         if getattr(tok, "chat_template", None) is None:
-            raise BadRequest("messages: this model has no chat template; send a prompt instead")
+            raise InvalidArgument("messages", "this model has no chat template; send a prompt instead")
         ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
@@ -264,79 +262,69 @@ def parse_request(request: generation_pb2.GenerateRequest, tm, cfg: GenerationCo
         ids = list(request.prompt_tokens)
         bad = [t for t in ids if t >= tm.vocab_size]
         if bad:
-            raise BadRequest(f"prompt_tokens: token id {bad[0]} is out of vocabulary [0, {tm.vocab_size})")
+            raise InvalidArgument("prompt_tokens", f"token id {bad[0]} is out of vocabulary [0, {tm.vocab_size})")
     prompt_ids = np.asarray(ids, dtype=np.int64)
     if prompt_ids.size == 0:
-        raise BadRequest(f"{where}: encodes to zero tokens")
+        raise InvalidArgument(f"{where}", "encodes to zero tokens")
     if prompt_ids.size > cfg.limit_prompt_tokens:
-        raise BadRequest(f"{where}: {prompt_ids.size} tokens exceeds the limit of {cfg.limit_prompt_tokens}")
+        raise InvalidArgument(f"{where}", f"{prompt_ids.size} tokens exceeds the limit of {cfg.limit_prompt_tokens}")
 
     max_new = request.max_new_tokens or cfg.default_max_new_tokens
     if max_new > cfg.limit_max_new_tokens:
-        raise BadRequest(f"max_new_tokens: {max_new} exceeds the limit of {cfg.limit_max_new_tokens}")
+        raise InvalidArgument("max_new_tokens", f"{max_new} exceeds the limit of {cfg.limit_max_new_tokens}")
     if prompt_ids.size + max_new > tm.max_positions:
-        raise BadRequest(f"max_new_tokens: prompt ({prompt_ids.size}) + max_new_tokens ({max_new}) exceeds the "
+        raise InvalidArgument("max_new_tokens", f"prompt ({prompt_ids.size}) + max_new_tokens ({max_new}) exceeds the "
                          f"model's {tm.max_positions} positions")
     temperature = _opt(request, "temperature")
     if temperature is not None and not math.isfinite(temperature):
-        raise BadRequest(f"temperature: must be finite, got {temperature}")
+        raise InvalidArgument("temperature", f"must be finite, got {temperature}")
     top_p = _opt(request, "top_p")
     if top_p is not None and not math.isfinite(top_p):
-        raise BadRequest(f"top_p: must be finite, got {top_p}")
+        raise InvalidArgument("top_p", f"must be finite, got {top_p}")
     top_k = _opt(request, "top_k")
     if top_k is not None and top_k > tm.vocab_size:
-        raise BadRequest(f"top_k: {top_k} exceeds the vocabulary size {tm.vocab_size}")
+        raise InvalidArgument("top_k", f"{top_k} exceeds the vocabulary size {tm.vocab_size}")
     if len(request.stop) > cfg.limit_stop_sequences:
-        raise BadRequest(f"stop: {len(request.stop)} sequences exceeds the limit of {cfg.limit_stop_sequences}")
+        raise InvalidArgument("stop", f"{len(request.stop)} sequences exceeds the limit of {cfg.limit_stop_sequences}")
     for i, s in enumerate(request.stop):
         if not s or len(s) > _MAX_STOP_CHARS:
-            raise BadRequest(f"stop[{i}]: must be 1..{_MAX_STOP_CHARS} characters, got {len(s)}")
-    try:
-        params = SamplingParams(
-            max_new_tokens=max_new,
-            temperature=temperature if temperature is not None else 0.0,
-            top_p=top_p if top_p is not None else 1.0,
-            top_k=top_k or 0,
-            seed=_opt(request, "seed"),
-            stop=tuple(request.stop),
-            ignore_eos=request.ignore_eos,
-        )
-    except ValueError as e:  # "top_p must lie in ..." -> "top_p: must lie in ..." (the field first, as everywhere)
-        name, _, why = str(e).partition(" ")
-        raise BadRequest(f"{name}: {why}") from None
+            raise InvalidArgument(f"stop[{i}]", f"must be 1..{_MAX_STOP_CHARS} characters, got {len(s)}")
+    params = SamplingParams(
+        max_new_tokens=max_new,
+        temperature=temperature if temperature is not None else 0.0,
+        top_p=top_p if top_p is not None else 1.0,
+        top_k=top_k or 0,
+        seed=_opt(request, "seed"),
+        stop=tuple(request.stop),
+        ignore_eos=request.ignore_eos,
+    )
     decoding = request.decoding or cfg.default_decoding
     if decoding not in DECODING_MODES:
-        raise BadRequest(f"decoding: {clip(decoding)} is not one of {', '.join(DECODING_MODES)}")
+        raise InvalidArgument("decoding", f"{clip(decoding)} is not one of {', '.join(DECODING_MODES)}")
     budget = request.draft_budget or cfg.draft_budget
     if budget > cfg.max_draft_budget:
-        raise BadRequest(f"draft_budget: {budget} exceeds the limit of {cfg.max_draft_budget}")
+        raise InvalidArgument("draft_budget", f"{budget} exceeds the limit of {cfg.max_draft_budget}")
     return prompt_ids, params, decoding, budget
 
 
 def parse_knnlm(request: generation_pb2.GenerateRequest, params: SamplingParams, decoding: str, backend):
-    """kNN-LM options when the request sets `knnlm` or decoding "knnlm" (else None); BadRequest names the field."""
+    """kNN-LM options when the request sets `knnlm` or decoding "knnlm" (else None); InvalidArgument names the field."""
     if not request.HasField("knnlm") and decoding != "knnlm":
         return None
     if request.decoding not in ("", "knnlm"):
-        raise BadRequest(f"decoding: {clip(request.decoding)} cannot be combined with knnlm options (use \"knnlm\" or "
+        raise InvalidArgument("decoding", f"{clip(request.decoding)} cannot be combined with knnlm options (use \"knnlm\" or "
                          "leave it empty)")
-    try:
-        return knnlm.request_options(request.knnlm, params, backend)
-    except ValueError as e:
-        raise BadRequest(str(e)) from None
+    return knnlm.request_options(request.knnlm, params, backend)
 
 
 def parse_rag(request: generation_pb2.GenerateRequest, prompt_ids: np.ndarray, params: SamplingParams, tm,
               backend):
-    """RAG options when the request sets `rag` (else None); BadRequest names the field."""
+    """RAG options when the request sets `rag` (else None); InvalidArgument names the field."""
     if not request.HasField("rag"):
         return None
     if backend is None:
-        raise BadRequest("rag: this server has no knowledge service (start it with --kb-target HOST:PORT)")
-    try:
-        return ralm_service.request_params(request, len(prompt_ids), params, tm.max_positions)
-    except ValueError as e:
-        raise BadRequest(str(e)) from None
+        raise InvalidArgument("rag", "this server has no knowledge service (start it with --kb-target HOST:PORT)")
+    return ralm_service.request_params(request, len(prompt_ids), params, tm.max_positions)
 
 
 def stats_proto(chunk: StreamChunk) -> tuple[generation_pb2.Usage, generation_pb2.SpeculationStats]:
@@ -363,18 +351,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     def GetInfo(self, request, context):
         if self.info is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
+            raise Unavailable("model is still loading")
         return self.info
 
     def _start(self, request, context, stream: bool = True) -> Job:
         if self.worker is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
-        try:
-            prompt_ids, params, decoding, budget = parse_request(request, self.tm, self.cfg)
-            knn = parse_knnlm(request, params, decoding, self.worker.knn)
-            rag = parse_rag(request, prompt_ids, params, self.tm, self.worker.rag)
-        except BadRequest as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise Unavailable("model is still loading")
+        prompt_ids, params, decoding, budget = parse_request(request, self.tm, self.cfg)
+        knn = parse_knnlm(request, params, decoding, self.worker.knn)
+        rag = parse_rag(request, prompt_ids, params, self.tm, self.worker.rag)
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
         learn = request.learn_from_output if request.HasField("learn_from_output") else self.cfg.learn_from_outputs
@@ -385,8 +370,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         try:
             self.worker.submit(job)
         except queue.Full:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"generation queue is full ({self.cfg.queue_size} requests waiting); retry later")
+            raise ResourceExhausted(f"generation queue is full ({self.cfg.queue_size} requests waiting); "
+                                    "retry later") from None
         # Client cancellation or disconnect stops the decode loop at its next step.
         context.add_callback(job.cancelled.set)
         return job
@@ -397,14 +382,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             item = job.chunks.get()
             if item is None:
                 return
-            if isinstance(item, KBUnavailable):  # a RAG step cannot go on without its passage
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"knowledge service unavailable: {item}")
-            if isinstance(item, KBRequestError):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"rag: the knowledge service rejected it: {item}")
-            if isinstance(item, knnlm.KnnRetrievalError):  # kNN-LM cannot answer without its neighbours
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"kNN-LM retrieval failed: {item}")
-            if isinstance(item, BaseException):
-                context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {type(item).__name__}: {item}")
+            if isinstance(item, BaseException):  # the shell answers with its status (ragcore/errors.py)
+                raise item
+            if item.finish_reason == "cancelled" and job.deadline is not None and time.monotonic() > job.deadline:
+                # The loop stopped at the deadline: the caller gets DEADLINE_EXCEEDED, never an OK reply that races
+                # its own timer.
+                raise DeadlineExceeded("the request deadline passed during generation")
             yield item
 
     def Generate(self, request, context):
@@ -418,7 +401,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 usage, stats = stats_proto(chunk)
                 return generation_pb2.GenerateResponse(text="".join(text), token_ids=tokens,
                                                        finish_reason=chunk.finish_reason, usage=usage, stats=stats)
-        context.abort(grpc.StatusCode.CANCELLED, "request was cancelled before it started")
+        raise Cancelled("request was cancelled before it started")
 
     def GenerateStream(self, request, context):
         job = self._start(request, context)
@@ -449,12 +432,11 @@ def _open_knnlm(cfg: GenerationConfig, tm):
 
 def load_serving_model(cfg: GenerationConfig):
     """-> (TargetModel, Choice or None), loaded, calibrated and warmed. Run it on the model thread."""
-    from generation_service.model import load_model, warmup
-
     t0 = time.perf_counter()
     if cfg.calibration == "off":
         dtype = "fp32" if cfg.dtype == "auto" else cfg.dtype
-        tm = load_model(cfg.model, dtype=dtype, device=cfg.device, threads=cfg.threads, forward=cfg.forward)
+        set_threads(cfg.threads)
+        tm = load_model(cfg.model, dtype=dtype, device=cfg.device, forward=cfg.forward)
         choice = None
     else:
         tm, choice = calibrated_model(cfg.model, cfg.device, cfg.dtype, cfg.threads, forward=cfg.forward,
@@ -468,14 +450,10 @@ def load_serving_model(cfg: GenerationConfig):
 
 
 def torch_threads() -> int:
-    import torch
-
     return torch.get_num_threads()
 
 
 def worker_info(cfg: GenerationConfig, tm, choice: Choice | None, threads: int) -> generation_pb2.WorkerInfo:
-    from generation_service.calibrate import cpu_info
-
     info = generation_pb2.WorkerInfo(
         model=tm.model_dir, device=str(tm.device), dtype=tm.dtype_name, threads=threads, cpu=cpu_info()[0],
         cpu_flags=shown_flags(), torch_version=torch_version(), calibration="off" if choice is None else
@@ -492,8 +470,6 @@ def worker_info(cfg: GenerationConfig, tm, choice: Choice | None, threads: int) 
 
 
 def torch_version() -> str:
-    import torch
-
     return torch.__version__
 
 
@@ -511,9 +487,9 @@ def build_server(cfg: GenerationConfig, *, tm=None) -> tuple[RunningServer, Gene
     auth, credentials = security.server_setup(cfg)
     running = start_server(add, host=cfg.host, port=cfg.port, workers=cfg.workers,
                            max_concurrent_rpcs=cfg.max_concurrent_rpcs, max_message_bytes=cfg.max_message_bytes,
-                           interceptors=auth, observers=[metrics.GrpcMetrics("generation")], credentials=credentials)
+                           interceptors=auth, observers=[core_metrics.GrpcMetrics(metrics.SERVICE)], credentials=credentials)
     try:
-        running.closers.append(metrics.serve_config(cfg, "generation"))
+        running.closers.append(core_metrics.serve_config(cfg, metrics.SERVICE))
         model_thread = ModelThread("generation-worker")
         choice = None
         if tm is None:
@@ -553,8 +529,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # Process-wide, once: no model hub; no tokenizer thread pool next to torch's (the worker tokenizes one
     # request at a time, and on a small machine every extra runnable thread stalls torch's OpenMP team).
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    offline_process()
     serve(GenerationConfig.from_args(argv))
 
 

@@ -213,7 +213,7 @@ def draft(drafter: Drafter, context: np.ndarray, budget: int, max_depth: int,
     return tokens[order], parents
 
 
-def _cut(tokens: list[int], remaining: int, eos: frozenset[int]) -> tuple[list[int], str | None]:
+def cut_emitted(tokens: list[int], remaining: int, eos: frozenset[int]) -> tuple[list[int], str | None]:
     """Apply EOS and the token budget to one step's emitted tokens -> (output tokens, finish reason or None)."""
     tokens = tokens[:remaining]
     for i, t in enumerate(tokens):
@@ -259,7 +259,7 @@ def decode(tm: TargetModel, prompt_ids, params: SamplingParams, *, drafter: Draf
         return
     last = sampler.pick(logits)
     stats.prefill_ms = (time.perf_counter() - t0) * 1e3
-    out, finish = _cut([last], params.max_new_tokens, eos)
+    out, finish = cut_emitted([last], params.max_new_tokens, eos)
     context[n_ctx] = last
     n_ctx += 1
     n_out = len(out)
@@ -306,7 +306,7 @@ def decode(tm: TargetModel, prompt_ids, params: SamplingParams, *, drafter: Draf
         last = emitted[-1]
         context[n_ctx:n_ctx + len(emitted)] = emitted
         n_ctx += len(emitted)
-        out, finish = _cut(emitted, remaining, eos)
+        out, finish = cut_emitted(emitted, remaining, eos)
         n_out += len(out)
         yield out, finish
         if finish:

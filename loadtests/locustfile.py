@@ -25,9 +25,8 @@ grpc_gevent.init_gevent()  # grpc's completion queue must cooperate with Locust'
 
 from locust import User, between, events  # noqa: E402
 
-from proto import draft_pb2, draft_pb2_grpc, generation_pb2, generation_pb2_grpc  # noqa: E402
-from proto import knowledge_pb2, knowledge_pb2_grpc  # noqa: E402
-from serving.wire import pack_tokens  # noqa: E402
+from proto import draft_pb2, draft_pb2_grpc, generation_pb2, generation_pb2_grpc, knowledge_pb2, knowledge_pb2_grpc  # noqa: E402  # noqa: E402
+from ragcore.wire import pack_tokens  # noqa: E402
 
 REQUEST_TYPE = "grpc"
 
@@ -143,8 +142,8 @@ class Workload:
     def load(cls, opts) -> None:
         from tokenizers import Tokenizer
 
-        from generation_service.demo import humaneval_prompts
-        from generation_service.model_files import default_model_dir
+        from ragcore.model_files import default_model_dir
+        from tools.demo import humaneval_prompts
 
         problems = humaneval_prompts()
         cls.prompts = [p["prompt"] for p in problems]

@@ -25,7 +25,7 @@ import tomllib
 import urllib.request
 from pathlib import Path
 
-from serving import launcher
+from tools import launcher
 
 HERE = Path(__file__).resolve().parent
 MAX_CI_SECONDS = 60

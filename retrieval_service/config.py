@@ -7,14 +7,72 @@ docker-compose configures the service; CLI flags override the environment.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar, Mapping
 
-from serving import config_util
+from ragcore import config_util
 
 _ENV_PREFIX = "RAGSERVE_RETRIEVAL_"
 
 
+# One line per flag for `--help` (ragcore/config_util.py adds the default and the environment variable).
+FLAG_HELP = {
+    "host": "address the gRPC port binds to (0.0.0.0 = every interface)",
+    "port": "gRPC port (0 = a free port)",
+    "datastore": "suffix-array datastore directory or shard file for REST drafts (\"\" = none)",
+    "datastore_verify": "verify the datastore's content (checksums, value ranges) before SERVING",
+    "verify_cache": "JSON file remembering verified store files by identity (\"\" = $RAGSERVE_HOME/cache/verified-stores.json, off = none)",
+    "kb": "knowledge-base directory for Search/ScoreCandidates/GetDocuments (\"\" = none)",
+    "crest": "CREST n-gram store for Draft source 'crest': a store file or a redis:// URL (\"\" = none)",
+    "crest_namespace": "name of the CREST store inside Redis",
+    "crest_fallback": "embedded CREST store file that answers while Redis is down (\"\" = UNAVAILABLE instead)",
+    "crest_timeout_ms": "deadline of every Redis call of the CREST store, ms",
+    "max_suffix": "Draft default: longest context suffix tried",
+    "min_suffix": "Draft default: shortest context suffix tried",
+    "max_matches": "Draft default: datastore occurrences read per draft",
+    "continuation": "Draft default: tokens read after each occurrence",
+    "max_nodes": "Draft default: draft-tree nodes returned",
+    "limit_max_suffix": "largest max_suffix a request may ask for",
+    "limit_max_matches": "largest max_matches a request may ask for",
+    "limit_continuation": "largest continuation a request may ask for",
+    "limit_max_nodes": "largest max_nodes a request may ask for",
+    "limit_context_tokens": "most context tokens one Draft (or Learn) request may carry",
+    "limit_batch": "most requests in one DraftBatch and most queries in one Search",
+    "learn": "enable online learning (Learn RPC): finished outputs become draftable (needs a datastore)",
+    "learn_dir": "directory keeping compacted learned shards across restarts (\"\" = memory only)",
+    "learn_max_tokens": "tokens the learned shards may hold; the oldest are evicted first",
+    "learn_compact_tokens": "learned tokens buffered in memory before they are compacted into a shard",
+    "max_concurrent_rpcs": "RPCs in flight before gRPC answers RESOURCE_EXHAUSTED (0 = unlimited)",
+    "workers": "gRPC handler threads",
+    "grace_s": "seconds in-flight calls get to finish after SIGTERM (health answers NOT_SERVING meanwhile)",
+    "max_message_bytes": "largest request and reply message, bytes",
+    "kb_retrievers": "KB retrievers to load: comma list of edr,adr,sr (\"\" = every one the KB was built with)",
+    "kb_threads": "Java threads of one batched Lucene (BM25) search",
+    "kb_omp_threads": "intra-op threads of faiss and of the query encoder per handler thread",
+    "kb_ef_search": "HNSW efSearch when a request leaves it 0",
+    "kb_rescore_margin": "extra HNSW candidates re-scored exactly per query",
+    "kb_query_cache": "encoded text queries kept in an LRU cache",
+    "kb_jvm_heap": "max heap of the in-process JVM, e.g. 2g (\"\" = the JVM default, 1/4 of RAM)",
+    "kb_limit_k": "largest k (hits per query) a Search may ask for",
+    "kb_limit_ids": "most doc ids one ScoreCandidates/GetDocuments request may carry",
+    "kb_limit_query_chars": "longest text query, characters",
+    "kb_limit_results": "most queries x k in one Search (checked before any work, like the reply size)",
+    "kb_workers": "threads of the knowledge-base executor (Search/ScoreCandidates/GetDocuments run there)",
+    "kb_queue": "KB calls that may wait for the executor (capped at workers - 2); more get RESOURCE_EXHAUSTED",
+    "kb_nice": "nice increment of the KB executor threads, so Draft calls win the CPU (0 = same priority)",
+    "kb_warmup_s": "seconds of Lucene JIT warm-up before SERVING",
+    "kb_verify": "re-hash passages.jsonl at open and compare it with the KB manifest",
+    "kb_knn_datastores": "comma-separated kNN-LM datastore directories served as named vector indexes",
+    **config_util.SHELL_FLAG_HELP,
+}
+
+
 @dataclass
-class RetrievalConfig:
+class RetrievalConfig(config_util.ShellConfig):
+    ENV_PREFIX: ClassVar[str] = _ENV_PREFIX
+    PROG: ClassVar[str] = "python -m retrieval_service.server"
+    DESCRIPTION: ClassVar[str] = "Retrieval gRPC service: draft trees and knowledge-base search"
+    FLAG_HELP: ClassVar[Mapping[str, str]] = FLAG_HELP
+
     host: str = "127.0.0.1"
     port: int = 50051
     # Suffix-array datastore directory (single shard or a directory of shards); "" = no datastore.
@@ -93,84 +151,7 @@ class RetrievalConfig:
     kb_warmup_s: float = 10.0
     # Re-hash passages.jsonl at open and compare with the manifest (catches a swapped or edited file).
     kb_verify: bool = True
-    # kNN-LM datastores (retrieval_service/knowledge/knn_build.py), comma-separated directories: each is served
+    # kNN-LM datastores (tools/knn_build.py), comma-separated directories: each is served
     # as a named vector index (its knn.json name, default "knnlm"; edr = exact L2, adr = its HNSW), with or
     # without a knowledge base.
     kb_knn_datastores: str = ""
-    # Operations (serving/metrics.py, serving/security.py). Prometheus /metrics port; 0 = off. It binds to loopback
-    # unless metrics_host says otherwise: exposed beyond the host, give it TLS (metrics_tls_*) and basic auth
-    # (metrics_auth_file holding "user:password"), or a scraper on the same network reads it unauthenticated.
-    metrics_port: int = 0
-    metrics_host: str = "127.0.0.1"
-    metrics_tls_cert: str = ""
-    metrics_tls_key: str = ""
-    metrics_auth_file: str = ""
-    # Bearer token every RPC must carry (`authorization: Bearer <token>`; health is exempt); "" = off.
-    # auth_token_file (e.g. /run/secrets/ragserve_token) wins over auth_token.
-    auth_token: str = ""
-    auth_token_file: str = ""
-    # TLS: PEM certificate + key; tls_client_ca also requires client certificates signed by it. "" = plaintext.
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_client_ca: str = ""
-
-    @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> "RetrievalConfig":
-        return config_util.from_env(cls, _ENV_PREFIX, env)
-
-    @classmethod
-    def from_args(cls, argv: list[str] | None = None) -> "RetrievalConfig":
-        return config_util.from_args(cls, _ENV_PREFIX, argv, "python -m retrieval_service.server",
-                                     "Retrieval gRPC service: draft trees and knowledge-base search", FLAG_HELP)
-
-
-# One line per flag for `--help` (serving/config_util.py adds the default and the environment variable).
-FLAG_HELP = {
-    "host": "address the gRPC port binds to (0.0.0.0 = every interface)",
-    "port": "gRPC port (0 = a free port)",
-    "datastore": "suffix-array datastore directory or shard file for REST drafts (\"\" = none)",
-    "datastore_verify": "verify the datastore's content (checksums, value ranges) before SERVING",
-    "verify_cache": "JSON file remembering verified store files by identity (\"\" = $RAGSERVE_HOME/cache/verified-stores.json, off = none)",
-    "kb": "knowledge-base directory for Search/ScoreCandidates/GetDocuments (\"\" = none)",
-    "crest": "CREST n-gram store for Draft source 'crest': a store file or a redis:// URL (\"\" = none)",
-    "crest_namespace": "name of the CREST store inside Redis",
-    "crest_fallback": "embedded CREST store file that answers while Redis is down (\"\" = UNAVAILABLE instead)",
-    "crest_timeout_ms": "deadline of every Redis call of the CREST store, ms",
-    "max_suffix": "Draft default: longest context suffix tried",
-    "min_suffix": "Draft default: shortest context suffix tried",
-    "max_matches": "Draft default: datastore occurrences read per draft",
-    "continuation": "Draft default: tokens read after each occurrence",
-    "max_nodes": "Draft default: draft-tree nodes returned",
-    "limit_max_suffix": "largest max_suffix a request may ask for",
-    "limit_max_matches": "largest max_matches a request may ask for",
-    "limit_continuation": "largest continuation a request may ask for",
-    "limit_max_nodes": "largest max_nodes a request may ask for",
-    "limit_context_tokens": "most context tokens one Draft (or Learn) request may carry",
-    "limit_batch": "most requests in one DraftBatch and most queries in one Search",
-    "learn": "enable online learning (Learn RPC): finished outputs become draftable (needs a datastore)",
-    "learn_dir": "directory keeping compacted learned shards across restarts (\"\" = memory only)",
-    "learn_max_tokens": "tokens the learned shards may hold; the oldest are evicted first",
-    "learn_compact_tokens": "learned tokens buffered in memory before they are compacted into a shard",
-    "max_concurrent_rpcs": "RPCs in flight before gRPC answers RESOURCE_EXHAUSTED (0 = unlimited)",
-    "workers": "gRPC handler threads",
-    "grace_s": "seconds in-flight calls get to finish after SIGTERM (health answers NOT_SERVING meanwhile)",
-    "max_message_bytes": "largest request and reply message, bytes",
-    "kb_retrievers": "KB retrievers to load: comma list of edr,adr,sr (\"\" = every one the KB was built with)",
-    "kb_threads": "Java threads of one batched Lucene (BM25) search",
-    "kb_omp_threads": "intra-op threads of faiss and of the query encoder per handler thread",
-    "kb_ef_search": "HNSW efSearch when a request leaves it 0",
-    "kb_rescore_margin": "extra HNSW candidates re-scored exactly per query",
-    "kb_query_cache": "encoded text queries kept in an LRU cache",
-    "kb_jvm_heap": "max heap of the in-process JVM, e.g. 2g (\"\" = the JVM default, 1/4 of RAM)",
-    "kb_limit_k": "largest k (hits per query) a Search may ask for",
-    "kb_limit_ids": "most doc ids one ScoreCandidates/GetDocuments request may carry",
-    "kb_limit_query_chars": "longest text query, characters",
-    "kb_limit_results": "most queries x k in one Search (checked before any work, like the reply size)",
-    "kb_workers": "threads of the knowledge-base executor (Search/ScoreCandidates/GetDocuments run there)",
-    "kb_queue": "KB calls that may wait for the executor (capped at workers - 2); more get RESOURCE_EXHAUSTED",
-    "kb_nice": "nice increment of the KB executor threads, so Draft calls win the CPU (0 = same priority)",
-    "kb_warmup_s": "seconds of Lucene JIT warm-up before SERVING",
-    "kb_verify": "re-hash passages.jsonl at open and compare it with the KB manifest",
-    "kb_knn_datastores": "comma-separated kNN-LM datastore directories served as named vector indexes",
-    **config_util.SHELL_FLAG_HELP,
-}

@@ -21,13 +21,22 @@ import grpc
 import numpy as np
 
 from proto import draft_pb2, draft_pb2_grpc
+from ragcore import metrics as core_metrics, security
+from ragcore.draft_tree import DraftTree, context_draft
+from ragcore.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from ragcore.grpc_shell import RunningServer, install_signal_handlers, start_server
+from ragcore.process import offline_process
+from ragcore.wire import WireError, clip, unpack_tokens
+from retrieval_service import metrics
 from retrieval_service.config import RetrievalConfig
-from retrieval_service.datastore.draft_tree import DraftTree, context_draft
+from retrieval_service.datastore.ngram_backends import open_ngram_store
 from retrieval_service.datastore.ngram_store import StoreUnavailable
+from retrieval_service.datastore.online import OnlineLearner
 from retrieval_service.datastore.shards import DatastoreCorrupted
-from serving import metrics, security
-from serving.grpc_shell import RunningServer, install_signal_handlers, start_server
-from serving.wire import WireError, clip, unpack_tokens
+from retrieval_service.datastore.suffix_array import SuffixArrayDatastore
+from retrieval_service.knowledge import dense, knn_index, sparse
+from retrieval_service.knowledge.kb import KBOpenError, KnowledgeBase
+from retrieval_service.knowledge.service import KnowledgeServicer
 
 log = logging.getLogger("retrieval_service")
 
@@ -55,14 +64,14 @@ def resolve_limits(params: draft_pb2.DraftParams, cfg: RetrievalConfig, field: s
     def pick(name: str, default: int, upper: int) -> int:
         value = getattr(params, name) or default
         if not 1 <= value <= upper:
-            raise WireError(f"{field}.{name}: {value} is outside [1, {upper}]")
+            raise WireError(f"{field}.{name}", f"{value} is outside [1, {upper}]")
         return value
 
     max_suffix = pick("max_suffix", cfg.max_suffix, cfg.limit_max_suffix)
     min_suffix = pick("min_suffix", min(cfg.min_suffix, max_suffix), max_suffix)
     source = params.source or "datastore"
     if source not in _SOURCES:
-        raise WireError(f"{field}.source: {clip(source)} is not one of {', '.join(_SOURCES)}")
+        raise WireError(f"{field}.source", f"{clip(source)} is not one of {', '.join(_SOURCES)}")
     return DraftLimits(
         max_suffix=max_suffix,
         min_suffix=min_suffix,
@@ -115,10 +124,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         limits = resolve_limits(request.params, self._cfg, f"{field}params")
         if limits.source == "crest":
             if self._crest is None:
-                raise LookupError(f"{field}params.source='crest' needs a CREST store; this server has none "
-                                  f"(start it with --crest FILE|redis://...)")
+                raise FailedPrecondition(f"{field}params.source='crest' needs a CREST store; this server has none "
+                                         f"(start it with --crest FILE|redis://...)")
         elif limits.source != "context" and self._ds is None:
-            raise LookupError(f"{field}params.source={clip(limits.source)} needs a datastore; this server has none")
+            raise FailedPrecondition(f"{field}params.source={clip(limits.source)} needs a datastore; this server has "
+                                     "none")
         return ctx, limits
 
     def _draft_one(self, ctx: np.ndarray, limits: DraftLimits) -> DraftTree:
@@ -128,78 +138,59 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             return self._crest.lookup(ctx, max_nodes=limits.max_nodes)
         return self._ds.draft(ctx, source=limits.source, **limits.kwargs())
 
-    def _check_ready(self, context) -> None:
+    def _check_ready(self) -> None:
         if not self._ready:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "datastore is still loading")
+            raise Unavailable("datastore is still loading")
 
-    def _data_loss(self, context, e: DatastoreCorrupted) -> None:
+    def _corrupted_seen(self, e: DatastoreCorrupted) -> None:
         with self._corrupted_lock:
             first, self._corrupted = self._corrupted is None, self._corrupted or e
         if first:
             log.error("datastore corrupted while drafting (Draft answers DATA_LOSS; restart to re-verify): %s", e)
             if self._on_corrupted is not None:
                 self._on_corrupted(e)
-        context.abort(grpc.StatusCode.DATA_LOSS, str(e))
+
+    def _drafts(self, fn):
+        try:
+            return fn()
+        except DatastoreCorrupted as e:  # answered DATA_LOSS by the shell; the service also stops reporting SERVING
+            self._corrupted_seen(e)
+            raise
 
     def Draft(self, request, context):
-        self._check_ready(context)
-        try:
-            ctx, limits = self._parse(request, "")
-        except WireError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except LookupError as e:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        self._check_ready()
+        ctx, limits = self._parse(request, "")
         t0 = time.perf_counter()
-        try:
-            tree = self._draft_one(ctx, limits)
-        except StoreUnavailable as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        except DatastoreCorrupted as e:
-            self._data_loss(context, e)
+        tree = self._drafts(lambda: self._draft_one(ctx, limits))
         return tree_to_proto(tree, (time.perf_counter() - t0) * 1e3)
 
     def DraftBatch(self, request, context):
-        self._check_ready(context)
+        self._check_ready()
         n = len(request.requests)
         if not 1 <= n <= self._cfg.limit_batch:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"requests: batch of {n} is outside [1, {self._cfg.limit_batch}]")
-        try:
-            parsed = [self._parse(r, f"requests[{i}].") for i, r in enumerate(request.requests)]
-        except WireError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except LookupError as e:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            raise InvalidArgument("requests", f"batch of {n} is outside [1, {self._cfg.limit_batch}]")
+        parsed = [self._parse(r, f"requests[{i}].") for i, r in enumerate(request.requests)]
         t0 = time.perf_counter()
         limits0 = parsed[0][1]
         same = all(lim == limits0 for _, lim in parsed)
         if same and limits0.source == "crest":
             # One call: a Redis store answers the whole batch in one round trip.
-            try:
-                trees = self._crest.lookup_batch([c for c, _ in parsed], max_nodes=limits0.max_nodes)
-            except StoreUnavailable as e:
-                context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            trees = self._crest.lookup_batch([c for c, _ in parsed], max_nodes=limits0.max_nodes)
         elif self._ds is not None and limits0.source not in ("context", "crest") and same:
             # One call: the datastore spreads the batch over both cores with GIL-free kernels.
-            try:
-                trees = self._ds.draft_batch([c for c, _ in parsed], source=limits0.source, **limits0.kwargs())
-            except DatastoreCorrupted as e:
-                self._data_loss(context, e)
+            trees = self._drafts(lambda: self._ds.draft_batch([c for c, _ in parsed], source=limits0.source,
+                                                              **limits0.kwargs()))
         else:
             trees = []
             for ctx, lim in parsed:
                 if context.time_remaining() is not None and context.time_remaining() <= 0:
-                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed during the batch")
-                try:
-                    trees.append(self._draft_one(ctx, lim))
-                except StoreUnavailable as e:
-                    context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-                except DatastoreCorrupted as e:
-                    self._data_loss(context, e)
+                    raise DeadlineExceeded("deadline passed during the batch")
+                trees.append(self._drafts(lambda: self._draft_one(ctx, lim)))
         ms = (time.perf_counter() - t0) * 1e3 / n
         return draft_pb2.DraftBatchResponse(responses=[tree_to_proto(t, ms) for t in trees])
 
     def Info(self, request, context):
-        self._check_ready(context)
+        self._check_ready()
         ds = self._ds
         sources = ["context"] + (["datastore", "merged"] if ds is not None else []) + (
             ["crest"] if self._crest is not None else [])
@@ -214,15 +205,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         )
 
     def Learn(self, request, context):
-        self._check_ready(context)
+        self._check_ready()
         if self._learner is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          "online learning is off on this server (start it with --learn true and a datastore)")
-        try:
-            tokens = unpack_tokens(request.tokens, "tokens", vocab_size=self._vocab,
-                                   max_len=self._cfg.limit_context_tokens)
-        except WireError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise FailedPrecondition("online learning is off on this server (start it with --learn true and a "
+                                     "datastore)")
+        tokens = unpack_tokens(request.tokens, "tokens", vocab_size=self._vocab, max_len=self._cfg.limit_context_tokens)
         self._learner.add(tokens)
         return draft_pb2.LearnResponse(learned_tokens=self._learner.learned_tokens,
                                        documents=self._learner.documents_learned)
@@ -243,8 +230,6 @@ def open_indexes(cfg: RetrievalConfig):
     corrupted (the server then never reports SERVING)."""
     datastore = None
     if cfg.datastore:
-        from retrieval_service.datastore.suffix_array import SuffixArrayDatastore
-
         t0 = time.perf_counter()
         datastore = SuffixArrayDatastore.open(cfg.datastore, verify=cfg.datastore_verify,
                                               verify_cache=verify_cache_path(cfg))
@@ -261,8 +246,6 @@ def open_crest(cfg: RetrievalConfig, datastore=None):
     answers StoreUnavailable (-> UNAVAILABLE) until Redis is back; a missing or corrupted store is."""
     if not cfg.crest:
         return None
-    from retrieval_service.datastore.ngram_store import open_ngram_store
-
     store = open_ngram_store(cfg.crest, namespace=cfg.crest_namespace, timeout_ms=cfg.crest_timeout_ms,
                              fallback=cfg.crest_fallback,
                              expected_tokenizer_id=datastore.tokenizer_id if datastore is not None else None)
@@ -279,8 +262,6 @@ def build_server(cfg: RetrievalConfig, *, datastore=None, kb=None, crest=None) -
 
     datastore / kb / crest: already-open indexes (tests, benchmarks) instead of the configured paths.
     """
-    from retrieval_service.knowledge.service import KnowledgeServicer
-
     running_ref: list[RunningServer] = []
     draft = DraftServicer(cfg, on_corrupted=lambda e: running_ref[0].set_serving(False, [_DRAFT_SERVICE]))
     knowledge = KnowledgeServicer(None, cfg)  # UNAVAILABLE until a knowledge base is attached
@@ -289,37 +270,28 @@ def build_server(cfg: RetrievalConfig, *, datastore=None, kb=None, crest=None) -
         draft_pb2_grpc.add_DraftServiceServicer_to_server(draft, server)
         return [_DRAFT_SERVICE, *knowledge.add_to_server(server)]
 
-    from retrieval_service.knowledge import dense
-
     auth, credentials = security.server_setup(cfg)
     running = start_server(add, host=cfg.host, port=cfg.port, workers=cfg.workers,
                            max_concurrent_rpcs=cfg.max_concurrent_rpcs, max_message_bytes=cfg.max_message_bytes,
-                           interceptors=auth, observers=[metrics.GrpcMetrics("retrieval", metrics.observe_retrieval)],
+                           interceptors=auth, observers=[core_metrics.GrpcMetrics(metrics.SERVICE, metrics.observe_retrieval)],
                            credentials=credentials,
                            # Searches run in the handler threads: they must get the faiss/BLAS thread cap too.
                            thread_initializer=lambda: dense.configure_faiss(cfg.kb_omp_threads))
     running_ref.append(running)
     try:
-        running.closers.append(metrics.serve_config(cfg, "retrieval"))
+        running.closers.append(core_metrics.serve_config(cfg, metrics.SERVICE))
         ds = datastore if datastore is not None else open_indexes(cfg)
         learner = None
         if cfg.learn and ds is not None:
-            from retrieval_service.datastore.online import OnlineLearner
-
             learner = OnlineLearner(ds, directory=cfg.learn_dir or None, max_tokens=cfg.learn_max_tokens,
                                     compact_tokens=cfg.learn_compact_tokens)
         crest = crest if crest is not None else open_crest(cfg, ds)
         draft.attach(ds, vocab_size=None, learner=learner, crest=crest)
         if kb is None and cfg.kb:
-            from retrieval_service.knowledge.kb import KnowledgeBase
-
             kb = KnowledgeBase.open(cfg.kb, cfg)  # loads, checks and warms every index
         if cfg.kb_knn_datastores:
-            from retrieval_service.knowledge import knn_build
-            from retrieval_service.knowledge.kb import KnowledgeBase
-
             kb = kb if kb is not None else KnowledgeBase.vectors_only(cfg)
-            knn_build.add_to_kb(kb, cfg.kb_knn_datastores, cfg)  # opens, checks and warms each kNN-LM index
+            knn_index.add_to_kb(kb, cfg.kb_knn_datastores, cfg)  # opens, checks and warms each kNN-LM index
         if kb is not None:
             knowledge.attach(kb)
             knowledge.warmup()
@@ -339,8 +311,6 @@ def serve(cfg: RetrievalConfig) -> None:
     except Exception as e:
         # A missing or corrupted index: exit non-zero with the loader's message (compose's depends_on then
         # fails at once and the launcher shows it) instead of a process that looks alive but never serves.
-        from retrieval_service.knowledge.kb import KBOpenError
-
         log.error("retrieval service cannot serve: %s", e,
                   exc_info=not isinstance(e, (ValueError, OSError, KBOpenError)))
         sys.exit(2)
@@ -351,6 +321,8 @@ def serve(cfg: RetrievalConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    offline_process()
+    sparse.prepare_process()
     serve(RetrievalConfig.from_args(argv))
 
 

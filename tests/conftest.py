@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from generation_service.model_files import default_model_dir, is_model_dir
+from ragcore.model_files import default_model_dir, is_model_dir
+from ragcore.process import offline_process
+from retrieval_service.knowledge import sparse
+
+# A test session is a process main: the settings each service's main makes (ragcore/process.py).
+offline_process()
+sparse.prepare_process()
 
 
 def real_model(dtype: str, forward: str = "auto"):

@@ -20,6 +20,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from ragcore.model_files import default_model_dir, load_tokenizer, ragserve_home, resolve_model_dir, tokenizer_identity
+from ragcore.process import offline_process
 from retrieval_service.datastore import corpus, shards
 from retrieval_service.datastore.shards import DatastoreError
 
@@ -29,8 +31,6 @@ DEFAULT_SHARD_TOKENS = 128_000_000
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    from generation_service.model_files import default_model_dir
-
     ap = argparse.ArgumentParser(prog="python -m retrieval_service.datastore.build", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input", action="append", default=[], metavar="PATH|GLOB",
@@ -63,16 +63,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def build(args: argparse.Namespace) -> dict:
     """Run one (possibly resumed) build; returns the manifest plus timing and memory figures."""
-    from generation_service.model_files import load_tokenizer, resolve_model_dir
-
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(resolve_model_dir(args.tokenizer))
-    tokenizer_id = corpus.tokenizer_identity(tokenizer)
+    tokenizer_id = tokenizer_identity(tokenizer)
     vocab_size = len(tokenizer)
     jsonl = list(args.jsonl)
     if args.docs:
-        from generation_service.model_files import ragserve_home
-
         bar = tqdm(unit="doc", desc="docs corpus", disable=args.no_progress)
         jsonl.append(str(corpus.write_docs_jsonl(ragserve_home() / "corpora" / "docs.jsonl", progress=bar.update)))
         bar.close()
@@ -143,5 +139,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    offline_process(tokenizer_threads=True)  # bulk tokenization: the tokenizer's own threads pay here
     sys.exit(main())

@@ -3,13 +3,12 @@
 Sources are files (one document each) and JSONL files (one document per line), listed in a fixed order so a
 document's index is stable across runs (an interrupted build resumes by index).
 
-The tokenizer identity is a hash of the vocabulary (token -> id) and the special tokens, so a datastore
-built with one tokenizer is refused by a worker using another (ids would mean different strings).
+A datastore records its tokenizer's identity (ragcore.model_files.tokenizer_identity), so a worker using
+another tokenizer is refused (ids would mean different strings).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sysconfig
@@ -22,17 +21,7 @@ from typing import Iterator
 import numpy as np
 import xxhash
 
-
-def tokenizer_identity(tokenizer) -> str:
-    """Stable identity of a tokenizer's id space: same vocab and specials -> same string."""
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    payload = json.dumps(
-        {"vocab": vocab, "special": sorted(map(str, tokenizer.all_special_tokens))},
-        ensure_ascii=False,
-        separators=(",", ":"),
-    ).encode("utf-8")
-    return f"vocab{len(vocab)}-{hashlib.sha256(payload).hexdigest()[:16]}"
-
+from retrieval_service.knowledge.passages import iter_documents as iter_doc_documents
 
 # Extensions taken from a directory given with --input (a glob takes whatever it matches).
 TEXT_SUFFIXES = frozenset({
@@ -83,8 +72,6 @@ def write_docs_jsonl(path: Path, workers: int = 2, progress=None) -> Path:
     """The documentation corpus as JSONL ({"text"} per document), written once (atomic): the python3.11-doc reST
     pages and the docstrings of the standard library and site-packages (the knowledge base's documents, whole).
     An existing file is reused; delete it to rebuild."""
-    from retrieval_service.knowledge.passages import iter_documents as iter_doc_documents
-
     path = Path(path).expanduser()
     if path.is_file():
         return path

@@ -28,12 +28,30 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
-from retrieval_service.datastore.ngram_codec import COMPRESSIONS, MAX_COUNT, MAX_NODES, Codec, encode_payload, \
-    train_dictionary
+from retrieval_service.datastore.ngram_codec import (
+    COMPRESSIONS,
+    MAX_COUNT,
+    MAX_NODES,
+    Codec,
+    encode_payload,
+    train_dictionary,
+)
 from retrieval_service.datastore.ngram_count import NgramCounts, count_ngrams
+from retrieval_service.datastore.ngram_redis import push_to_redis
 from retrieval_service.datastore.ngram_select import check_strategy, largest_t_within, take_for
-from retrieval_service.datastore.ngram_store import StoreRecords, record_nbytes, store_size, write_store
+from retrieval_service.datastore.ngram_store import (
+    EmbeddedNgramStore,
+    NgramStoreError,
+    StoreRecords,
+    StoreUnavailable,
+    record_nbytes,
+    store_size,
+    write_store,
+)
+from retrieval_service.datastore.shards import DatastoreError
+from retrieval_service.datastore.suffix_array import SuffixArrayDatastore
 
 # The dictionary is trained on the trees of the DICT_SAMPLE most frequent n-grams of each n, whatever the store
 # size: stores of different sizes from one datastore share it (and builds are deterministic).
@@ -89,8 +107,6 @@ class CandidatePool:
 
     def _draft(self, want: dict[int, int]) -> None:
         """Draft and raw-encode ranks [have, want[n]) of each n."""
-        from tqdm import tqdm
-
         todo = {n: min(want.get(n, 0), self.available[n]) - len(self.raw[n]) for n in self.available}
         total = sum(max(v, 0) for v in todo.values())
         if total <= 0:
@@ -271,10 +287,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from retrieval_service.datastore.ngram_store import EmbeddedNgramStore, NgramStoreError, StoreUnavailable
-    from retrieval_service.datastore.shards import DatastoreError
-    from retrieval_service.datastore.suffix_array import SuffixArrayDatastore
-
     args = _parse(argv)
     try:
         if args.cmd == "build":
@@ -288,8 +300,6 @@ def main(argv: list[str] | None = None) -> int:
                   f"datastore pages included), trees {report['draft_seconds']:.0f} s, total "
                   f"{report['total_seconds']:.0f} s, peak RSS {report['peak_rss_mb']:.0f} MB")
         elif args.cmd == "push":
-            from retrieval_service.datastore.ngram_redis import push_to_redis
-
             store = EmbeddedNgramStore.open(args.store)
             r = push_to_redis(store, args.redis, args.namespace, drop_old=not args.keep_old,
                               progress=not args.no_progress)

@@ -69,7 +69,7 @@ def decode_payload(raw: bytes, tok_dtype: np.dtype) -> tuple[np.ndarray, np.ndar
 
 def train_dictionary(raw_payloads: list[bytes], size: int) -> bytes:
     """A zstd dictionary for these payloads (deterministic for the same input); b"" if too few samples."""
-    import zstandard
+    import zstandard  # optional: only zstd-compressed stores need it
 
     if len(raw_payloads) < 16 or sum(map(len, raw_payloads)) < 8 * size:
         return b""  # zstd's trainer needs a reasonable sample; tiny stores are stored raw
@@ -95,7 +95,7 @@ class Codec:
         self._local = threading.local()
 
     def _dict(self):
-        import zstandard
+        import zstandard  # optional: only zstd-compressed stores need it
 
         return zstandard.ZstdCompressionDict(self.zdict) if self.zdict else None
 
@@ -104,7 +104,7 @@ class Codec:
             return raw
         c = getattr(self._local, "c", None)
         if c is None:
-            import zstandard
+            import zstandard  # optional: only zstd-compressed stores need it
 
             c = zstandard.ZstdCompressor(level=self.level, dict_data=self._dict(), write_checksum=False,
                                          write_content_size=True, write_dict_id=False)
@@ -116,7 +116,7 @@ class Codec:
             return payload
         d = getattr(self._local, "d", None)
         if d is None:
-            import zstandard
+            import zstandard  # optional: only zstd-compressed stores need it
 
             d = zstandard.ZstdDecompressor(dict_data=self._dict())
             self._local.d = d

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import numba as nb
 import numpy as np
+from tqdm import tqdm
 
 _JIT = dict(nogil=True, cache=True)
 # Merged suffix-array entries per kernel call: a progress update every ~0.2 s.
@@ -235,8 +236,6 @@ def count_ngrams(datastore, max_n: int, top: int, *, progress: bool = True) -> N
     datastore: an open SuffixArrayDatastore (any number of shards). Streaming: one pass over the merged suffix
     arrays; memory besides the memory-mapped shards is 4 int64 heaps of [max_n, top].
     """
-    from tqdm import tqdm
-
     if isinstance(max_n, bool) or not isinstance(max_n, (int, np.integer)) or not 1 <= max_n <= 64:
         raise ValueError(f"max_n must be an integer in [1, 64], got {max_n!r}")
     if isinstance(top, bool) or not isinstance(top, (int, np.integer)) or top < 0:

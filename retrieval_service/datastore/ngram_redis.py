@@ -27,16 +27,24 @@ import threading
 from typing import Sequence
 
 import numpy as np
+from tqdm import tqdm
 
-from retrieval_service.datastore.draft_tree import DraftTree
-from retrieval_service.datastore.ngram_store import (EmbeddedNgramStore, NgramStoreError, StoreUnavailable,
-                                                     TokenizerMismatch, _TreeDecoder, build_id, check_lookup_args)
+from ragcore.draft_tree import DraftTree
+from retrieval_service.datastore.ngram_store import (
+    EmbeddedNgramStore,
+    NgramStoreError,
+    StoreUnavailable,
+    TokenizerMismatch,
+    _TreeDecoder,
+    build_id,
+    check_lookup_args,
+)
 
 _NAMESPACE = re.compile(r"^[A-Za-z0-9_.:\-]{1,200}$")
 
 
 def _client(url: str, timeout_ms: float):
-    import redis
+    import redis  # optional backend: only a redis:// store needs the client
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
@@ -60,7 +68,7 @@ class RedisNgramStore:
 
     def __init__(self, url: str, namespace: str, *, expected_tokenizer_id: str | None = None,
                  timeout_ms: float = 50.0):
-        import redis
+        import redis  # optional backend: only a redis:// store needs the client
 
         self.url = url
         self.namespace = check_namespace(namespace)
@@ -211,9 +219,7 @@ def push_to_redis(store: EmbeddedNgramStore, url: str, namespace: str, *, batch:
     drop_old: afterwards delete the keys of other builds under the same namespace (readers of an old build
     switch to the new one on their next lookup).
     """
-    import redis
-    from tqdm import tqdm
-
+    import redis  # optional backend: only a redis:// store needs the client
     check_namespace(namespace)
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")

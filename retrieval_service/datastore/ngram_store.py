@@ -1,7 +1,7 @@
 """CREST n-gram store: precomputed REST draft trees for the most frequent n-grams, looked up by context suffix.
 
-    store = open_ngram_store("~/.cache/ragserve/crest/code.crest")          # embedded: one memory-mapped file
-    store = open_ngram_store("redis://127.0.0.1:6379/0", namespace="code")  # Redis (retrieval_service/ngram_redis.py)
+    store = EmbeddedNgramStore.open("~/.cache/ragserve/crest/code.crest")   # one memory-mapped file
+    (Redis: ngram_redis.py; either one by spec: ngram_backends.open_ngram_store)
     tree = store.lookup(context_ids, max_nodes=64)   # DraftTree; matched_suffix = n of the hit, 0 = no hit
 
 Lookup. The context's suffixes are probed from the longest stored n down to 1; the first stored n-gram wins and
@@ -44,13 +44,14 @@ import numba as nb
 import numpy as np
 import xxhash
 
+from ragcore.draft_tree import DraftTree, as_context
+from ragcore.errors import Unavailable
 from retrieval_service.datastore import container
-from retrieval_service.datastore.draft_tree import DraftTree, as_context
 from retrieval_service.datastore.ngram_codec import Codec, decode_payload, trim_tree
-from retrieval_service.datastore.shards import DatastoreError, TokenizerMismatch
+from retrieval_service.datastore.shards import DatastoreError, TokenizerMismatch, token_dtype
 
 __all__ = ["NgramStoreError", "StoreUnavailable", "TokenizerMismatch", "EmbeddedNgramStore", "FallbackNgramStore",
-           "StoreRecords", "write_store", "read_header", "open_ngram_store", "store_size", "record_nbytes",
+           "StoreRecords", "write_store", "read_header", "store_size", "record_nbytes",
            "build_id", "FORMAT", "FORMAT_VERSION"]
 
 FORMAT = "ragserve-crest"
@@ -68,7 +69,7 @@ class NgramStoreError(DatastoreError):
     """A CREST store is missing, corrupted, incomplete or does not fit the caller (the message says which)."""
 
 
-class StoreUnavailable(RuntimeError):
+class StoreUnavailable(Unavailable):
     """The store's backend cannot answer right now (Redis down or timing out): a transient condition."""
 
 
@@ -212,8 +213,6 @@ class StoreRecords:
 
 
 def _tok_dtype(vocab_size: int) -> np.dtype:
-    from retrieval_service.datastore.shards import token_dtype
-
     return token_dtype(vocab_size)
 
 
@@ -549,31 +548,3 @@ class FallbackNgramStore:
             self.primary.warmup()
         except StoreUnavailable:
             pass
-
-
-def is_redis_url(spec: str) -> bool:
-    return spec.startswith(("redis://", "rediss://", "unix://"))
-
-
-def open_ngram_store(spec: str, *, namespace: str = "crest", expected_tokenizer_id: str | None = None,
-                     timeout_ms: float = 50.0, fallback: str = ""):
-    """A store file path, or a redis:// URL (then `namespace` names the store inside Redis); with `fallback`
-    (an embedded store file) a Redis outage is answered from that copy instead of raising StoreUnavailable."""
-    if not spec:
-        raise ValueError("CREST store: give a store file path or a redis:// URL")
-    if not is_redis_url(spec):
-        if fallback:
-            raise ValueError(f"crest_fallback {fallback!r} only applies to a Redis store, got the file {spec!r}")
-        return EmbeddedNgramStore.open(spec, expected_tokenizer_id)
-    from retrieval_service.datastore.ngram_redis import RedisNgramStore
-
-    store = RedisNgramStore(spec, namespace, expected_tokenizer_id=expected_tokenizer_id, timeout_ms=timeout_ms)
-    if not fallback:
-        return store
-    local = EmbeddedNgramStore.open(fallback, expected_tokenizer_id)
-    try:
-        store.connect()
-    except StoreUnavailable:
-        # Redis is down at start-up: serve from the copy; the Redis side re-checks on its first good answer.
-        store.assume_header(local.header, local.zdict())
-    return FallbackNgramStore(store, local)

@@ -22,10 +22,12 @@ Worked example, documents [5, 6, 5] and [6], vocab 8 (uint16):
 
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
 import os
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
@@ -34,6 +36,7 @@ import numba as nb
 import numpy as np
 import xxhash
 
+from ragcore.errors import DataLoss, FailedPrecondition
 from retrieval_service.datastore import container
 
 FORMAT = "ragserve-suffix-array"
@@ -49,7 +52,7 @@ _SECTIONS = ("tokens", "sa", "bucket", "doc_starts")
 _JIT = dict(nogil=True, cache=True)
 
 
-class DatastoreError(ValueError):
+class DatastoreError(FailedPrecondition, ValueError):
     """A datastore is missing, incomplete, corrupted, or does not fit the caller (message says which)."""
 
 
@@ -57,7 +60,7 @@ class TokenizerMismatch(DatastoreError):
     """The datastore was built with a different tokenizer than the caller's."""
 
 
-class DatastoreCorrupted(DatastoreError):
+class DatastoreCorrupted(DataLoss, DatastoreError):
     """Drafting met data no valid shard holds (an index outside the arrays, a token outside the vocabulary): the
     files changed or were crafted behind the load-time verification. The message names the shard file(s)."""
 
@@ -137,8 +140,7 @@ def suffix_array(tokens: np.ndarray) -> np.ndarray:
     suffix array filtered to multiples of the item size is the token suffix array. Peak memory: the byte copy
     (N * itemsize) plus the int32 byte suffix array (4 * N * itemsize), compacted in place and returned as a view.
     """
-    from pydivsufsort.dll import libdivsufsort
-    import ctypes
+    from pydivsufsort.dll import libdivsufsort  # builders only: serving never sorts suffixes
 
     itemsize = tokens.dtype.itemsize
     n_bytes = tokens.shape[0] * itemsize
@@ -411,8 +413,6 @@ def verify_shards(shards: Sequence[Shard], *, threads: int = 0,
         todo.append((shard, ident, data_start))
     tasks = [(shard, name, start) for shard, _, start in todo for name in _SECTIONS]
     if tasks:
-        from concurrent.futures import ThreadPoolExecutor
-
         workers = max(1, min(threads or os.cpu_count() or 1, len(tasks)))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="verify") as pool:
             futures = [pool.submit(_verify_section, *t) for t in tasks]

@@ -32,11 +32,19 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
+from tqdm import tqdm
 
+from ragcore.draft_kernels import N_SOURCES, draft_kernel, draft_packed
+from ragcore.draft_tree import (
+    CONTEXT_CONTINUATION,
+    CONTEXT_MAX_MATCHES,
+    CONTEXT_MIN_SUFFIX,
+    DraftTree,
+    as_context,
+    check_draft_args,
+    context_draft,
+)
 from retrieval_service.datastore import shards as shards_mod
-from retrieval_service.datastore.draft_tree import (CONTEXT_CONTINUATION, CONTEXT_MAX_MATCHES, CONTEXT_MIN_SUFFIX,
-                                                    DraftTree, as_context, check_draft_args)
-from retrieval_service.datastore.kernels import N_SOURCES, draft_kernel, draft_packed
 from retrieval_service.datastore.shards import DatastoreCorrupted, DatastoreError, Shard, TokenizerMismatch
 
 __all__ = ["SuffixArrayDatastore", "DatastoreError", "DatastoreCorrupted", "TokenizerMismatch", "Shard",
@@ -102,8 +110,6 @@ class SuffixArrayDatastore:
         at the first missing shard (the iterable is replayed from the start; finished documents are skipped).
         Without it `path` must not hold a datastore already.
         """
-        from tqdm import tqdm
-
         out = Path(path).expanduser()
         key = resume_key or "api-build"
         if resume_key is None and out.exists() and any(out.iterdir()):
@@ -237,8 +243,6 @@ class SuffixArrayDatastore:
         """
         ctx = self._context(context_ids)
         if source == "context":
-            from retrieval_service.datastore.draft_tree import context_draft
-
             return context_draft(ctx, max_suffix, context_min_suffix, context_max_matches, continuation, max_nodes)
         args = self._args(max_suffix, min_suffix, max_matches, continuation, max_nodes, source, context_min_suffix,
                           context_max_matches, context_continuation, weights, sampling)
@@ -318,8 +322,6 @@ class SuffixArrayDatastore:
 
     def warmup(self) -> None:
         """Load (or compile) every kernel the server uses, on a tiny context; call before reporting SERVING."""
-        from retrieval_service.datastore.draft_tree import context_draft
-
         shard = self.shards[0]
         n = min(shard.num_tokens, 64)
         ctx = np.asarray(shard.tokens[: n + 1], np.int64)

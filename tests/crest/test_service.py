@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from proto import draft_pb2, draft_pb2_grpc
+from ragcore.draft_tree import DraftTree
+from ragcore.wire import pack_tokens
 from retrieval_service.config import RetrievalConfig
 from retrieval_service.datastore.crest_build import build_store
-from retrieval_service.datastore.draft_tree import DraftTree
 from retrieval_service.datastore.ngram_redis import push_to_redis
 from retrieval_service.datastore.ngram_store import EmbeddedNgramStore
 from retrieval_service.server import build_server
-from serving.wire import pack_tokens
 
 from .conftest import REDIS_TIMEOUT_MS, corpus
 from .test_store import same_tree
@@ -130,8 +130,7 @@ def tm():
 @pytest.fixture(scope="module")
 def real_store(tmp_path_factory):
     """A CREST store over a few stdlib packages, tokenized with the serving model's tokenizer."""
-    from generation_service.model_files import default_model_dir, load_tokenizer
-    from retrieval_service.datastore.corpus import tokenizer_identity
+    from ragcore.model_files import default_model_dir, load_tokenizer, tokenizer_identity
     from retrieval_service.datastore.suffix_array import SuffixArrayDatastore
     from tests.integration.conftest import stdlib_documents
 

@@ -2,14 +2,18 @@
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
+from ragcore.draft_tree import DraftTree
 from retrieval_service.datastore.crest_build import build_store
-from retrieval_service.datastore.draft_tree import DraftTree
 from retrieval_service.datastore.ngram_codec import Codec, decode_payload, encode_payload, trim_tree
-from retrieval_service.datastore.ngram_store import (EmbeddedNgramStore, NgramStoreError, StoreRecords,
-                                                     TokenizerMismatch, write_store)
+from retrieval_service.datastore.ngram_store import (
+    EmbeddedNgramStore,
+    NgramStoreError,
+    StoreRecords,
+    TokenizerMismatch,
+    write_store,
+)
 
 from .conftest import TID, VOCAB, corpus, datastore_of
 

@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from generation_service.model_files import default_model_dir, is_model_dir, load_tokenizer
-from retrieval_service.datastore import build, corpus
+from ragcore.model_files import default_model_dir, is_model_dir, load_tokenizer, tokenizer_identity
+from retrieval_service.datastore import build
 from retrieval_service.datastore.suffix_array import SuffixArrayDatastore, TokenizerMismatch, check_datastore
 
 pytestmark = [
@@ -28,7 +28,7 @@ def test_build_cli_files_and_jsonl(tmp_path, capsys):
             "--no-progress"]
     assert build.main(argv) == 0
     tokenizer = load_tokenizer(default_model_dir())
-    ds = SuffixArrayDatastore.open(out, expected_tokenizer_id=corpus.tokenizer_identity(tokenizer))
+    ds = SuffixArrayDatastore.open(out, expected_tokenizer_id=tokenizer_identity(tokenizer))
     texts = [tokenizer.decode(s.document(i)) for s in ds.shards for i in range(s.num_documents)]
     assert texts == ["def add(a, b):\n    return a + b\n", "def mul(a, b):\n    return a * b\n", "hello world", "x = 1"]
     assert ds.num_shards >= 2 and ds.vocab_size == len(tokenizer) and ds.shards[0].tokens.dtype == np.uint16

@@ -18,11 +18,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto import draft_pb2, draft_pb2_grpc
+from ragcore.wire import pack_tokens
 from retrieval_service.config import RetrievalConfig
 from retrieval_service.datastore import shards as shards_mod
 from retrieval_service.datastore.shards import DatastoreError, Shard
 from retrieval_service.datastore.suffix_array import SuffixArrayDatastore
-from serving.wire import pack_tokens
 
 TID = "test-tokenizer"
 VOCAB = 1000

@@ -2,12 +2,12 @@
 
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings
-from hypothesis import strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
-from retrieval_service.datastore.draft_tree import context_draft
+from ragcore.draft_tree import context_draft
 from retrieval_service.datastore.shards import Shard
 from retrieval_service.datastore.suffix_array import SuffixArrayDatastore
+
 from . import reference as ref
 
 TID = "test-tokenizer"

@@ -2,8 +2,7 @@
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from retrieval_service.datastore.online import OnlineLearner
 from retrieval_service.datastore.suffix_array import SuffixArrayDatastore

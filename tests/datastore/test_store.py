@@ -9,6 +9,7 @@ import pytest
 from retrieval_service.datastore import shards as shards_mod
 from retrieval_service.datastore.shards import DatastoreError, Shard, TokenizerMismatch
 from retrieval_service.datastore.suffix_array import SuffixArrayDatastore, check_datastore, verify_datastore
+
 from . import reference as ref
 
 TID = "test-tokenizer"

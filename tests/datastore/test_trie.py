@@ -1,11 +1,11 @@
-"""Counted trie and top-k selection (kernels.py section 1) on hand-made rows, and against the brute-force reference."""
+"""Counted trie and top-k selection (ragcore/draft_kernels.py section 1) on hand-made rows, and against the brute-force reference."""
 
 import numpy as np
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
-from retrieval_service.datastore.draft_tree import DraftTree
-from retrieval_service.datastore.kernels import N_SOURCES, tree_from_rows
+from ragcore.draft_kernels import N_SOURCES, tree_from_rows
+from ragcore.draft_tree import DraftTree
+
 from . import reference as ref
 
 

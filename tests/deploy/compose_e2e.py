@@ -44,7 +44,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from generation_service.client import GenerationClient
 from proto import draft_pb2, draft_pb2_grpc, generation_pb2
-from serving.wire import pack_tokens
+from ragcore.wire import pack_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGES = {"retrieval": ("Dockerfile.retrieval", "ragserve-retrieval:latest"),

@@ -21,8 +21,8 @@ import pytest
 import yaml
 
 from generation_service.config import GenerationConfig
+from ragcore.draft_tree import DraftTree
 from retrieval_service.config import RetrievalConfig
-from retrieval_service.datastore.draft_tree import DraftTree
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -216,7 +216,7 @@ def test_data_volumes_are_read_only_and_the_ca_key_stays_with_init(compose):
 def test_make_certs_puts_the_ca_key_where_it_is_told(tmp_path):
     if shutil.which("openssl") is None:
         pytest.skip("openssl CLI not installed")
-    from serving.security import make_certs
+    from ragcore.security import make_certs
 
     files = make_certs(tmp_path / "certs", ["localhost"], ca_key_dir=tmp_path / "ca")
     assert files["ca_key"] == tmp_path / "ca" / "ca.key" and files["ca_key"].exists()
@@ -278,8 +278,8 @@ def test_commands_name_modules_that_exist(compose):
         for module in re.findall(r'CMD \["python", "-m", "([\w.]+)"\]', text):
             _main_module(module)
             checked.append(module)
-    assert {"retrieval_service.server", "generation_service.server", "generation_service.model_files",
-            "retrieval_service.datastore.build", "serving.security"} <= set(checked)
+    assert {"retrieval_service.server", "generation_service.server", "ragcore.model_files",
+            "retrieval_service.datastore.build", "ragcore.security"} <= set(checked)
 
 
 def _stages(text: str) -> list[str]:
@@ -373,8 +373,8 @@ def test_healthcheck_is_valid_python_that_probes_grpc_health(compose, service, t
     if shutil.which("openssl") is None:
         pytest.skip("openssl CLI not installed (needed to make test certificates)")
     # Run it for real against a TLS server with the compose certificate layout.
+    from ragcore.security import make_certs
     from retrieval_service.server import build_server
-    from serving.security import make_certs
 
     certs = make_certs(tmp_path / "certs", ["localhost", "127.0.0.1"])
     running = build_server(RetrievalConfig(port=0, tls_cert=str(certs["cert"]), tls_key=str(certs["key"]),

@@ -66,11 +66,11 @@ def fuzz_generation(tm, fuzz_retrieval):
 
 @pytest.fixture(scope="session")
 def fuzz_knowledge(tmp_path_factory):
+    from ragcore.encoder import Encoder
+    from ragcore.grpc_shell import start_server
     from retrieval_service.knowledge.build import build_kb
-    from retrieval_service.knowledge.dense import Encoder
     from retrieval_service.knowledge.kb import KnowledgeBase
     from retrieval_service.knowledge.service import KnowledgeServicer
-    from serving.grpc_shell import start_server
     from tests.knowledge.conftest import tiny_corpus
 
     encoder = Encoder(threads=1, cache_size=64)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from proto import draft_pb2, generation_pb2
-from serving.security import find_bad_field
+from ragcore.security import find_bad_field
 from tests.fuzz.wire import ldelim, varint
 
 GEN = generation_pb2.GenerateRequest.DESCRIPTOR

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from hypothesis import event, given
-from hypothesis import strategies as st
+from hypothesis import event, given, strategies as st
 
 from proto import generation_pb2 as pb
 from tests.fuzz.conftest import GEN_LIMITS

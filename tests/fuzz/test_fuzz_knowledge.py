@@ -7,8 +7,7 @@ from __future__ import annotations
 import grpc
 import numpy as np
 import pytest
-from hypothesis import event, given
-from hypothesis import strategies as st
+from hypothesis import event, given, strategies as st
 
 from proto import knowledge_pb2 as pb
 from tests.fuzz.wire import BAD_UTF8, FUZZ, check, ldelim

@@ -17,8 +17,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto import draft_pb2, generation_pb2, knowledge_pb2
-from serving.grpc_shell import MAX_DETAILS_BYTES
-from serving.wire import pack_tokens
+from ragcore.grpc_shell import MAX_DETAILS_BYTES
+from ragcore.wire import pack_tokens
 from tests.fuzz.conftest import GEN_LIMITS
 from tests.fuzz.wire import BAD_UTF8, FIELD, ldelim, varint
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 import grpc
 import numpy as np
 import pytest
-from hypothesis import event, given
-from hypothesis import strategies as st
+from hypothesis import event, given, strategies as st
 
 from proto import draft_pb2 as pb
-from serving.wire import pack_tokens
+from ragcore.wire import pack_tokens
 from tests.fuzz.wire import BAD_UTF8, FUZZ, check, ldelim
 
 S = "/ragserve.v1.DraftService/"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from generation_service.sampling import Sampler, SamplingParams
-from generation_service.speculative import FINISH_LENGTH, FINISH_STOP, _cut, accept
+from generation_service.speculative import FINISH_LENGTH, FINISH_STOP, accept, cut_emitted
 from generation_service.tree_attention import tree_children
 
 V = 10
@@ -86,4 +86,4 @@ def test_sampling_rejects_child_that_differs_from_draw():
     ([2, 6], 5, set(), ([2, 6], None)),                # ignore_eos: no EOS ids
 ])
 def test_cut(tokens, remaining, eos, want):
-    assert _cut(tokens, remaining, frozenset(eos)) == want
+    assert cut_emitted(tokens, remaining, frozenset(eos)) == want

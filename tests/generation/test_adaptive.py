@@ -12,7 +12,7 @@ from generation_service.draft_budget import StepCost
 from generation_service.drafters import PromptLookupDrafter
 from generation_service.sampling import SamplingParams
 from generation_service.speculative import decode, generate
-from retrieval_service.datastore.draft_tree import SOURCES, DraftTree
+from ragcore.draft_tree import SOURCES, DraftTree
 
 pytestmark = pytest.mark.model
 

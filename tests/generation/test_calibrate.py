@@ -7,11 +7,21 @@ import threading
 import numpy as np
 import pytest
 
-from generation_service.calibrate import (Calibration, CostCurve, ModelThread, cache_path, calibrated_model, choose,
-                                          candidate_threads, load_cache, robust_curve, save_cache)
+from generation_service.calibrate import (
+    Calibration,
+    CostCurve,
+    ModelThread,
+    cache_path,
+    calibrated_model,
+    candidate_threads,
+    choose,
+    load_cache,
+    robust_curve,
+    save_cache,
+)
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
-# Measured tables (ms per pass by rows, 2 threads, prefill of 200 tokens; ARCHITECTURE.md and calibrate.py's
+# Measured tables (ms per pass by rows, 2 threads, prefill of 200 tokens; docs/ARCHITECTURE.md and calibrate.py's
 # docstring). As calibration measures them: a bf16 AR step carries a pad row, so its q=1 is the q=2 pass.
 AVX2 = [CostCurve("fp32", 2, ROWS, (68, 100, 120, 136, 167, 176, 230), 555),
         CostCurve("bf16", 2, ROWS, (100, 100, 120, 157, 336, 621, 1029), 3088)]
@@ -107,7 +117,7 @@ def test_model_thread_runs_everything_on_one_thread():
 
 @pytest.mark.model
 def test_real_calibration_measures_then_reuses_and_survives_a_corrupt_cache(monkeypatch, tmp_path):
-    from generation_service.model_files import default_model_dir, is_model_dir
+    from ragcore.model_files import default_model_dir, is_model_dir
 
     if not is_model_dir(default_model_dir()):
         pytest.skip("default model not prepared (make model)")

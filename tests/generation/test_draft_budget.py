@@ -3,12 +3,10 @@ calibration, skipping useless remote drafts, and recovery after a bad stretch.""
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
-from generation_service.draft_budget import (DraftSizer, StepCost, acceptance_estimates, best_size, keep_best,
-                                             subtree)
-from retrieval_service.datastore.draft_tree import SOURCES
+from generation_service.draft_budget import DraftSizer, StepCost, acceptance_estimates, best_size, keep_best, subtree
+from ragcore.draft_tree import SOURCES
 
 DS, CTX, LEARNED = (SOURCES.index(s) for s in ("datastore", "context", "learned"))
 # Cost tables (ms by rows) measured on three CPUs (calibrate.py's docstring; Zen 5 as calibrated, monotone).

@@ -7,10 +7,9 @@ import pytest
 import torch
 
 from generation_service.lean_llama import KVCache, LeanLlama, capacity_for
-from generation_service.model import load_model, new_cache
+from generation_service.model import new_cache
 from generation_service.sampling import SamplingParams
 from generation_service.speculative import generate, prefill, verify_tree
-from generation_service.tree_attention import tree_mask, tree_position_ids
 from tests.conftest import real_model
 
 
@@ -90,6 +89,6 @@ def test_unsupported_architectures_say_why():
 
     assert "gpt2" in LeanLlama.supports(M())
     with pytest.raises(ValueError, match="lean forward does not support"):
-        from generation_service.model import with_forward, TargetModel
+        from generation_service.model import TargetModel, with_forward
 
         with_forward(TargetModel(M(), None, torch.device("cpu"), torch.float32, 1, frozenset(), 1, ""), "lean")

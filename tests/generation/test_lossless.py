@@ -18,7 +18,7 @@ import pytest
 from generation_service.drafters import DraftUnavailable, PromptLookupDrafter
 from generation_service.sampling import SamplingParams
 from generation_service.speculative import decode, first_divergence, generate, generate_stream
-from retrieval_service.datastore.draft_tree import DraftTree
+from ragcore.draft_tree import DraftTree
 
 pytestmark = pytest.mark.model
 

@@ -12,10 +12,9 @@ import pytest
 
 from generation_service.client import GenerationClient
 from generation_service.config import GenerationConfig
-from generation_service.model_files import default_model_dir, load_tokenizer
 from proto import draft_pb2_grpc
+from ragcore.model_files import default_model_dir, load_tokenizer, tokenizer_identity
 from retrieval_service.config import RetrievalConfig
-from retrieval_service.datastore.corpus import tokenizer_identity
 from retrieval_service.datastore.suffix_array import SuffixArrayDatastore
 
 # Real code nobody here wrote: a few stdlib packages (~0.5 M tokens), enough for REST to find continuations.

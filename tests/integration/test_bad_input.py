@@ -10,7 +10,7 @@ import pytest
 
 from generation_service.client import build_request
 from proto import draft_pb2, generation_pb2_grpc
-from serving.wire import pack_tokens
+from ragcore.wire import pack_tokens
 
 pytestmark = pytest.mark.model
 

@@ -8,7 +8,7 @@ import pytest
 from generation_service.calibrate import ModelThread, calibrated_model
 from generation_service.client import GenerationClient
 from generation_service.config import GenerationConfig
-from generation_service.model_files import default_model_dir
+from ragcore.model_files import default_model_dir
 
 pytestmark = pytest.mark.model
 

@@ -11,8 +11,8 @@ import pytest
 from generation_service.client import GenerationClient
 from retrieval_service.config import RetrievalConfig
 from retrieval_service.server import build_server as build_retrieval
-from serving.launcher import free_port
 from tests.integration.conftest import PROMPTS, start_generation
+from tools.launcher import free_port
 
 pytestmark = pytest.mark.model
 N_TOKENS = 24

@@ -9,10 +9,10 @@ import pytest
 
 from generation_service.client import GenerationClient
 from proto import draft_pb2, draft_pb2_grpc
+from ragcore.wire import pack_tokens
 from retrieval_service.config import RetrievalConfig
 from retrieval_service.datastore.suffix_array import SuffixArrayDatastore
 from retrieval_service.server import build_server as build_retrieval
-from serving.wire import pack_tokens
 from tests.integration.conftest import start_generation
 
 pytestmark = pytest.mark.model

@@ -11,7 +11,6 @@ import textwrap
 import numpy as np
 import pytest
 
-
 DOC_TOKENS = 160  # per document: 4 documents -> ~640 entries, enough for k up to 256 and a few windows each
 WINDOW, OVERLAP = 64, 16  # small windows so every document spans several (the cut logic is exercised)
 
@@ -28,7 +27,7 @@ def doc_tokens(tm) -> list[np.ndarray]:
 
 @pytest.fixture(scope="session")
 def ds_path(tm, doc_tokens, tmp_path_factory):
-    from retrieval_service.knowledge.knn_build import build_datastore
+    from tools.knn_build import build_datastore
 
     docs = [(f"doc{i}", t) for i, t in enumerate(doc_tokens)]
     return build_datastore(tmp_path_factory.mktemp("knn") / "tiny", docs, tm, window=WINDOW, overlap=OVERLAP,
@@ -37,7 +36,7 @@ def ds_path(tm, doc_tokens, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def ds(ds_path):
-    from retrieval_service.knowledge.knn_build import open_datastore
+    from ragcore.knn_store import open_datastore
 
     return open_datastore(ds_path)
 

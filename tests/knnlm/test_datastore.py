@@ -11,15 +11,10 @@ import pytest
 import torch
 
 from generation_service.knnlm import _output_layer_input
-from retrieval_service.knowledge.knn_build import (
-    check_datastore,
-    entry_offsets,
-    entry_positions,
-    open_datastore,
-    open_vector_index,
-    plan_windows,
-)
+from ragcore.knn_store import check_datastore, entry_offsets, entry_positions, open_datastore
+from retrieval_service.knowledge.knn_index import open_vector_index
 from tests.knnlm.conftest import OVERLAP, WINDOW
+from tools.knn_build import plan_windows
 
 
 @pytest.mark.parametrize("length, window, overlap, expected", [

@@ -9,10 +9,10 @@ from pathlib import Path
 import grpc
 import pytest
 
+from ragcore.encoder import Encoder
 from retrieval_service.config import RetrievalConfig
 from retrieval_service.knowledge import passages as P
 from retrieval_service.knowledge.build import build_kb
-from retrieval_service.knowledge.dense import Encoder
 from retrieval_service.knowledge.kb import KnowledgeBase
 
 # (title, text, a query whose answer is this passage for every retriever)
@@ -84,7 +84,7 @@ def edr_only_kb(tmp_path_factory, kb_config, encoder) -> KnowledgeBase:
 
 def serve(servicer) -> tuple[object, grpc.Channel]:
     """The servicer on a real gRPC server bound to a free loopback port."""
-    from serving.grpc_shell import start_server
+    from ragcore.grpc_shell import start_server
 
     running = start_server(servicer.add_to_server, host="127.0.0.1", port=0, workers=4, max_concurrent_rpcs=None,
                            max_message_bytes=16 << 20)

@@ -13,14 +13,12 @@ import grpc
 import numpy as np
 import pytest
 
-from proto import draft_pb2, draft_pb2_grpc
-from proto import knowledge_pb2 as pb
-from proto import knowledge_pb2_grpc
+from proto import draft_pb2, draft_pb2_grpc, knowledge_pb2 as pb, knowledge_pb2_grpc
+from ragcore.encoder import Encoder
+from ragcore.wire import pack_f32, pack_tokens
 from retrieval_service.config import RetrievalConfig
-from retrieval_service.knowledge.dense import Encoder
 from retrieval_service.knowledge.kb import SEARCH_CHUNK, KnowledgeBase
 from retrieval_service.server import build_server
-from serving.wire import pack_f32, pack_tokens
 
 STDLIB_DATASTORE = Path(os.environ.get("RAGSERVE_HOME", Path.home() / ".cache" / "ragserve")) / "datastores" / "stdlib"
 

@@ -1,12 +1,12 @@
 """KnowledgeService over a real gRPC server on 127.0.0.1:0: payloads, status codes, deadlines."""
 
+import grpc
 import numpy as np
 import pytest
-import grpc
 
-from proto import knowledge_pb2 as pb
-from proto import knowledge_pb2_grpc
-from retrieval_service.knowledge.service import KnowledgeServicer, pack_f32, pack_ids
+from proto import knowledge_pb2 as pb, knowledge_pb2_grpc
+from ragcore.wire import pack_f32, pack_ids
+from retrieval_service.knowledge.service import KnowledgeServicer
 
 from .conftest import KNOWN, serve
 

@@ -10,10 +10,10 @@ import grpc
 import numpy as np
 
 from proto import draft_pb2, draft_pb2_grpc
+from ragcore.draft_tree import DraftTree
+from ragcore.wire import pack_tokens
 from retrieval_service.config import RetrievalConfig
-from retrieval_service.datastore.draft_tree import DraftTree
 from retrieval_service.server import build_server
-from serving.wire import pack_tokens
 
 
 class BlockingDatastore:

@@ -13,7 +13,7 @@ from generation_service.client import GenerationClient
 from generation_service.drafters import DraftUnavailable
 from generation_service.retrieval_client import RemoteDrafter, RetrievalClient
 from proto import draft_pb2, draft_pb2_grpc
-from serving.grpc_shell import start_server
+from ragcore.grpc_shell import start_server
 from tests.integration.conftest import PROMPTS, start_generation
 
 
@@ -87,7 +87,7 @@ def test_thread_initializer_runs_in_the_handler_threads():
                            thread_initializer=lambda: started.append(threading.current_thread().name))
     try:
         running.set_serving(True)
-        from serving.grpc_shell import wait_until_serving
+        from ragcore.grpc_shell import wait_until_serving
 
         assert wait_until_serving(running.address, timeout_s=10.0)  # a Health.Check handled by a pool thread
         assert started and all(name.startswith("rpc") for name in started)  # Not the main thread

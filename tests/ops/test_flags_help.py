@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from generation_service.config import FLAG_HELP as GEN_HELP, GenerationConfig
+from ragcore import config_util
 from retrieval_service.config import FLAG_HELP as RET_HELP, RetrievalConfig
-from serving import config_util
 
 # (server module, config class, description table, env prefix)
 SERVERS = [

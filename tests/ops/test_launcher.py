@@ -11,8 +11,8 @@ import signal
 import pytest
 import redis
 
-from serving import launcher
-from serving.grpc_shell import wait_until_serving
+from ragcore.grpc_shell import wait_until_serving
+from tools import launcher
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from loadtests.run import check, read_stats, table
+from ragcore.draft_tree import DraftTree
 from retrieval_service.config import RetrievalConfig
-from retrieval_service.datastore.draft_tree import DraftTree
 from retrieval_service.server import build_server
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,15 +12,16 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from generation_service import metrics as generation_metrics
 from generation_service.client import GenerationClient
 from proto import draft_pb2, draft_pb2_grpc
+from ragcore import metrics
+from ragcore.draft_tree import DraftTree
+from ragcore.wire import pack_tokens
 from retrieval_service.config import RetrievalConfig
-from retrieval_service.datastore.draft_tree import DraftTree
 from retrieval_service.server import build_server as build_retrieval
-from serving import metrics
-from serving.launcher import free_port
-from serving.wire import pack_tokens
 from tests.integration.conftest import PROMPTS, start_generation
+from tools.launcher import free_port
 
 DRAFT = {"grpc_service": "ragserve.v1.DraftService", "grpc_method": "Draft", "grpc_type": "unary"}
 
@@ -138,7 +139,7 @@ def test_each_service_exports_only_its_own_families(datastore):
     try:
         with grpc.insecure_channel(running.address) as ch:
             draft_pb2_grpc.DraftServiceStub(ch).Draft(draft_pb2.DraftRequest(context=pack_tokens([1, 2])), timeout=10)
-        metrics.GenerationObserver("ar", 0.0)  # the generation families exist in this (test) process too ...
+        generation_metrics.GenerationObserver("ar", 0.0)  # the generation families exist in this (test) process too ...
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     finally:
         running.stop(0)
@@ -229,7 +230,7 @@ def test_metrics_basic_auth_and_tls(tmp_path):
     import base64
     import ssl
 
-    from serving.security import make_certs
+    from ragcore.security import make_certs
 
     certs = make_certs(tmp_path / "certs", ["127.0.0.1"])
     secret = tmp_path / "metrics.auth"

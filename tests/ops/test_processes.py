@@ -24,8 +24,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from generation_service.client import GenerationClient
-from serving import launcher
 from tests.integration.conftest import PROMPTS
+from tools import launcher
 
 pytestmark = pytest.mark.model
 N_TOKENS = 24

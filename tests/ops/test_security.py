@@ -13,12 +13,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from generation_service.client import GenerationClient
 from generation_service.retrieval_client import RetrievalClient
 from proto import draft_pb2, draft_pb2_grpc
+from ragcore.draft_tree import DraftTree
+from ragcore.grpc_shell import wait_until_serving
+from ragcore.security import channel_credentials, make_certs
+from ragcore.wire import pack_tokens
 from retrieval_service.config import RetrievalConfig
-from retrieval_service.datastore.draft_tree import DraftTree
 from retrieval_service.server import build_server as build_retrieval
-from serving.grpc_shell import wait_until_serving
-from serving.security import channel_credentials, make_certs
-from serving.wire import pack_tokens
 from tests.integration.conftest import PROMPTS, start_generation
 
 TOKEN = "s3cret-token"

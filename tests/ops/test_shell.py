@@ -1,4 +1,4 @@
-"""The gRPC shell both services share (serving/grpc_shell.py), on the real servers over loopback:
+"""The gRPC shell both services share (ragcore/grpc_shell.py), on the real servers over loopback:
 
 - reflection v1 and v1alpha answer a client that knows nothing but reflection;
 - a draining server keeps answering health with NOT_SERVING while in-flight calls finish, refuses new ones with
@@ -20,9 +20,9 @@ from grpc_reflection.v1alpha import reflection_pb2 as rpb
 
 from generation_service.client import GenerationClient
 from proto import draft_pb2, draft_pb2_grpc
+from ragcore.wire import pack_tokens
 from retrieval_service.config import RetrievalConfig
 from retrieval_service.server import build_server as build_retrieval
-from serving.wire import pack_tokens
 from tests.integration.conftest import PROMPTS, start_generation
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ragcore.encoder import Encoder
 from retrieval_service.config import RetrievalConfig
 from retrieval_service.knowledge.build import build_kb
-from retrieval_service.knowledge.dense import Encoder
 from retrieval_service.knowledge.kb import KnowledgeBase
 from tests.knowledge.conftest import tiny_corpus
 

@@ -8,8 +8,8 @@ import pytest
 
 from generation_service.kb_client import KBClient, KBUnavailable
 from generation_service.ralm import RagParams
-from serving.launcher import free_port
 from tests.ralm.conftest import run_rag, start_kb_server
+from tools.launcher import free_port
 
 pytestmark = pytest.mark.model
 STRIDE = 2

@@ -10,7 +10,7 @@ import pytest
 
 from generation_service.config import GenerationConfig
 from proto import generation_pb2, generation_pb2_grpc
-from serving.launcher import free_port
+from tools.launcher import free_port
 
 pytestmark = pytest.mark.model
 STRIDE = 2

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 from generation_service.kb_client import Hits
-from generation_service.ralm import (RagParams, RagStats, StepRunner, first_mismatch, passage_budget,
-                                     resolve_true)
+from generation_service.ralm import RagParams, RagStats, StepRunner, first_mismatch, passage_budget, resolve_true
 from generation_service.ralm_retrieval import KBRetriever, Query
 from generation_service.sampling import SamplingParams
 from tests.ralm.conftest import N_TOKENS, run_rag
@@ -81,7 +80,7 @@ def test_constructed_mismatches_roll_back_sync(tm, kb_client, prompts, reference
     assert got == want  # Not the continuation of a wrong passage
     assert st.rollbacks == expected_rollbacks(wrong, N_TOKENS // STRIDE, 3) and st.rollbacks > 0
     assert st.speculation_hits < st.speculative_steps
-    assert st.wasted_generation_s > 0
+    assert st.wasted_generation_ms > 0
 
 
 @pytest.mark.parametrize("wrong", [{0}, {1, 2}])

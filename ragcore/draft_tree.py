@@ -8,7 +8,7 @@ Worked example: continuations "a b", "a c", "d" give
     parents = [-1, -1, 0, 0]
 
 context_draft() is prompt lookup inside the request's own tokens: a pure function over the context (its numba
-kernel lives in kernels.py), used by the generation worker's local `pld` drafter and by the "context" source.
+kernel lives in draft_kernels.py), used by the generation worker's local `pld` drafter and by the "context" source.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from retrieval_service.datastore.kernels import N_SOURCES, SRC_CONTEXT, SRC_DATASTORE, SRC_LEARNED
+from ragcore.draft_kernels import N_SOURCES, SRC_CONTEXT, SRC_DATASTORE, SRC_LEARNED, context_tree
+from ragcore.wire import pack_array, read_array
 
 # Columns of DraftTree.source_p: where a node's continuation evidence came from.
 SOURCES = ("datastore", "context", "learned")
@@ -90,23 +91,19 @@ class DraftTree:
     # Wire format: packed little-endian bytes (see proto/draft.proto).
     def to_bytes(self) -> tuple[bytes, bytes, bytes, bytes]:
         """-> (tokens, parents, scores, source_p); source_p is b"" when the tree carries none."""
-        return (
-            self.tokens.astype("<u4").tobytes(),
-            self.parents.astype("<i4").tobytes(),
-            self.scores.astype("<f4").tobytes(),
-            self.source_p.astype("<f4").tobytes() if self.source_p is not None else b"",
-        )
+        return (pack_array(self.tokens, "<u4"), pack_array(self.parents, "<i4"), pack_array(self.scores, "<f4"),
+                pack_array(self.source_p, "<f4") if self.source_p is not None else b"")
 
     @staticmethod
     def from_bytes(tokens: bytes, parents: bytes, scores: bytes = b"", source_p: bytes = b"",
                    **meta: int) -> "DraftTree":
         """Raises ValueError when the byte lengths do not describe one tree."""
-        t = np.frombuffer(tokens, dtype="<u4").astype(np.int32)
-        p = np.frombuffer(parents, dtype="<i4").astype(np.int32)
-        s = np.frombuffer(scores, dtype="<f4").astype(np.float32) if scores else None
+        t = read_array(tokens, "<u4").astype(np.int32)
+        p = read_array(parents, "<i4")
+        s = read_array(scores, "<f4") if scores else None
         sp = None
         if source_p:
-            sp = np.frombuffer(source_p, dtype="<f4").astype(np.float32)
+            sp = read_array(source_p, "<f4")
             if sp.shape[0] != t.shape[0] * N_SOURCES:
                 raise ValueError(f"source_p holds {sp.shape[0]} values, expected {t.shape[0]} x {N_SOURCES}")
         return DraftTree(t, p, s, source_p=sp, **meta)
@@ -159,8 +156,6 @@ def context_draft(context_ids, max_suffix: int = 16, min_suffix: int = CONTEXT_M
         >>> context_draft([3, 4, 5, 3, 4, 6, 3, 4], min_suffix=2, continuation=1).paths()
         [[5], [6]]
     """
-    from retrieval_service.datastore.kernels import context_tree
-
     ctx = as_context(context_ids)
     check_draft_args(max_suffix, min_suffix, max_matches, continuation, max_nodes)
     tok, par, score, src_p, matched, _ = context_tree(ctx, max_suffix, min_suffix, max_matches, continuation,

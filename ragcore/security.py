@@ -8,7 +8,7 @@
   inside gRPC's deserializer, which answers INTERNAL "Exception deserializing request!". DecodeErrorInterceptor
   turns that into INVALID_ARGUMENT naming the field, e.g. "stop[0]: invalid UTF-8 in a string field".
 
-    python -m serving.security make-certs --out DIR --hosts retrieval,generation,localhost [--ca-key-dir KEYDIR]
+    python -m ragcore.security make-certs --out DIR --hosts retrieval,generation,localhost [--ca-key-dir KEYDIR]
 
 writes a throwaway CA and a server certificate for those names with the openssl CLI (the compose init step).
 """
@@ -287,7 +287,7 @@ def make_certs(out: str | os.PathLike, hosts: list[str], days: int = 365,
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m serving.security", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m ragcore.security", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("make-certs", help="write a CA + server/client certificates (if missing)")

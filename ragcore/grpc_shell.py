@@ -12,8 +12,10 @@
   stream the client left CANCELLED), bounds error details (an echoed 1 MB string would exceed gRPC's metadata
   limit and reach the client as a different error), logs each failed call in one line (client errors at INFO,
   an unavailable dependency at WARNING, server faults at ERROR) and reports it to observers such as the metrics.
+- Handlers raise ragcore.errors.ServiceError subclasses; the shell answers with the status the error table gives
+  (INVALID_ARGUMENT, UNAVAILABLE, ...); any other exception is a bug: INTERNAL naming its type, traceback logged.
 - Requests that do not decode (e.g. invalid UTF-8 in a string field) get INVALID_ARGUMENT naming the field,
-  not gRPC's INTERNAL (serving.security.DecodeErrorInterceptor, always installed, innermost).
+  not gRPC's INTERNAL (ragcore.security.DecodeErrorInterceptor, always installed, innermost).
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
 import grpc
+from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
-from serving.security import HEALTH_PREFIX, DecodeErrorInterceptor
+from ragcore import errors
+from ragcore.security import HEALTH_PREFIX, DecodeErrorInterceptor
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +134,21 @@ def _status_after_return(context: _Context, call: Call) -> Code:
     if not context.is_active() or (call.deadline is not None and time.perf_counter() >= call.deadline):
         return _gone(call)  # the reply (or the stream's end) comes after the client gave up
     return Code.OK
+
+
+def _record_raised(call: Call, context: _Context, exc: Exception) -> None:
+    """A handler raised `exc`. Unless it had aborted already, abort with the status the error table (errors.py)
+    gives `exc` (a bug also gets its traceback logged); the call records the status the client gets. The caller
+    re-raises `exc`: gRPC then sends the recorded status."""
+    if context.code is None:
+        code, details = errors.status_of(exc)
+        if not isinstance(exc, errors.ServiceError):
+            log.error("unhandled %s in a handler", type(exc).__name__, exc_info=exc)
+        try:
+            context.abort(code, details)
+        except Exception:
+            pass  # the abort's own exception
+    call.code, call.details = context.code or Code.UNKNOWN, context.details
 
 
 def _log_failed(call: Call) -> None:
@@ -260,8 +279,8 @@ class ShellInterceptor(grpc.ServerInterceptor):
                 holder.append(call)
                 try:
                     reply = inner(request, context)
-                except BaseException:
-                    call.code, call.details = context.code or Code.UNKNOWN, context.details
+                except Exception as e:
+                    _record_raised(call, context, e)
                     finish(call, counted)
                     raise
                 call.code, call.details = _status_after_return(context, call), context.details
@@ -292,8 +311,8 @@ class ShellInterceptor(grpc.ServerInterceptor):
             except GeneratorExit:  # gRPC dropped the stream: the client left, the deadline passed or a send failed
                 call.code = _gone(call)
                 raise
-            except BaseException:
-                call.code, call.details = context.code or Code.UNKNOWN, context.details
+            except Exception as e:
+                _record_raised(call, context, e)
                 raise
             finally:
                 finish(call, counted)
@@ -356,8 +375,6 @@ def _reflection_v1_file() -> None:
     v1 is v1alpha renamed (same messages, same field numbers), so v1alpha's servicer answers v1 clients
     unchanged; the descriptor makes the v1 service itself describable.
     """
-    from google.protobuf import descriptor_pb2, descriptor_pool
-
     pool = descriptor_pool.Default()
     try:
         pool.FindServiceByName(REFLECTION_V1)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, ClassVar, Mapping, TypeVar
 
 T = TypeVar("T")
 
@@ -97,3 +97,40 @@ SHELL_FLAG_HELP = {
     "tls_key": "PEM private key of --tls-cert",
     "tls_client_ca": "PEM CA that client certificates must be signed by (mutual TLS; \"\" = no client certs)",
 }
+
+
+@dataclasses.dataclass
+class ShellConfig:
+    """The fields every gRPC service has (its shell: metrics endpoint, auth, TLS) and how a service config is built
+    at the edge. A service config extends it and sets ENV_PREFIX, PROG, DESCRIPTION and FLAG_HELP (its own lines
+    plus SHELL_FLAG_HELP)."""
+
+    ENV_PREFIX: ClassVar[str] = ""
+    PROG: ClassVar[str] = ""
+    DESCRIPTION: ClassVar[str] = ""
+    FLAG_HELP: ClassVar[Mapping[str, str]] = SHELL_FLAG_HELP
+
+    # Prometheus /metrics port (ragcore/metrics.py); 0 = off. It binds to loopback unless metrics_host says
+    # otherwise: exposed beyond the host, give it TLS (metrics_tls_*) and basic auth (metrics_auth_file holding
+    # "user:password"), or a scraper on the same network reads it unauthenticated.
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
+    metrics_tls_cert: str = ""
+    metrics_tls_key: str = ""
+    metrics_auth_file: str = ""
+    # Bearer token every RPC must carry (`authorization: Bearer <token>`; health is exempt); "" = off.
+    # auth_token_file (e.g. /run/secrets/ragserve_token) wins over auth_token (ragcore/security.py).
+    auth_token: str = ""
+    auth_token_file: str = ""
+    # TLS: PEM certificate + key; tls_client_ca also requires client certificates signed by it. "" = plaintext.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+
+    @classmethod
+    def from_env(cls: type[T], env: dict[str, str] | None = None) -> T:
+        return from_env(cls, cls.ENV_PREFIX, env)
+
+    @classmethod
+    def from_args(cls: type[T], argv: list[str] | None = None) -> T:
+        return from_args(cls, cls.ENV_PREFIX, argv, cls.PROG, cls.DESCRIPTION, cls.FLAG_HELP)

@@ -33,7 +33,7 @@ build: --keys-from-end computes the missing chunks backwards, --hnsw-follow inse
 checkpoint as they land (the build resumes from it). One torch thread per process: on an oversubscribed CPU a
 multi-threaded pass stalls at every barrier (measured under load 12 on 2 cores: 2 threads >10x slower than 1).
 
-    python -m retrieval_service.knowledge.knn_build --out ~/.cache/ragserve/knnlm/docs --max-entries 1000000 \
+    python -m tools.knn_build --out ~/.cache/ragserve/knnlm/docs --max-entries 1000000 \
         --threads 1 --window 256 --overlap 32 --chunk-entries 4096 --hnsw-m 16 --hnsw-ef-construction 48
 """
 
@@ -46,26 +46,44 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+import faiss
 import numpy as np
+import torch
+from tqdm import tqdm
+
+from generation_service.model import load_model, set_threads
+from ragcore.knn_store import (
+    DEFAULT_DIR,
+    DEFAULT_NAME,
+    DOCS_FILE,
+    FORMAT,
+    HELD_OUT_DOCS_FILE,
+    HELD_OUT_FILE,
+    HNSW_FILE,
+    KEY_DTYPES,
+    KEYS_FILE,
+    MANIFEST,
+    TOKENS_FILE,
+    VALUES_FILE,
+    check_datastore,
+    entry_offsets,
+    open_datastore,
+)
+from ragcore.model_files import tokenizer_identity
+from ragcore.process import offline_process
+from retrieval_service.knowledge import passages as P
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
-KEYS_FILE, VALUES_FILE, TOKENS_FILE, DOCS_FILE = "keys.npy", "values.npy", "tokens.npy", "docs.npy"
-HNSW_FILE, MANIFEST = "hnsw.faiss", "knn.json"
-HELD_OUT_FILE, HELD_OUT_DOCS_FILE = "heldout.npy", "heldout_docs.npy"
-DEFAULT_NAME = "knnlm"
-DEFAULT_DIR = Path.home() / ".cache" / "ragserve" / "knnlm" / "docs"
-KEY_DTYPES = ("float16", "float32")
 SOURCES = ("rst", "docstrings")
 KEY_KIND = "final_hidden_state"
 
 
 # ------------------------------------------------------------------------------------------- pure cores
+
 
 def plan_windows(length: int, window: int, overlap: int) -> list[tuple[int, int, int]]:
     """Windows over one document of `length` tokens -> [(start, stop, keep_from)]: the pass reads
@@ -86,26 +104,13 @@ def plan_windows(length: int, window: int, overlap: int) -> list[tuple[int, int,
     return out
 
 
-def entry_offsets(doc_lengths: Sequence[int]) -> np.ndarray:
-    """Document token lengths [n] -> entry offsets int64 [n + 1] (a document of L tokens has L - 1 entries)."""
-    per_doc = np.maximum(np.asarray(doc_lengths, dtype=np.int64) - 1, 0)
-    return np.concatenate(([0], np.cumsum(per_doc))).astype(np.int64)
-
-
-def entry_positions(docs: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """docs: int64 [n_docs + 1, 2] (token offset, entry offset); ids: entry ids [m] -> token index [m] of each
-    entry's value in tokens.npy (its context is the tokens of the same document before that index)."""
-    ids = np.asarray(ids, dtype=np.int64)
-    d = np.searchsorted(docs[:, 1], ids, side="right") - 1  # [m] document of each entry
-    return docs[d, 0] + (ids - docs[d, 1]) + 1
-
-
 def stable_rank(key: str) -> int:
     """A deterministic pseudo-random rank of a document key (the corpus order and the held-out split)."""
     return int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "little")
 
 
 # --------------------------------------------------------------------------------------------- corpus
+
 
 def corpus_documents(tokenizer, sources: Sequence[str] = ("rst",), held_out_every: int = 25,
                      max_entries: int = 0) -> tuple[list[tuple[str, np.ndarray]], list[tuple[str, np.ndarray]]]:
@@ -115,7 +120,6 @@ def corpus_documents(tokenizer, sources: Sequence[str] = ("rst",), held_out_ever
     not just the alphabetically first directories); one in `held_out_every` is held out (perplexity, benchmark
     prompts) and never enters the datastore. The last datastore document is cut so the total is max_entries.
     """
-    from retrieval_service.knowledge import passages as P
 
     bad = set(sources) - set(SOURCES)
     if bad or not sources:
@@ -148,13 +152,13 @@ def corpus_documents(tokenizer, sources: Sequence[str] = ("rst",), held_out_ever
 
 # ------------------------------------------------------------------------------------------ key passes
 
+
 def decoder_hidden(tm, ids: np.ndarray):
     """ids: int [L] -> final hidden states float32 [L, D] (row j: after reading ids[..j]), one causal pass.
 
     The decoder stack without the output layer: its last_hidden_state is what the output layer multiplies (for
     Llama-style models after the final norm), and skipping the [L, vocab] logits saves ~20 % of the pass.
     """
-    import torch
 
     with torch.inference_mode():
         x = torch.from_numpy(np.asarray(ids, dtype=np.int64))[None].to(tm.device)  # [1, L]
@@ -212,6 +216,7 @@ def chunk_spans(tokens: np.ndarray, docs: np.ndarray, window: int, overlap: int,
 
 # ---------------------------------------------------------------------------------------------- build
 
+
 def _atomic_save(path: Path, arr: np.ndarray) -> None:
     # The pid keeps two builder processes that race for the same chunk (--keys-from-end) off each other's tmp.
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp.npy")
@@ -226,7 +231,6 @@ def _atomic_text(path: Path, text: str) -> None:
 
 
 def _progress(total: int, desc: str, enabled: bool):
-    from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit="entry", unit_scale=True, disable=not enabled, smoothing=0.05)
 
@@ -241,7 +245,6 @@ def build_datastore(out: str | Path, docs: Sequence[tuple[str, np.ndarray]], tm,
     tokens, model, window, dtype); the HNSW build saves a checkpoint every `checkpoint_s` seconds. knn.json is
     written last.
     """
-    from retrieval_service.datastore.corpus import tokenizer_identity
 
     if dtype not in KEY_DTYPES:
         raise ValueError(f"dtype: {dtype!r} is not one of {KEY_DTYPES}")
@@ -342,7 +345,6 @@ def build_hnsw(keys: np.ndarray, path: Path, *, m: int, ef_construction: int, fi
                checkpoint_s: float = 300.0, progress: bool = True, step: int = 16384) -> None:
     """keys [N, D] -> IndexHNSWFlat(L2) at `path`. Saves path.partial + a state file every checkpoint_s seconds;
     a rerun with the same keys and parameters continues from the checkpoint."""
-    import faiss
 
     n, d = keys.shape
     partial = path.with_name(path.name + ".partial")
@@ -392,14 +394,6 @@ def save_held_out(out: str | Path, held: Sequence[tuple[str, np.ndarray]]) -> No
     _atomic_save(out / HELD_OUT_DOCS_FILE, np.concatenate(([0], np.cumsum(lengths))).astype(np.int64))
 
 
-def load_held_out(path: str | Path) -> list[np.ndarray]:
-    """The held-out documents saved next to a datastore -> [int32 tokens]."""
-    path = Path(path).expanduser()
-    tokens = np.load(path / HELD_OUT_FILE)
-    offsets = np.load(path / HELD_OUT_DOCS_FILE)
-    return [tokens[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
-
-
 def keys_from_end(out: str | Path, docs: Sequence[tuple[str, np.ndarray]], tm, progress: bool = True) -> int:
     """A second key process for a build running in `out`: compute its missing key chunks from the last one
     backwards, and stop at the first chunk that already exists (the forward process got there). Chunks are
@@ -443,7 +437,6 @@ def follow_hnsw(out: str | Path, *, m: int, ef_construction: int, poll_s: float 
     exactly the checkpoint build_hnsw resumes from (hnsw.faiss.partial + state), so the build process picks it up
     (or, if it gets there first, ignores a stale one and continues its own). Run it with the same m/ef.
     """
-    import faiss
 
     out = Path(out).expanduser()
     plan_path = out / "chunks" / "plan.json"
@@ -482,127 +475,13 @@ def follow_hnsw(out: str | Path, *, m: int, ef_construction: int, poll_s: float 
     bar.close()
 
 
-# ----------------------------------------------------------------------------------------------- open
-
-@dataclass
-class KnnDatastore:
-    """A built datastore, memory-mapped read-only."""
-
-    path: Path
-    meta: dict
-    keys: np.ndarray    # float16|float32 [N, D] memmap
-    values: np.ndarray  # int32 [N] memmap
-    tokens: np.ndarray  # int32 [T] memmap
-    docs: np.ndarray    # int64 [n_docs + 1, 2]
-
-    @property
-    def size(self) -> int:
-        return int(self.values.shape[0])
-
-    @property
-    def dim(self) -> int:
-        return int(self.keys.shape[1])
-
-    @property
-    def name(self) -> str:
-        return self.meta.get("name", DEFAULT_NAME)
-
-    def context(self, i: int) -> np.ndarray:
-        """The tokens entry i's key has read (its document up to the value, window cuts aside)."""
-        pos = int(entry_positions(self.docs, np.array([i]))[0])
-        d = int(np.searchsorted(self.docs[:, 0], pos, side="right") - 1)
-        return np.asarray(self.tokens[self.docs[d, 0]:pos])
-
-
-def open_datastore(path: str | Path) -> KnnDatastore:
-    """Open a built datastore; ValueError / FileNotFoundError naming what is missing or inconsistent."""
-    path = Path(path).expanduser()
-    if not (path / MANIFEST).is_file():
-        raise FileNotFoundError(f"kNN-LM datastore {path}: no {MANIFEST} (build it with "
-                                f"`python -m retrieval_service.knowledge.knn_build --out {path}`)")
-    meta = json.loads((path / MANIFEST).read_text())
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"kNN-LM datastore {path}: format {meta.get('format')} != {FORMAT}; rebuild")
-    keys = np.load(path / KEYS_FILE, mmap_mode="r")
-    values = np.load(path / VALUES_FILE, mmap_mode="r")
-    tokens = np.load(path / TOKENS_FILE, mmap_mode="r")
-    docs = np.load(path / DOCS_FILE)
-    n, d = meta["n"], meta["dim"]
-    if keys.shape != (n, d) or str(keys.dtype) != meta["dtype"] or values.shape != (n,) or values.dtype != np.int32:
-        raise ValueError(f"kNN-LM datastore {path}: keys {keys.shape} {keys.dtype} / values {values.shape} do not "
-                         f"match the manifest ({n}, {d}) {meta['dtype']}; rebuild")
-    if docs.ndim != 2 or docs.shape[1] != 2 or int(docs[-1, 1]) != n or int(docs[-1, 0]) != tokens.shape[0]:
-        raise ValueError(f"kNN-LM datastore {path}: {DOCS_FILE} does not match the entries/tokens; rebuild")
-    return KnnDatastore(path, meta, keys, values, tokens, docs)
-
-
-def check_datastore(ds: KnnDatastore, sample: int = 0) -> None:
-    """Invariant checker: every entry's value is the token after its context (all entries, or `sample` random
-    ones), offsets are consistent, keys are finite. Raises ValueError naming the first broken entry."""
-    lengths = np.diff(ds.docs[:, 0])
-    if np.any(lengths < 0) or not np.array_equal(ds.docs[:, 1], entry_offsets(lengths)):
-        raise ValueError(f"{ds.path}: document offsets are inconsistent")
-    ids = (np.arange(ds.size) if not sample
-           else np.random.default_rng(0).choice(ds.size, size=min(sample, ds.size), replace=False))
-    pos = entry_positions(ds.docs, ids)
-    bad = np.asarray(ds.tokens)[pos] != np.asarray(ds.values)[ids]
-    if bad.any():
-        i = int(ids[np.argmax(bad)])
-        raise ValueError(f"{ds.path}: entry {i} has value {int(ds.values[i])} but the corpus token after its "
-                         f"context is {int(ds.tokens[pos[np.argmax(bad)]])}")
-    rows = np.asarray(ds.keys[np.sort(ids[: min(len(ids), 4096)])], dtype=np.float32)
-    if not np.all(np.isfinite(rows)):
-        raise ValueError(f"{ds.path}: non-finite keys")
-
-
-def open_vector_index(path: str | Path, *, load_exact: bool = True, load_approx: bool = True,
-                      ef_search: int = 128, rescore_margin: int = 16):
-    """A datastore as the retrieval service's named vector index (metric l2, ids = entry ids): EDR = IndexFlatL2
-    built from keys.npy at load (with cached norms, so a batch of queries costs one pass over the keys), ADR =
-    hnsw.faiss. Search re-scores candidates exactly from the memory-mapped keys."""
-    import faiss
-
-    from retrieval_service.knowledge import dense
-
-    ds = open_datastore(path)
-    exact = None
-    if load_exact:
-        exact = faiss.IndexFlatL2(ds.dim)
-        for s in range(0, ds.size, 65536):
-            exact.add(np.ascontiguousarray(ds.keys[s:s + 65536], dtype=np.float32))
-        # Without cached norms every batched (BLAS) search first recomputes all ||key||^2: a second pass.
-        exact.sync_l2norms()
-    approx = None
-    if load_approx and (ds.path / HNSW_FILE).is_file():
-        approx = faiss.read_index(str(ds.path / HNSW_FILE))
-        if approx.ntotal != ds.size or approx.d != ds.dim:
-            raise ValueError(f"{ds.path / HNSW_FILE}: {approx.ntotal}x{approx.d} for a datastore of "
-                             f"{ds.size}x{ds.dim}; rebuild")
-    if exact is None and approx is None:
-        raise ValueError(f"kNN-LM datastore {ds.path}: neither edr nor adr requested/available")
-    return dense.VectorIndex(ds.name, "l2", exact, approx, ds.keys, default_ef_search=ef_search,
-                             rescore_margin=rescore_margin, info={"path": str(ds.path), "kind": "knnlm"})
-
-
-def add_to_kb(kb, paths: str, cfg) -> None:
-    """Register each comma-separated datastore directory on `kb` as a named vector index (warmed up)."""
-    wanted = {r.strip() for r in cfg.kb_retrievers.split(",") if r.strip()} if cfg.kb_retrievers else {"edr", "adr"}
-    for p in (s.strip() for s in paths.split(",")):
-        if not p:
-            continue
-        t0 = time.perf_counter()
-        vi = open_vector_index(p, load_exact="edr" in wanted, load_approx="adr" in wanted,
-                               ef_search=cfg.kb_ef_search, rescore_margin=cfg.kb_rescore_margin)
-        vi.warmup()
-        kb.add_vector_index(vi)
-        log.info("kNN-LM index %r (%d x %d, %s) from %s ready in %.1f s", vi.name, vi.size, vi.dim,
-                 "+".join(vi.retrievers), p, time.perf_counter() - t0)
-
 
 # ------------------------------------------------------------------------------------------------ CLI
 
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m retrieval_service.knowledge.knn_build",
+    offline_process()
+    ap = argparse.ArgumentParser(prog="python -m tools.knn_build",
                                  description="Build a kNN-LM datastore (keys = the serving model's final hidden "
                                              "states, values = next tokens) over the docs corpus.")
     ap.add_argument("--out", default=str(DEFAULT_DIR))
@@ -629,8 +508,6 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.hnsw_follow:
-        import faiss
-
         faiss.omp_set_num_threads(max(1, args.threads))
         follow_hnsw(args.out, m=args.hnsw_m, ef_construction=args.hnsw_ef_construction)
         return
@@ -639,13 +516,10 @@ def main(argv: list[str] | None = None) -> None:
         check_datastore(ds)
         print(f"{ds.path}: {ds.size} entries x {ds.dim} ({ds.meta['dtype']}) OK")
         return
-    import faiss
-
-    from generation_service.model import load_model
-
     if args.threads:
         faiss.omp_set_num_threads(args.threads)
-    tm = load_model(args.model, dtype=args.model_dtype, threads=args.threads)
+    set_threads(args.threads)
+    tm = load_model(args.model, dtype=args.model_dtype)
     sources = tuple(s.strip() for s in args.sources.split(",") if s.strip())
     docs, held = corpus_documents(tm.tokenizer, sources, args.held_out_every, args.max_entries)
     log.info("%d documents (%d entries) in the datastore, %d held out", len(docs),

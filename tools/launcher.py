@@ -1,9 +1,9 @@
 """Local launcher: the docker-compose topology as processes on loopback, with the same health gating.
 
-    python -m serving.launcher up   [--datastore DIR] [--kb DIR] [--model DIR]   # start, wait for SERVING
+    python -m tools.launcher up   [--datastore DIR] [--kb DIR] [--model DIR]   # start, wait for SERVING
                                     [--replicas N] [--redis] [--token T]         # like docker-compose.yml
-    python -m serving.launcher down                                              # SIGTERM, wait, clean up
-    python -m serving.launcher status
+    python -m tools.launcher down                                              # SIGTERM, wait, clean up
+    python -m tools.launcher status
 
 Each service is started only after the ones it depends on report healthy: redis (PING) -> retrieval
 replicas (grpc.health.v1 SERVING) -> generation, exactly like `depends_on: condition: service_healthy`.
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import grpc
 
-from serving.grpc_shell import wait_until_serving
+from ragcore.grpc_shell import wait_until_serving
 
 
 def _home() -> Path:
@@ -105,7 +105,7 @@ def start_process(name: str, argv: list[str], port: int, log_dir: Path, env: dic
 
 
 def _redis_ping(port: int) -> bool:
-    import redis
+    import redis  # only with --redis
 
     try:
         return bool(redis.Redis(host="127.0.0.1", port=port, socket_timeout=1.0).ping())
@@ -156,7 +156,7 @@ def up(*, datastore: str = "", kb: str = "", model: str = "", dtype: str = "", r
     state = state or _home() / "run" / "launcher.json"
     existing = Topology.load(state)
     if any(_alive(p.pid) for p in existing.procs):
-        raise RuntimeError(f"services already running (state {state}); run `python -m serving.launcher down` first")
+        raise RuntimeError(f"services already running (state {state}); run `python -m tools.launcher down` first")
     log_dir = state.parent / "logs"
     creds = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes()) if tls_ca else None
     env = dict(env or {})
@@ -237,7 +237,7 @@ def down(*, state: Path | None = None, grace_s: float = 30.0) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m serving.launcher", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m tools.launcher", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     u = sub.add_parser("up")

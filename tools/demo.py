@@ -2,7 +2,7 @@
 and with `rest` decoding through the gRPC client, print the completions, what the worker chose to serve with, and
 the speed-up per prompt and its median; stop both services.
 
-    python -m generation_service.demo --datastore ~/.cache/ragserve/datastores/stdlib [--max-new-tokens 128]
+    python -m tools.demo --datastore ~/.cache/ragserve/datastores/stdlib [--max-new-tokens 128]
 
 Code completion sends the raw prompt (no chat template) with the cursor inside the function body, as an editor
 would; chats go through the model's chat template.
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from generation_service.client import GenerationClient
-from serving import launcher
+from tools import launcher
 
 CODE_PROBLEMS = (1, 6, 12)  # HumanEval problems whose body the 135M model completes with code
 CHATS = (
@@ -54,7 +54,7 @@ def timed(client: GenerationClient, request: dict, mode: str, max_new: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m generation_service.demo", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m tools.demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--datastore", required=True, help="draft datastore directory the retrieval service serves")
     ap.add_argument("--model", default="", help="local HF model directory (default: SmolLM2-135M-Instruct)")

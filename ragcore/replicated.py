@@ -1,0 +1,151 @@
+"""The one client plumbing: a gRPC service behind one or more replicas.
+
+Every client in the project (the worker's drafting client, its knowledge-base client, the kNN-LM search client)
+calls through a ReplicatedClient: comma-separated targets, round-robin over them, failover to the next replica
+within the caller's deadline, a replica that failed skipped for `retry_after_s` (so a dead service costs one fast
+failure per interval instead of one timeout per call), bearer token and TLS, message size limits, and fast
+reconnects once a restarted replica is back (gRPC's default backoff grows to minutes).
+
+Failures come back as the caller's own exception types (`failure(kind, message)`), so drafting can degrade to
+AR while a RAG step fails the request:
+- "request": the server refused the request itself (INVALID_ARGUMENT, FAILED_PRECONDITION): every replica would
+  say the same, so no failover and the replica stays in rotation;
+- "unavailable": anything else (down, overloaded, deadline, a bad reply); the replica is skipped for a while
+  unless it was only our deadline or cancel.
+
+    kb = ReplicatedClient("10.0.0.1:50051,10.0.0.2:50051", KnowledgeServiceStub, timeout_s=2.0, failure=my_errors)
+    reply = kb.call("Search", request, deadline=time.monotonic() + 1.0)
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import grpc
+
+# The server refused the request itself: another replica would say the same.
+_REQUEST_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION})
+# Our own deadline or cancel: says nothing about the replica's health.
+_CALLER_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
+
+Failure = Callable[[str, str], Exception]  # (kind: "request" | "unavailable", message) -> exception to raise
+
+
+def split_targets(target: str) -> list[str]:
+    """'a:1,b:2' -> ['a:1', 'b:2']; a dns:/// target stays one (gRPC balances it itself, round_robin)."""
+    return [t.strip() for t in target.split(",") if t.strip()]
+
+
+@dataclass
+class Replica:
+    target: str
+    channel: grpc.Channel
+    stub: Any
+    down_until: float = 0.0
+
+
+class ReplicatedClient:
+    def __init__(self, target: str, stub_class: type, *, failure: Failure, timeout_s: float,
+                 retry_after_s: float = 1.0, max_message_bytes: int = 64 << 20, token: str = "",
+                 credentials: grpc.ChannelCredentials | None = None,
+                 instrument: Callable[[grpc.Channel], grpc.Channel] | None = None, what: str = "service"):
+        """target: "host:port" or several comma-separated; timeout_s: per-call default; token: bearer token ("" =
+        none); credentials: TLS (None = plaintext); instrument: wraps each channel (metrics); what: names the
+        service in messages."""
+        targets = split_targets(target)
+        if not targets:
+            raise ValueError(f"{what}: no target given")
+        if not timeout_s > 0:
+            raise ValueError(f"{what}: timeout must be > 0, got {timeout_s!r}")
+        options = [
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.service_config", '{"loadBalancingConfig": [{"round_robin": {}}]}'),
+            ("grpc.enable_retries", 0),  # failover is ours: a retry must respect the caller's deadline
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ]
+        self.replicas: list[Replica] = []
+        for t in targets:
+            ch = grpc.secure_channel(t, credentials, options=options) if credentials else \
+                grpc.insecure_channel(t, options=options)
+            if instrument is not None:
+                ch = instrument(ch)
+            self.replicas.append(Replica(t, ch, stub_class(ch)))
+        self._next = itertools.cycle(range(len(self.replicas)))
+        self._lock = threading.Lock()
+        self.timeout_s = timeout_s
+        self.retry_after_s = retry_after_s
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self.what = what
+        self._failure = failure
+        self.last_error = ""  # why a replica was last marked down (quoted when all are down)
+        self.calls = 0  # RPCs attempted
+
+    @property
+    def targets(self) -> list[str]:
+        return [r.target for r in self.replicas]
+
+    def close(self) -> None:
+        for r in self.replicas:
+            r.channel.close()
+
+    def healthy(self) -> list[Replica]:
+        """Replicas to try, in round-robin order, skipping those that failed recently; raises when none is left."""
+        now = time.monotonic()
+        with self._lock:
+            start = next(self._next)
+        n = len(self.replicas)
+        order = [self.replicas[(start + i) % n] for i in range(n)]
+        alive = [r for r in order if r.down_until <= now]
+        if not alive:
+            raise self._failure("unavailable", f"all {self.what} replicas failed recently (last error: "
+                                               f"{self.last_error})")
+        return alive
+
+    def budget(self, deadline: float | None, timeout_s: float | None) -> float:
+        """Seconds this call may take: the per-call timeout, cut to the caller's deadline (monotonic time)."""
+        budget = self.timeout_s if timeout_s is None else timeout_s
+        if deadline is not None:
+            budget = min(budget, deadline - time.monotonic())
+        if budget <= 0:
+            raise self._failure("unavailable", f"the request deadline leaves no time for the {self.what}")
+        return budget
+
+    def failed(self, replica: Replica | None, e: grpc.RpcError) -> Exception:
+        """The caller's exception for a failed call; marks the replica down when it is the replica's fault."""
+        code = e.code()
+        msg = f"{replica.target if replica is not None else self.what}: {code.name} {e.details() or ''}".strip()
+        if code in _REQUEST_CODES:
+            return self._failure("request", msg)
+        if replica is not None and code not in _CALLER_CODES:
+            replica.down_until = time.monotonic() + self.retry_after_s
+            self.last_error = msg
+        return self._failure("unavailable", msg)
+
+    def call(self, method: str, request, *, deadline: float | None = None, timeout_s: float | None = None):
+        """`method` on the first healthy replica, failing over to the next within the deadline."""
+        err: Exception = self._failure("unavailable", "no replica tried")
+        for r in self.healthy():
+            budget = self.budget(deadline, timeout_s)
+            self.calls += 1
+            try:
+                return getattr(r.stub, method)(request, timeout=budget, metadata=self.metadata)
+            except grpc.RpcError as e:
+                err = self.failed(r, e)
+                if e.code() in _REQUEST_CODES:
+                    raise err from None
+        raise err
+
+    def call_future(self, method: str, request, *, deadline: float | None = None,
+                    timeout_s: float | None = None) -> tuple[Replica, grpc.Future]:
+        """Start `method` on one healthy replica and return at once (failover is the caller's retry)."""
+        r = self.healthy()[0]
+        budget = self.budget(deadline, timeout_s)
+        self.calls += 1
+        return r, getattr(r.stub, method).future(request, timeout=budget, metadata=self.metadata)

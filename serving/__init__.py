@@ -1,1 +1,0 @@
-"""gRPC plumbing shared by both services: wire encoding, health/reflection, graceful stop."""

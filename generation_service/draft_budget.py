@@ -71,6 +71,9 @@ class StepCost:
             slope = max((ms[-1] - ms[-2]) / (rows[-1] - rows[-2]), 0.0)
             cost = np.where(q > rows[-1], ms[-1] + slope * (q - rows[-1]), cost)
         cost = np.minimum.accumulate(cost[::-1])[::-1]
+        # Absolute pass cost by rows (no tree overhead), for batches of several sequences (batch_sizes).
+        self._rows, self._ms = rows, np.minimum.accumulate(np.asarray(ms)[::-1])[::-1]
+        self._slope = max((ms[-1] - ms[-2]) / (rows[-1] - rows[-2]), 0.0) if rows.shape[0] >= 2 else 0.0
         cost[1:] += tree_ms
         self.tree_ms = tree_ms
         self.rel = cost / cost[0]  # [max_nodes + 1], rel[n] for n draft nodes (rel[0] = 1)
@@ -86,6 +89,12 @@ class StepCost:
 
     def relative(self, nodes: np.ndarray | int) -> np.ndarray:
         return self.rel[np.minimum(np.asarray(nodes), self.rel.shape[0] - 1)]
+
+    def pass_ms(self, rows: np.ndarray | int) -> np.ndarray:
+        """ms of one pass with `rows` rows in total (linear between measured points, the last slope beyond)."""
+        r = np.asarray(rows, np.float64)
+        inside = np.interp(r, self._rows, self._ms)
+        return np.where(r > self._rows[-1], self._ms[-1] + self._slope * (r - self._rows[-1]), inside)
 
 
 def acceptance_estimates(parents: np.ndarray, scores: np.ndarray) -> np.ndarray:
@@ -107,6 +116,33 @@ def best_size(p_desc: np.ndarray, cost: StepCost) -> int:
     rate = (1.0 + np.cumsum(p_desc[:n])) / cost.relative(sizes)
     k = int(np.argmax(rate))
     return int(sizes[k]) if rate[k] > 1.0 else 0
+
+
+def batch_sizes(p: Sequence[np.ndarray], cost: StepCost, base_rows: int, segments: int,
+                segment_ms: float = 0.0) -> list[int]:
+    """Draft nodes to verify per sequence of a batched pass, for the most tokens per ms over the whole batch.
+
+    p[i]: sequence i's node acceptance estimates; base_rows: rows the pass carries anyway (each decoding sequence's
+    last token and pad rows, prefill chunks); segments: sequences in the pass, each adding segment_ms (its own
+    attention and bookkeeping). Expected tokens = decoding sequences + the sum of p over the chosen nodes; the
+    nodes are taken best first across all sequences, so a confident tree of one request outbids a weak one of
+    another, and the more rows the batch already has the fewer extra nodes pay. One sequence alone gives
+    best_size's answer (up to tree_ms).
+        batch_sizes([np.array([.9, .5]), np.array([.1])], cost, base_rows=2, segments=2) -> e.g. [2, 0]
+    """
+    owner = np.concatenate([np.full(len(pi), i) for i, pi in enumerate(p)]) if p else np.zeros(0, np.int64)
+    allp = np.concatenate([np.asarray(pi, np.float64) for pi in p]) if p else np.zeros(0)
+    counts = [0] * len(p)
+    if allp.shape[0] == 0:
+        return counts
+    order = np.argsort(-allp, kind="stable")
+    k = np.arange(allp.shape[0] + 1)
+    fixed = segments * segment_ms + cost.tree_ms * len(p)
+    rate = (len(p) + np.concatenate(([0.0], np.cumsum(allp[order])))) / (cost.pass_ms(base_rows + k) + fixed)
+    best = int(np.argmax(rate))
+    for i in owner[order[:best]].tolist():
+        counts[i] += 1
+    return counts
 
 
 def keep_best(parents: np.ndarray, p: np.ndarray, n: int) -> np.ndarray:
@@ -168,6 +204,7 @@ class DraftSizer:
         self.accepted = np.zeros(shape)
         # Of the last tree: the (source, bucket) cell that decided each kept node, and that source's raw p.
         self._pending: tuple[np.ndarray, np.ndarray] = (np.zeros(0, np.int64), np.zeros(0))
+        self._estimated: tuple[np.ndarray, np.ndarray] = self._pending
         self._expect: tuple[np.ndarray, np.ndarray] | None = None
         self._remote_asked = False  # the last shrink() was of a remote draft: observe() judges its usefulness
         self._useless = 0
@@ -201,18 +238,28 @@ class DraftSizer:
         lengths the sources matched (DraftTree fields). p is each kept node's combined estimate (the selection
         weight); call expect() with the final node order before verifying.
         """
+        p = self.estimate(parents, scores, source_p, default_source, matched_suffix, context_matched_suffix)
+        keep = keep_best(parents, p, best_size(np.sort(p)[::-1], self.cost))
+        self.keep(keep, remote)
+        return tokens[keep], subtree(keep, parents), p[keep], keep
+
+    def estimate(self, parents: np.ndarray, scores: np.ndarray, source_p: np.ndarray | None, default_source: int,
+                 matched_suffix: int = 0, context_matched_suffix: int = 0) -> np.ndarray:
+        """float64 [n]: each node's calibrated acceptance estimate (call keep() with the nodes chosen)."""
         raw = source_estimates(parents, scores, source_p, default_source)  # [n, S]
         buckets = tree_buckets(matched_suffix, context_matched_suffix)  # [S]
         cells = np.arange(N_SOURCES) * self.predicted.shape[1] + buckets  # [S] flat (source, bucket) cells
         scaled = raw * self.alpha.ravel()[cells]  # [n, S]
         n_all = raw.shape[0]
         owner = np.argmax(scaled, axis=1) if n_all else np.zeros(0, np.int64)  # [n]
-        p = np.minimum(scaled[np.arange(n_all), owner], 1.0)  # [n]
-        n = best_size(np.sort(p)[::-1], self.cost)
-        keep = keep_best(parents, p, n)
-        self._pending = (cells[owner[keep]], raw[keep, owner[keep]])
+        self._estimated = (cells[owner], raw[np.arange(n_all), owner])
+        return np.minimum(scaled[np.arange(n_all), owner], 1.0)  # [n]
+
+    def keep(self, keep: np.ndarray, remote: bool = True) -> None:
+        """The nodes of the last estimate() that will be verified (ascending indices)."""
+        cells, raw = self._estimated
+        self._pending = (cells[keep], raw[keep])
         self._remote_asked = remote
-        return tokens[keep], subtree(keep, parents), p[keep], keep
 
     def expect(self, order: np.ndarray) -> None:
         """The kept nodes as the verifier will see them (order: kept index of each verifier node)."""

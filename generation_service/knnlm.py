@@ -52,6 +52,7 @@ import grpc
 import numpy as np
 import torch
 
+from generation_service.engine.steps import check_prompt
 from generation_service.kb_client import KBClient, KBUnavailable, parse_search
 from generation_service.model import TargetModel, cache_length, new_cache
 from generation_service.os3 import OS3Config, StrideScheduler
@@ -481,17 +482,9 @@ def _truncate(kv, length: int) -> None:
 
 
 def _check_prompt(tm: TargetModel, prompt_ids, params: SamplingParams) -> np.ndarray:
-    prompt = np.asarray(prompt_ids)
-    if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
-        raise InvalidArgument("prompt_ids", f"need a non-empty 1-D sequence of token ids, got {prompt.dtype} {prompt.shape}")
-    if int(prompt.min()) < 0 or int(prompt.max()) >= tm.vocab_size:
-        raise InvalidArgument("prompt_ids", f"ids must lie in [0, {tm.vocab_size})")
-    if prompt.size + params.max_new_tokens > tm.max_positions:
-        raise InvalidArgument("max_new_tokens", f"prompt ({prompt.size}) + {params.max_new_tokens} exceeds the model's "
-                         f"{tm.max_positions} positions")
     if not params.greedy:
         raise InvalidArgument("temperature", "kNN-LM decoding is greedy only (leave temperature unset or 0)")
-    return prompt.astype(np.int64)
+    return check_prompt(tm, prompt_ids, params).astype(np.int64)
 
 
 def decode(tm: TargetModel, prompt_ids, params: SamplingParams, opts: KnnLmOptions, backend: KnnBackend, *,

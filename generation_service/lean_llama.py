@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -194,65 +195,119 @@ class LeanLlama:
 
     # -- the forward -------------------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor | None = None,
                 logits_rows: int = 0) -> torch.Tensor:
         """ids, positions: int [q]; mask: additive [q, past + q] (tree), or None = causal over the new rows
         (q == 1: attend to everything cached). Appends q rows to `cache` -> logits [q', V], q' = the last
         `logits_rows` rows (0 = all)."""
-        q = ids.shape[0]
-        past = cache.length
-        S = past + q
-        cache.reserve(q)
+        return self.forward_batch([Segment(ids, positions, cache, mask, logits_rows)])[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, segments: "Sequence[Segment]") -> list[torch.Tensor]:
+        """Several sequences' new rows in one pass: every linear layer (and the output layer) runs once over all
+        rows together — the weights are read once per step, which is what batching buys on a memory-bound CPU —
+        while attention runs per sequence against its own cache, with its own positions and mask.
+        -> per segment its logits [q', V] (see forward)."""
+        qs = [s.ids.shape[0] for s in segments]
+        starts = [0]
+        for q in qs:
+            starts.append(starts[-1] + q)
+        ids = segments[0].ids if len(segments) == 1 else torch.cat([s.ids for s in segments])  # [N]
+        positions = segments[0].positions if len(segments) == 1 else torch.cat([s.positions for s in segments])
+        plans = [self._plan(s) for s in segments]
         self._rope_tables(int(positions.max()) + 1)
-        cos, sin = self._cos[positions], self._sin[positions]  # [q, D]
-        H, Hkv, D, G = self.heads, self.kv_heads, self.head_dim, self.groups
-        causal_sdpa = mask is None and q > 1
-        if causal_sdpa and past > 0:  # chunked prefill: causal over the new rows, everything cached before
-            mask = torch.zeros(q, S, dtype=self.dtype, device=self.device)
-            mask[:, past:] = torch.full((q, q), torch.finfo(self.dtype).min, dtype=self.dtype,
-                                        device=self.device).triu(1)
-            causal_sdpa = False
-        grouped_mask = mask.repeat(G, 1) if mask is not None and not causal_sdpa else None  # [G * q, S]
-        x = self.embed[ids]  # [q, hidden]
+        cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]  # [N, 1, D]
+        N = starts[-1]
+        H, Hkv, D = self.heads, self.kv_heads, self.head_dim
+        x = self.embed[ids]  # [N, hidden]
         for i, ly in enumerate(self.layers):
             h = self._rms(x, ly.ln1)
-            qkv = self._linear(h, ly, "wqkv")  # [q, (H + 2 Hkv) D]
-            qh = qkv[:, : H * D].view(q, H, D)
-            kh = qkv[:, H * D: (H + Hkv) * D].view(q, Hkv, D)
-            vh = qkv[:, (H + Hkv) * D:].view(q, Hkv, D)
-            qh = self._rotate(qh, cos[:, None], sin[:, None])
-            kh = self._rotate(kh, cos[:, None], sin[:, None])
-            cache.k[i, :, past:S] = kh.transpose(0, 1)
-            cache.v[i, :, past:S] = vh.transpose(0, 1)
-            keys, values = cache.k[i, :, :S], cache.v[i, :, :S]  # [Hkv, S, D]
-            if causal_sdpa:  # prefill from an empty cache: memory-efficient causal attention
-                # 4D inputs with keys/values expanded per query head (as transformers' repeat_kv): with 3D inputs
-                # or enable_gqa SDPA falls back to its materializing math kernel on CPU (3.7x slower at 2000 tokens).
-                kx = keys[:, None].expand(Hkv, G, S, D).reshape(1, H, S, D)
-                vx = values[:, None].expand(Hkv, G, S, D).reshape(1, H, S, D)
-                o = F.scaled_dot_product_attention(qh.transpose(0, 1)[None], kx, vx, is_causal=True,
-                                                   scale=self.scale)  # [1, H, q, D]
-                o = o[0].transpose(0, 1).reshape(q, H * D)
-            else:
-                qg = qh.view(q, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * q, D)  # query heads by kv group
-                scores = torch.matmul(qg, keys.transpose(1, 2)) * self.scale  # [Hkv, G q, S]
-                if grouped_mask is not None:
-                    scores = scores + grouped_mask
-                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
-                o = torch.matmul(probs, values)  # [Hkv, G q, D]
-                o = o.view(Hkv, G, q, D).permute(2, 0, 1, 3).reshape(q, H * D)
+            qkv = self._linear(h, ly, "wqkv")  # [N, (H + 2 Hkv) D]
+            qh = self._rotate(qkv[:, : H * D].view(N, H, D), cos, sin)
+            kh = self._rotate(qkv[:, H * D: (H + Hkv) * D].view(N, Hkv, D), cos, sin)
+            vh = qkv[:, (H + Hkv) * D:].view(N, Hkv, D)
+            outs = [self._attend(i, qh[a:b], kh[a:b], vh[a:b], seg.cache, plan)
+                    for seg, plan, a, b in zip(segments, plans, starts, starts[1:])]
+            o = outs[0] if len(outs) == 1 else torch.cat(outs)  # [N, H D]
             x = x + self._linear(o, ly, "wo")
             h = self._rms(x, ly.ln2)
-            gu = self._linear(h, ly, "wgu")  # [q, 2 I]
+            gu = self._linear(h, ly, "wgu")  # [N, 2 I]
             x = x + self._linear(F.silu(gu[:, : self.inter]) * gu[:, self.inter:], ly, "wd")
-        cache.length = S
-        if logits_rows:
-            x = x[-logits_rows:]
+        keep = [(b - s.logits_rows if s.logits_rows else a, b) for s, a, b in zip(segments, starts, starts[1:])]
+        for s, plan in zip(segments, plans):
+            s.cache.length = plan.past + s.ids.shape[0]
+        if len(segments) == 1:
+            x = x[keep[0][0]:]
+        elif any(a != s for (a, _), s in zip(keep, starts)):
+            x = torch.cat([x[a:b] for a, b in keep])
         x = self._rms(x, self.norm)
         if self.hidden_sink is not None:
             self.hidden_sink.append(x[None])
-        return F.linear(x, self.lm_head)  # [q', V]
+        logits = F.linear(x, self.lm_head)  # [sum q', V]
+        if len(segments) == 1:
+            return [logits]
+        sizes = [b - a for a, b in keep]
+        return list(torch.split(logits, sizes))
+
+    def _plan(self, seg: "Segment") -> "_Plan":
+        """Where a segment's rows go in its cache and which attention they take (reserves the rows)."""
+        q = seg.ids.shape[0]
+        cache, mask = seg.cache, seg.mask
+        past = cache.length
+        cache.reserve(q)
+        causal_sdpa = mask is None and q > 1
+        if causal_sdpa and past > 0:  # chunked prefill: causal over the new rows, everything cached before
+            mask = torch.zeros(q, past + q, dtype=self.dtype, device=self.device)
+            mask[:, past:] = torch.full((q, q), torch.finfo(self.dtype).min, dtype=self.dtype,
+                                        device=self.device).triu(1)
+            causal_sdpa = False
+        grouped = mask.repeat(self.groups, 1) if mask is not None and not causal_sdpa else None  # [G q, S]
+        return _Plan(past, causal_sdpa, grouped)
+
+    def _attend(self, i: int, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, cache: KVCache,
+                plan: "_Plan") -> torch.Tensor:
+        """Layer i's attention of one sequence's q new rows (qh [q, H, D], kh/vh [q, Hkv, D], already rotated);
+        writes their keys/values into the cache -> [q, H D]."""
+        q = qh.shape[0]
+        H, Hkv, D, G = self.heads, self.kv_heads, self.head_dim, self.groups
+        past = plan.past
+        S = past + q
+        cache.k[i, :, past:S] = kh.transpose(0, 1)
+        cache.v[i, :, past:S] = vh.transpose(0, 1)
+        keys, values = cache.k[i, :, :S], cache.v[i, :, :S]  # [Hkv, S, D]
+        if plan.causal_sdpa:  # prefill from an empty cache: memory-efficient causal attention
+            # 4D inputs with keys/values expanded per query head (as transformers' repeat_kv): with 3D inputs
+            # or enable_gqa SDPA falls back to its materializing math kernel on CPU (3.7x slower at 2000 tokens).
+            kx = keys[:, None].expand(Hkv, G, S, D).reshape(1, H, S, D)
+            vx = values[:, None].expand(Hkv, G, S, D).reshape(1, H, S, D)
+            o = F.scaled_dot_product_attention(qh.transpose(0, 1)[None], kx, vx, is_causal=True,
+                                               scale=self.scale)  # [1, H, q, D]
+            return o[0].transpose(0, 1).reshape(q, H * D)
+        qg = qh.reshape(q, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * q, D)  # query heads by kv group
+        scores = torch.matmul(qg, keys.transpose(1, 2)) * self.scale  # [Hkv, G q, S]
+        if plan.grouped_mask is not None:
+            scores = scores + plan.grouped_mask
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
+        o = torch.matmul(probs, values)  # [Hkv, G q, D]
+        return o.view(Hkv, G, q, D).permute(2, 0, 1, 3).reshape(q, H * D)
+
+
+@dataclass
+class Segment:
+    """One sequence's share of a (batched) forward pass."""
+
+    ids: torch.Tensor  # int64 [q] new tokens
+    positions: torch.Tensor  # int64 [q]
+    cache: KVCache  # grows by q rows
+    mask: torch.Tensor | None = None  # additive [q, past + q] (a tree), None = causal
+    logits_rows: int = 0  # logits of the last rows only (0 = every row)
+
+
+@dataclass
+class _Plan:
+    past: int
+    causal_sdpa: bool
+    grouped_mask: torch.Tensor | None
 
 
 def _onednn_linear_available() -> bool:

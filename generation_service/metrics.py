@@ -64,9 +64,9 @@ class GenerationMetrics(ServerMetrics):
 class GenerationObserver:
     """Per-request token timing: feed it every stream chunk of one generation, in order.
 
-        with GenerationObserver(job.decoding, job.submitted) as obs:   # marks the request running
-            for chunk in generate_stream(...):
-                obs.chunk(chunk)
+        obs = GenerationObserver(job.decoding, job.submitted)
+        for chunk in generate_stream(...):
+            obs.chunk(chunk)
 
     submitted: time.monotonic() when the request was accepted, so TTFT and end-to-end latency include the queue
     wait. Everything is read from the chunks and the final chunk's SpeculationStats the decode loop produces.
@@ -77,13 +77,6 @@ class GenerationObserver:
         self.decoding = decoding
         self.submitted = submitted
         self._last: float | None = None
-
-    def __enter__(self) -> "GenerationObserver":
-        self._m.running.inc()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._m.running.dec()
 
     def chunk(self, chunk) -> None:
         m, d = self._m, self.decoding
@@ -126,6 +119,10 @@ def set_serving_config(dtype: str, threads: int, device: str, rows: Iterable[int
 
 def track_queue_depth(depth: Callable[[], int]) -> None:
     get().waiting.set_function(depth)
+
+
+def track_running(running: Callable[[], int]) -> None:
+    get().running.set_function(running)
 
 
 def instrument_channel(channel: grpc.Channel) -> grpc.Channel:

@@ -29,7 +29,7 @@ import torch
 from threadpoolctl import threadpool_limits
 
 from generation_service.draft_budget import StepCost
-from generation_service.lean_llama import LeanLlama
+from generation_service.lean_llama import LeanLlama, Segment
 from generation_service.tree_attention import tree_mask, tree_position_ids
 from ragcore.model_files import load_tokenizer, resolve_model_dir
 
@@ -220,6 +220,19 @@ def forward(tm: TargetModel, input_ids: torch.Tensor, cache, position_ids: torch
     out = tm.model(input_ids=input_ids.unsqueeze(0), position_ids=position_ids, attention_mask=mask,
                    past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep)
     return out.logits[0]  # [q', V]
+
+
+def forward_batch(tm: TargetModel, segments: list[Segment]) -> list[torch.Tensor]:
+    """Several sequences' new rows -> per segment its logits [q', V] (Segment.logits_rows). The lean forward runs
+    them as one pass (linear layers over all rows at once); the generic path runs one pass per segment."""
+    if tm.lean is not None:
+        return tm.lean.forward_batch(segments)
+    out = []
+    for seg in segments:
+        mask = seg.mask[None, None] if seg.mask is not None else None
+        out.append(forward(tm, seg.ids, seg.cache, position_ids=seg.positions[None], mask=mask,
+                           logits_to_keep=seg.logits_rows))
+    return out
 
 
 def warmup(tm: TargetModel, prompt_len: int = 64, tree_sizes: tuple[int, ...] = (8, 32, 64), rounds: int = 2) -> float:

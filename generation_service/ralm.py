@@ -41,6 +41,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
+from generation_service.engine.steps import check_prompt
 from generation_service.kb_client import Hits, KBRequestError, KBUnavailable, SearchFuture, SearchReply
 from generation_service.model import TargetModel, cache_length, new_cache
 from generation_service.os3 import OS3Config, StrideScheduler
@@ -53,7 +54,6 @@ from generation_service.speculative import (
     FINISH_STOP,
     SpeculationStats,
     StreamChunk,
-    _check_prompt,
     prefill,
     stream_tokenizer,
     text_chunks,
@@ -331,7 +331,7 @@ def ralm_decode(tm: TargetModel, prompt_ids, params: SamplingParams, rag: RagPar
     """RaLMSeq or RaLMSpec (rag.speculate) at token level: yields (newly committed output tokens, finish reason);
     the last item carries the finish reason (stop, length, cancelled). Raises KBUnavailable if retrieval fails
     with nothing to fall back on."""
-    prompt = _check_prompt(tm, prompt_ids, params)
+    prompt = check_prompt(tm, prompt_ids, params)
     _check_rag_prompt(tm, prompt, params, rag)
     stats = stats if stats is not None else RagStats()
     stats.mode, stats.retriever = rag.mode, rag.retriever

@@ -13,14 +13,12 @@ calibration, warm-up and every decode step run on one thread, the model thread (
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import queue
 import sys
 import threading
 import time
-from concurrent import futures
 from dataclasses import dataclass, field
 
 import grpc
@@ -31,14 +29,15 @@ from generation_service import knnlm, metrics, ralm_service
 from generation_service.calibrate import Choice, ModelThread, calibrated_model, cpu_info, format_table, shown_flags
 from generation_service.config import DECODING_MODES, GenerationConfig
 from generation_service.drafters import Drafter, DraftUnavailable, PromptLookupDrafter
+from generation_service.engine.scheduler import Engine
 from generation_service.model import load_model, set_threads, warmup
 from generation_service.retrieval_client import RemoteDrafter, RetrievalClient
 from generation_service.sampling import SamplingParams
-from generation_service.speculative import StreamChunk, generate_stream
+from generation_service.speculative import StreamChunk
 from proto import generation_pb2, generation_pb2_grpc
 from ragcore import metrics as core_metrics, security
 from ragcore.draft_tree import warmup_context_draft
-from ragcore.errors import Cancelled, DeadlineExceeded, InvalidArgument, ResourceExhausted, ServiceError, Unavailable
+from ragcore.errors import Cancelled, DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
 from ragcore.grpc_shell import RunningServer, install_signal_handlers, start_server
 from ragcore.model_files import tokenizer_identity
 from ragcore.process import offline_process
@@ -141,27 +140,30 @@ class RetrievalLink:
 
 
 class Worker:
-    """Runs queued jobs one at a time on the model, on the model thread (the one that loaded and warmed it)."""
+    """The model side of the servicer: the continuous-batching engine (engine/scheduler.py) and what it needs to
+    run every mode — drafters on the retrieval link, the RAG and kNN-LM backends."""
 
     def __init__(self, tm, cfg: GenerationConfig, link: RetrievalLink, knn=None, rag=None,
                  model_thread: ModelThread | None = None):
         self.tm, self.cfg, self.link = tm, cfg, link
         self.knn = knn  # knnlm.KnnBackend when a kNN-LM datastore is configured
         self.rag = rag  # ralm_service.RagBackend when a KB target is configured
-        self.jobs: "queue.Queue[Job | None]" = queue.Queue(maxsize=cfg.queue_size)
-        self.learner = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="learn")
-        self.model_thread = model_thread or ModelThread("generation-worker")
-        self.done = self.model_thread.submit(self._loop)
+        self.engine = Engine(tm, max_batch=cfg.max_batch, prefill_chunk=cfg.prefill_chunk,
+                             kv_cache_mb=cfg.kv_cache_mb, queue_size=cfg.queue_size, drafter=self._drafter,
+                             exclusive=self._exclusive, learn=link.learn, model_thread=model_thread)
+
+    @property
+    def model_thread(self) -> ModelThread:
+        return self.engine.model_thread
 
     def submit(self, job: Job) -> None:
-        self.jobs.put_nowait(job)  # raises queue.Full
+        self.engine.submit(job)  # raises queue.Full, or ResourceExhausted for a job that can never fit
 
     def depth(self) -> int:
-        return self.jobs.qsize()
+        return self.engine.depth()
 
     def stop(self) -> None:
-        self.jobs.put(None)
-        self.model_thread.stop()
+        self.engine.stop()
 
     def _drafter(self, job: Job) -> Drafter | None:
         if job.decoding == "ar":
@@ -170,56 +172,12 @@ class Worker:
             return PromptLookupDrafter()
         return self.link.drafter(job.decoding, job.deadline)
 
-    def _stream(self, job: Job):
+    def _exclusive(self, job: Job):
         if job.rag is not None:
             return self.rag.stream(self.tm, job.prompt_ids, job.params, job.rag, deadline=job.deadline,
                                    is_cancelled=job.is_cancelled)
-        if job.knnlm is not None:
-            return knnlm.generate_stream(self.tm, job.prompt_ids, job.params, job.knnlm, self.knn,
-                                         is_cancelled=job.is_cancelled)
-        return generate_stream(self.tm, job.prompt_ids, job.params, drafter=self._drafter(job),
-                               draft_budget=job.budget, is_cancelled=job.is_cancelled, decoding=job.decoding)
-
-    def _loop(self) -> None:
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            if job.is_cancelled():
-                job.chunks.put(None)
-                continue
-            completion: list[int] = []
-            held: list[StreamChunk] = []
-            finish = None
-            try:
-                with metrics.GenerationObserver(job.decoding, job.submitted) as observed:
-                    for chunk in self._stream(job):
-                        observed.chunk(chunk)
-                        completion += chunk.token_ids
-                        finish = chunk.finish_reason or finish
-                        if job.stream:
-                            job.chunks.put(chunk)
-                        else:
-                            held.append(chunk)
-                            if chunk.finish_reason is not None:
-                                job.chunks.put(merge_chunks(held))
-            except BaseException as e:  # reported to the caller; the worker keeps serving
-                if isinstance(e, ServiceError):  # a dependency failed or refused: the RPC's status line says it
-                    log.debug("generation stopped: %s: %s", type(e).__name__, e)
-                else:
-                    log.exception("generation failed")
-                job.chunks.put(e)
-            job.chunks.put(None)
-            if job.learn and finish in ("stop", "length"):
-                # After the reply is out: learning must not add latency to the request.
-                self.learner.submit(self.link.learn, job.prompt_ids, completion)
-
-
-def merge_chunks(chunks: list[StreamChunk]) -> StreamChunk:
-    """Consecutive chunks of one request -> one chunk (tokens and text joined, the last chunk's final fields)."""
-    last = chunks[-1]
-    return dataclasses.replace(last, token_ids=[t for c in chunks for t in c.token_ids],
-                               text="".join(c.text for c in chunks))
+        return knnlm.generate_stream(self.tm, job.prompt_ids, job.params, job.knnlm, self.knn,
+                                     is_cancelled=job.is_cancelled)
 
 
 def _opt(request, name: str):

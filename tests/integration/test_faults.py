@@ -51,7 +51,7 @@ def test_retrieval_down_degrades_to_ar_and_recovers(tm, datastore, client):
 
 
 def test_full_queue_answers_resource_exhausted(tm, retrieval):
-    running, servicer = start_generation(tm, retrieval.address, queue_size=1)
+    running, servicer = start_generation(tm, retrieval.address, queue_size=1, max_batch=1)
     codes: list[grpc.StatusCode] = []
     lock = threading.Lock()
 

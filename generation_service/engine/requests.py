@@ -1,0 +1,198 @@
+"""One draft-tree request (`ar`, `pld`, `rest-ds`, `rest`, `crest`) as a state machine over the step primitives.
+
+The same object serves a request decoded alone (speculative.decode drives it pass by pass) and one decoded in a
+continuous batch (engine/scheduler.py puts its rows into a shared pass). Its lifecycle:
+
+    req = TreeRequest(tm, prompt_ids, params, drafter=d)
+    while req.prefilling:                      # prompt chunks
+        logits = forward_batch(tm, [req.prefill_segment()])[0]
+        step = req.prefilled(logits)           # None until the last chunk; then (output tokens, finish)
+    while req.finish is None:
+        req.fetch_draft()                      # the drafter's tree, checked and pruned (may be an RPC)
+        req.choose()                           # how much of it to verify (alone: its own cost curve)
+        logits = forward_batch(tm, [req.decode_segment()])[0]
+        out, finish = req.commit(logits)       # accept, KV commit, stats
+
+A batch replaces choose() by choose(n) with n from draft_budget.batch_sizes over every request in the pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from generation_service.draft_budget import DraftSizer, best_size, keep_best, subtree
+from generation_service.drafters import Drafter, DraftUnavailable
+from generation_service.engine.steps import (
+    DEFAULT_DRAFT_BUDGET,
+    FINISH_CANCELLED,
+    PREFILL_CHUNK,
+    SpeculationStats,
+    accept,
+    check_prompt,
+    check_tree,
+    cut_emitted,
+    degrade,
+    prefill_segments,
+    tree_segment,
+)
+from generation_service.lean_llama import Segment, capacity_for
+from generation_service.model import TargetModel, new_cache
+from generation_service.sampling import Sampler, SamplingParams
+from generation_service.tree_attention import dfs_order, gather_kv, prune_depth, tree_children
+
+log = logging.getLogger(__name__)
+_EMPTY = np.zeros(0, np.int32)
+
+
+class TreeRequest:
+    def __init__(self, tm: TargetModel, prompt_ids, params: SamplingParams, *, drafter: Drafter | None = None,
+                 draft_budget: int = DEFAULT_DRAFT_BUDGET, stats: SpeculationStats | None = None,
+                 adaptive_budget: bool = True, prefill_chunk: int = PREFILL_CHUNK):
+        """adaptive_budget: verify only the cost-effective part of each draft tree and skip useless remote drafts
+        (draft_budget.py); False = always verify up to draft_budget nodes. Either way the output is the same."""
+        self.prompt = check_prompt(tm, prompt_ids, params)
+        if isinstance(draft_budget, bool) or not isinstance(draft_budget, (int, np.integer)) or draft_budget < 0:
+            raise ValueError(f"draft_budget must be an integer >= 0 (0 = no drafting), got {draft_budget!r}")
+        self.tm, self.params, self.drafter = tm, params, drafter
+        self.stats = stats if stats is not None else SpeculationStats(decoding=drafter.name if drafter else "ar")
+        self.eos = frozenset() if params.ignore_eos else tm.eos_token_ids
+        self.sampler = Sampler(params)
+        n_prompt = self.prompt.shape[0]
+        self.context = np.empty(n_prompt + params.max_new_tokens, np.int32)  # prompt + output, the drafter's view
+        self.context[:n_prompt] = self.prompt
+        self.n_ctx = n_prompt
+        self.n_out = 0
+        self.sizer = DraftSizer(tm.step_cost) if adaptive_budget and drafter is not None else None
+        # Nodes beyond the largest tree that could ever pay on this machine's curve are never worth asking for.
+        self.budget = min(draft_budget, tm.step_cost.max_nodes) if self.sizer is not None else draft_budget
+        self.cache = new_cache(tm, capacity_for(n_prompt, params.max_new_tokens, self.budget))
+        self._prefill = prefill_segments(torch.from_numpy(self.prompt.astype(np.int64)).to(tm.device), self.cache,
+                                         prefill_chunk)
+        self.finish: str | None = None
+        self.last = -1  # the last emitted token (not yet in the cache)
+        self._t_prefill = 0.0
+        # The current step's draft: the full checked tree, then the chosen part in verifier order.
+        self._tree: tuple | None = None
+        self.tokens, self.parents = _EMPTY, _EMPTY
+        self.p = np.zeros(0)  # acceptance estimates of the fetched tree's nodes (for batch sizing)
+        self._past = 0
+
+    # ------------------------------------------------------------------------------------------------ prefill
+
+    @property
+    def prefilling(self) -> bool:
+        return bool(self._prefill)
+
+    @property
+    def kv_rows(self) -> int:
+        """KV rows this request may need at most (its cache's capacity)."""
+        return self.cache.capacity if hasattr(self.cache, "capacity") else 0
+
+    def prefill_segment(self) -> Segment:
+        if not self._t_prefill:
+            self._t_prefill = time.perf_counter()
+        return self._prefill[0]
+
+    def prefilled(self, logits: torch.Tensor) -> tuple[list[int], str | None] | None:
+        """After the pass of prefill_segment(): None while chunks remain; then the first output step."""
+        self._prefill.pop(0)
+        if self._prefill:
+            return None
+        self.stats.prefill_ms = (time.perf_counter() - self._t_prefill) * 1e3
+        self.last = self.sampler.pick(logits[-1])
+        return self._emit([self.last], self.params.max_new_tokens)
+
+    # ------------------------------------------------------------------------------------------------- decode
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_new_tokens - self.n_out
+
+    def fetch_draft(self) -> None:
+        """Ask the drafter for this step's tree (an RPC for remote drafters: safe to run beside other requests'
+        fetches); a failing drafter makes this step AR and the request degraded, never failed."""
+        self._tree, self.p = None, np.zeros(0)
+        source = self.drafter if self.budget > 0 and self.remaining > 1 else None
+        if source is not None and self.sizer is not None and getattr(source, "remote", False) \
+                and not self.sizer.query_remote():
+            source = source.local  # a remote source that keeps being useless is skipped for a while
+            self.stats.skipped_drafts += 1
+        if source is None:
+            return
+        t = time.perf_counter()
+        try:
+            tree = source.propose(self.context[:self.n_ctx], self.budget)
+            # The first `budget` nodes of a tree with parents[i] < i are again such a tree.
+            b = self.budget
+            tokens, parents, scores = tree.tokens[:b], tree.parents[:b], tree.scores[:b]
+            source_p = tree.source_p[:b] if tree.source_p is not None else None
+            check_tree(tokens, parents, scores, source_p, self.tm.vocab_size)
+            # One step emits at most depth + 1 tokens: deeper nodes could never be used.
+            keep, parents = prune_depth(parents, self.remaining - 1)
+            tokens, scores = tokens[keep], scores[keep]
+            source_p = source_p[keep] if source_p is not None else None
+            self._tree = (tokens, parents, scores, getattr(source, "remote", False))
+            if self.sizer is not None:
+                self.p = self.sizer.estimate(parents, scores, source_p, getattr(source, "default_source", 0),
+                                             tree.matched_suffix, tree.context_matched_suffix)
+        except DraftUnavailable as e:
+            degrade(self.stats, str(e))
+        except Exception as e:  # a drafter bug must not fail the request; AR is always correct
+            log.exception("drafter %s failed", getattr(source, "name", source))
+            degrade(self.stats, f"drafter error: {type(e).__name__}: {e}")
+        self.stats.draft_ms += (time.perf_counter() - t) * 1e3
+
+    def choose(self, n: int | None = None) -> None:
+        """Keep n nodes of the fetched tree (the best by estimate, plus their ancestors); None = as many as pay
+        for this request alone on the calibrated curve (all of them without a sizer)."""
+        self.tokens, self.parents = _EMPTY, _EMPTY
+        if self._tree is None:
+            return
+        tokens, parents, scores, remote = self._tree
+        if self.sizer is not None:
+            if n is None:
+                n = best_size(np.sort(self.p)[::-1], self.sizer.cost)
+            keep = keep_best(parents, self.p, n)
+            self.sizer.keep(keep, remote)
+            tokens, parents, scores = tokens[keep], subtree(keep, parents), scores[keep]
+        order, parents = dfs_order(parents, scores)
+        if self.sizer is not None:
+            self.sizer.expect(order)
+        self.tokens, self.parents = tokens[order], parents
+
+    def decode_segment(self) -> Segment:
+        self._t_step = time.perf_counter()
+        self._past = self.cache.get_seq_length()
+        return tree_segment(self.tm, self.cache, self.last, self.tokens, self.parents)
+
+    def commit(self, logits: torch.Tensor) -> tuple[list[int], str | None]:
+        """After the pass of decode_segment(): accept, keep the accepted rows' KV -> (output tokens, finish)."""
+        remaining = self.remaining
+        children = tree_children(self.tokens, self.parents) if self.tokens.shape[0] else {}
+        path, emitted = accept(logits, children, self.sampler, remaining)
+        gather_kv(self.cache, self._past, path)  # also when nothing was accepted: rejected and pad rows must go
+        s = self.stats
+        s.verify_ms += (time.perf_counter() - self._t_step) * 1e3
+        s.draft_tokens_proposed += int(self.tokens.shape[0])
+        s.draft_tokens_accepted += len(path)
+        s.record_step(len(emitted))
+        if self.sizer is not None:
+            self.sizer.observe(path)
+        self.last = emitted[-1]
+        return self._emit(emitted, remaining)
+
+    def cancel(self) -> tuple[list[int], str]:
+        self.finish = FINISH_CANCELLED
+        return [], FINISH_CANCELLED
+
+    def _emit(self, emitted: list[int], remaining: int) -> tuple[list[int], str | None]:
+        self.context[self.n_ctx:self.n_ctx + len(emitted)] = emitted
+        self.n_ctx += len(emitted)
+        out, finish = cut_emitted(emitted, remaining, self.eos)
+        self.n_out += len(out)
+        self.finish = finish
+        return out, finish

@@ -1,0 +1,325 @@
+"""Continuous batching: every running request shares each forward pass.
+
+One loop on the model thread (calibrate.ModelThread). Between passes requests join (admission: at most
+`max_batch` running, their KV caches within `kv_cache_mb`; the rest wait in a bounded queue, beyond it
+RESOURCE_EXHAUSTED) and leave (finished, cancelled, past their deadline: the slot is free at the next pass).
+One step:
+
+    drafts      every decoding request's drafter is asked at once (remote drafts are RPCs, run side by side)
+    sizes       draft_budget.batch_sizes: the nodes worth verifying across the whole batch, best first, from the
+                calibrated pass cost of the batch's total rows — trees shrink as the batch grows
+    one pass    forward_batch over [last + tree] of every decoding request and one chunk (prefill_chunk tokens)
+                of the oldest request still prefilling, so a long prompt never stalls the others for long
+    commit      per request: accept, KV commit, text (TextOutput), stream chunks, finish
+
+Each request's tokens are chosen from its own rows exactly as it would be alone (same sampler, same draws), so a
+batched request's output equals its solo output except where batched kernels round differently at a near-tie
+(top-2 logit gap within a few units in the last place; tests/generation/test_engine.py checks this).
+
+RAG (RaLMSeq/RaLMSpec) and kNN-LM requests keep their own loops (ralm.py, knnlm.py): the engine advances one of
+them by one step between batched passes, round-robin, so they neither block nor are blocked for long; their
+forward passes are not batched with the others yet.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+from generation_service import metrics
+from generation_service.calibrate import ModelThread
+from generation_service.draft_budget import batch_sizes
+from generation_service.engine.requests import TreeRequest
+from generation_service.engine.steps import SpeculationStats, prefill, tree_segment
+from generation_service.lean_llama import capacity_for
+from generation_service.model import TargetModel, forward_batch, new_cache
+from generation_service.speculative import StreamChunk, TextOutput
+from ragcore.errors import ResourceExhausted, ServiceError
+
+log = logging.getLogger(__name__)
+
+
+def kv_bytes_per_row(tm: TargetModel) -> int:
+    """Bytes of keys + values one cached token takes in every layer."""
+    cfg = tm.model.config
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    itemsize = 2 if tm.dtype_name in ("bf16", "fp16") else 4
+    return int(cfg.num_hidden_layers) * 2 * kv_heads * head_dim * itemsize
+
+
+def job_kv_rows(tm: TargetModel, job) -> int:
+    """KV rows a job reserves while it runs (its cache's capacity; RAG and kNN-LM jobs count their prompt + output
+    + passage room)."""
+    return capacity_for(len(job.prompt_ids), job.params.max_new_tokens, max(job.budget, 0))
+
+
+def measure_segment_ms(tm: TargetModel, reps: int = 5) -> float:
+    """ms one more sequence adds to a batched pass beyond its rows (its own attention, bookkeeping): four 1-row
+    sequences against one sequence of four rows, min over reps."""
+    rng = np.random.default_rng(0)
+    caches = [new_cache(tm, 128) for _ in range(4)]
+    for c in caches:
+        prefill(tm, c, torch.from_numpy(rng.integers(0, min(tm.vocab_size, 1000), 32)).to(tm.device))
+    chain = np.arange(-1, 2, dtype=np.int32)  # 3 nodes: a 4-row pass
+
+    def timed(fn: Callable[[], None]) -> float:
+        best = float("inf")
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t)
+            for c in caches:
+                c.crop(32)
+        return best * 1e3
+
+    many = timed(lambda: forward_batch(tm, [tree_segment(tm, c, 1, np.zeros(0, np.int32), np.zeros(0, np.int32))
+                                            for c in caches]))
+    one = timed(lambda: forward_batch(tm, [tree_segment(tm, caches[0], 1, np.full(3, 2, np.int32), chain)]))
+    return max(0.0, (many - one) / 3)
+
+
+@dataclass(eq=False)  # identity: a request is itself, whatever its fields hold
+class _Running:
+    job: object  # server.Job
+    kv_rows: int
+    observer: metrics.GenerationObserver
+    t0: float = field(default_factory=time.perf_counter)
+    req: TreeRequest | None = None  # draft-tree modes
+    out: TextOutput | None = None
+    stream: Iterator[StreamChunk] | None = None  # RAG / kNN-LM: their own loop, one step per turn
+    held: list[StreamChunk] = field(default_factory=list)  # unary jobs: chunks merged at the end
+    tokens: list[int] = field(default_factory=list)  # output tokens sent so far
+
+
+class Engine:
+    """The continuous-batching worker: submit() jobs from gRPC threads; everything else runs on the model thread."""
+
+    def __init__(self, tm: TargetModel, *, max_batch: int, prefill_chunk: int, kv_cache_mb: int, queue_size: int,
+                 drafter: Callable[[object], object], exclusive: Callable[[object], Iterator[StreamChunk]],
+                 learn: Callable[[np.ndarray, list[int]], None] | None = None,
+                 model_thread: ModelThread | None = None):
+        """drafter(job): the job's Drafter (None = AR); exclusive(job): the chunk stream of a RAG / kNN-LM job;
+        learn(prompt, completion): called (on a helper thread) for finished jobs that asked to learn."""
+        self.tm = tm
+        self.max_batch = max(1, max_batch)
+        self.prefill_chunk = max(1, prefill_chunk)
+        self.kv_budget_rows = max(1, int(kv_cache_mb) * (1 << 20) // kv_bytes_per_row(tm))
+        self.jobs: "queue.Queue" = queue.Queue(maxsize=queue_size)
+        self._drafter, self._exclusive, self._learn = drafter, exclusive, learn
+        self.running: list[_Running] = []
+        self._waiting = None  # the next job, held back until the KV budget has room for it
+        self._kv_used = 0
+        self._turn = itertools.count()
+        self._stop = threading.Event()
+        self.segment_ms = 0.0
+        self.passes = 0  # batched passes run (stats, tests)
+        self.peak_batch = 0  # most sequences in one pass so far
+        self.draft_pool = ThreadPoolExecutor(max_workers=self.max_batch, thread_name_prefix="draft")
+        self.learner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learn")
+        self.model_thread = model_thread or ModelThread("generation-engine")
+        # Before the first job can arrive (the server reports SERVING after this returns).
+        self.segment_ms = self.model_thread.call(self._measure)
+        metrics.track_running(lambda: len(self.running))
+        self.done = self.model_thread.submit(self._loop)
+
+    # --------------------------------------------------------------------------------------- gRPC threads
+
+    def submit(self, job) -> None:
+        """Queue a job (queue.Full when the queue is full; ResourceExhausted when it could never fit)."""
+        rows = job_kv_rows(self.tm, job)
+        if rows > self.kv_budget_rows:
+            raise ResourceExhausted(f"the request needs {rows} KV cache rows, more than this worker's whole budget "
+                                    f"of {self.kv_budget_rows} (kv_cache_mb); shorten the prompt or max_new_tokens")
+        self.jobs.put_nowait(job)
+
+    def depth(self) -> int:
+        return self.jobs.qsize() + (self._waiting is not None)
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            self.jobs.put_nowait(None)  # wakes an idle loop
+        except queue.Full:
+            pass
+        self.model_thread.stop()
+
+    # -------------------------------------------------------------------------------------- model thread
+
+    def _measure(self) -> float:
+        try:
+            return measure_segment_ms(self.tm)
+        except Exception:  # an estimate only: batching still works with 0
+            log.warning("could not measure the per-sequence cost of a batched pass", exc_info=True)
+            return 0.0
+
+    def _loop(self) -> None:
+        log.info("engine: up to %d requests per pass, prefill chunks of %d tokens, KV budget %d rows, "
+                 "+%.2f ms per sequence in a pass", self.max_batch, self.prefill_chunk, self.kv_budget_rows,
+                 self.segment_ms)
+        while not self._stop.is_set():
+            self._admit(block=not self.running)
+            if self.running:
+                self._step()
+
+    def _admit(self, block: bool) -> None:
+        while len(self.running) < self.max_batch and not self._stop.is_set():
+            job = self._waiting
+            if job is None:
+                try:
+                    job = self.jobs.get(timeout=0.5) if block and not self.running else self.jobs.get_nowait()
+                except queue.Empty:
+                    return
+                if job is None:
+                    return
+            rows = job_kv_rows(self.tm, job)
+            if self.running and self._kv_used + rows > self.kv_budget_rows:
+                self._waiting = job  # first come, first served: later jobs wait behind it
+                return
+            self._waiting = None
+            self._start(job, rows)
+
+    def _start(self, job, rows: int) -> None:
+        if job.is_cancelled():
+            job.chunks.put(None)
+            return
+        run = _Running(job, rows, metrics.GenerationObserver(job.decoding, job.submitted))
+        try:
+            if job.rag is not None or job.knnlm is not None:
+                run.stream = self._exclusive(job)
+            else:
+                run.req = TreeRequest(self.tm, job.prompt_ids, job.params, drafter=self._drafter(job),
+                                      draft_budget=job.budget, stats=SpeculationStats(decoding=job.decoding),
+                                      prefill_chunk=self.prefill_chunk)
+                run.out = TextOutput(self.tm.tokenizer, job.prompt_ids, job.params.stop)
+        except Exception as e:
+            self._fail(run, e, started=False)
+            return
+        self._kv_used += rows
+        self.running.append(run)
+
+    def _step(self) -> None:
+        for run in list(self.running):
+            if run.req is not None and run.job.is_cancelled():
+                self._feed(run, run.req.cancel())
+        exclusive = [r for r in self.running if r.stream is not None]
+        if exclusive:
+            self._exclusive_step(exclusive[next(self._turn) % len(exclusive)])
+        trees = [r for r in self.running if r.req is not None]
+        if trees:
+            try:
+                self._tree_step(trees)
+            except Exception as e:  # a failed pass fails the requests in it; the engine keeps serving
+                for run in trees:
+                    self._fail(run, e)
+
+    def _tree_step(self, trees: list[_Running]) -> None:
+        decoding = [r for r in trees if not r.req.prefilling]
+        prefilling = next((r for r in trees if r.req.prefilling), None)
+        asked = [self.draft_pool.submit(r.req.fetch_draft) for r in decoding if r.req.drafter is not None]
+        wait(asked)
+        for f in asked:
+            f.result()  # fetch_draft turns drafter failures into AR steps; anything else is a bug
+        pre = prefilling.req.prefill_segment() if prefilling is not None else None
+        if len(decoding) == 1 and pre is None:
+            decoding[0].req.choose()  # alone: exactly the solo decision
+        elif decoding:
+            base = len(decoding) * self.tm.min_rows + (pre.ids.shape[0] if pre is not None else 0)
+            sized = [r for r in decoding if r.req.sizer is not None]
+            counts = batch_sizes([r.req.p for r in sized], self.tm.step_cost, base,
+                                 len(decoding) + (pre is not None), self.segment_ms)
+            for r, n in zip(sized, counts):
+                r.req.choose(n)
+            for r in decoding:
+                if r.req.sizer is None:
+                    r.req.choose()
+        segments = [r.req.decode_segment() for r in decoding] + ([pre] if pre is not None else [])
+        logits = forward_batch(self.tm, segments)
+        self.passes += 1
+        self.peak_batch = max(self.peak_batch, len(segments))
+        for r, lg in zip(decoding, logits):
+            self._feed(r, r.req.commit(lg))
+        if prefilling is not None:
+            step = prefilling.req.prefilled(logits[-1])
+            if step is not None:
+                self._feed(prefilling, step)
+
+    def _exclusive_step(self, run: _Running) -> None:
+        try:
+            chunk = next(run.stream)
+        except StopIteration:
+            self._fail(run, RuntimeError("the decode loop ended without a final chunk"))
+            return
+        except Exception as e:
+            self._fail(run, e)
+            return
+        self._send(run, chunk)
+        if chunk.finish_reason is not None:
+            self._close(run, chunk.finish_reason)
+
+    # ---------------------------------------------------------------------------------------------- output
+
+    def _feed(self, run: _Running, step: tuple[list[int], str | None]) -> None:
+        tokens, finish = step
+        piece, done = run.out.feed(tokens, finish)
+        if piece is not None:
+            self._send(run, piece)
+        if done is None and run.req.finish is not None:
+            done = run.req.finish
+        if done is not None:
+            finish, ids, delta, n = run.out.final(done)
+            stats = run.req.stats
+            stats.total_ms = (time.perf_counter() - run.t0) * 1e3
+            self._send(run, StreamChunk(ids, delta, finish_reason=finish, stats=stats,
+                                        prompt_tokens=len(run.job.prompt_ids), completion_tokens=n))
+            self._close(run, finish)
+
+    def _send(self, run: _Running, chunk: StreamChunk) -> None:
+        run.observer.chunk(chunk)
+        run.tokens += chunk.token_ids
+        if run.job.stream:
+            run.job.chunks.put(chunk)
+            return
+        run.held.append(chunk)
+        if chunk.finish_reason is not None:
+            merged = run.held[-1] if len(run.held) == 1 else replace(
+                chunk, token_ids=[t for c in run.held for t in c.token_ids], text="".join(c.text for c in run.held))
+            run.job.chunks.put(merged)
+
+    def _close(self, run: _Running, finish: str) -> None:
+        run.job.chunks.put(None)
+        self._remove(run)
+        if self._learn is not None and run.job.learn and finish in ("stop", "length") and run.tokens:
+            # After the reply is out: learning must not add latency to the request.
+            self.learner.submit(self._learn, run.job.prompt_ids, run.tokens)
+
+    def _fail(self, run: _Running, e: BaseException, started: bool = True) -> None:
+        if isinstance(e, ServiceError):  # a dependency failed or refused: the RPC's status line says it
+            log.debug("generation stopped: %s: %s", type(e).__name__, e)
+        else:
+            log.error("generation failed", exc_info=e)
+        run.job.chunks.put(e)
+        run.job.chunks.put(None)
+        if started:
+            self._remove(run)
+
+    def _remove(self, run: _Running) -> None:
+        if run in self.running:
+            self.running.remove(run)
+            self._kv_used -= run.kv_rows
+        if run.stream is not None:
+            close = getattr(run.stream, "close", None)
+            if close is not None:
+                close()
+

@@ -1,0 +1,198 @@
+"""The continuous-batching engine with the real model: batched == solo, admission, cancellation, the KV bound.
+
+Requests of different modes (AR, prompt lookup, adversarial draft trees, seeded sampling) run at once and share
+every pass, joining while others decode and prefilling in chunks beside them. Each output must equal the same
+request decoded alone (speculative.decode with the same prefill chunks); batched kernels may round differently,
+so a difference is allowed only at a near-tie (first_divergence), and the test counts them.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from generation_service.calibrate import ModelThread
+from generation_service.draft_budget import StepCost, batch_sizes, best_size
+from generation_service.drafters import PromptLookupDrafter
+from generation_service.engine.scheduler import Engine, job_kv_rows, kv_bytes_per_row
+from generation_service.lean_llama import Segment
+from generation_service.model import forward_batch, new_cache
+from generation_service.sampling import SamplingParams
+from generation_service.server import Job
+from generation_service.speculative import decode, first_divergence, prefill
+from ragcore.errors import ResourceExhausted
+from tests.generation.test_lossless import AdversarialDrafter, chat, encode, humaneval_prompts
+
+pytestmark = pytest.mark.model
+
+PREFILL = 48  # small prefill chunks: every prompt spans several passes, interleaved with decoding
+N_NEW = 24
+
+
+# ------------------------------------------------------------------------------------------ batched forward
+
+def test_forward_batch_matches_separate_passes(tm32):
+    """Three sequences in one pass (a prefill chunk, an AR row, a 4-node tree) give each one's own logits."""
+    rng = np.random.default_rng(0)
+    prompts = [torch.from_numpy(rng.integers(0, 5000, n)) for n in (60, 70, 55)]
+    solo_caches, batch_caches = [], []
+    for p in prompts[1:]:
+        for caches in (solo_caches, batch_caches):
+            c = new_cache(tm32, 256)
+            prefill(tm32, c, p)
+            caches.append(c)
+    chain = torch.tensor([[0, 1, 2, 3, 4]])
+
+    def segments(caches, fresh):
+        past_ar, past_tree = caches[0].length, caches[1].length
+        mask = torch.full((5, past_tree + 5), torch.finfo(torch.float32).min).triu(past_tree + 1)
+        return [Segment(prompts[0][:PREFILL], torch.arange(PREFILL), fresh, None, 1),
+                Segment(torch.tensor([7]), torch.tensor([past_ar]), caches[0]),
+                Segment(torch.tensor([3, 9, 4, 1, 8]), past_tree + chain[0], caches[1], mask)]
+
+    fresh_solo, fresh_batch = new_cache(tm32, 128), new_cache(tm32, 128)
+    solo = [forward_batch(tm32, [s])[0] for s in segments(solo_caches, fresh_solo)]
+    batched = forward_batch(tm32, segments(batch_caches, fresh_batch))
+    for a, b in zip(solo, batched):
+        assert a.shape == b.shape  # Not every row's logits for the prefill chunk
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+    for a, b in zip(solo_caches + [fresh_solo], batch_caches + [fresh_batch]):
+        assert a.length == b.length
+        torch.testing.assert_close(a.k[:, :, :a.length], b.k[:, :, :b.length], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("p, base_rows, expected", [
+    ([np.array([0.9, 0.8]), np.array([0.05])], 2, [2, 0]),  # a confident tree outbids a weak one; Not [1, 1]
+    ([np.zeros(0), np.zeros(0)], 2, [0, 0]),                 # nothing drafted: AR rows only
+    ([np.array([0.01] * 8)], 1, [0]),                        # nodes that cannot pay are Not verified
+])
+def test_batch_sizes(p, base_rows, expected):
+    cost = StepCost([1, 2, 4, 8, 16], [20.0, 21.0, 22.0, 25.0, 31.0])
+    assert batch_sizes(p, cost, base_rows, segments=len(p)) == expected
+
+
+def test_batch_sizes_alone_agree_with_best_size():
+    cost = StepCost([1, 2, 4, 8, 16, 32], [20.0, 20.5, 21.0, 23.0, 27.0, 40.0], tree_ms=0.0)
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        p = np.sort(rng.random(rng.integers(0, 30)) ** 3)[::-1]
+        assert batch_sizes([p], cost, base_rows=1, segments=1) == [best_size(p, cost)]
+
+
+# ------------------------------------------------------------------------------------------------ the engine
+
+def _job(prompt, params, decoding="ar", budget=32, **kw) -> Job:
+    return Job(np.asarray(prompt, np.int64), params, decoding, budget, None, **kw)
+
+
+def _collect(job: Job, timeout_s: float = 600) -> tuple[list[int], str, object]:
+    tokens, last, t_end = [], None, time.monotonic() + timeout_s
+    while True:
+        item = job.chunks.get(timeout=max(1.0, t_end - time.monotonic()))
+        if item is None:
+            return tokens, last.finish_reason, last.stats
+        if isinstance(item, BaseException):
+            raise item
+        tokens += item.token_ids
+        last = item
+
+
+def _engine(tm, drafters: dict[int, object], **kw) -> Engine:
+    kw = {"max_batch": 8, "prefill_chunk": PREFILL, "kv_cache_mb": 512, "queue_size": 16, **kw}
+    return Engine(tm, drafter=lambda job: drafters.get(id(job)), exclusive=lambda job: iter(()),
+                  model_thread=ModelThread("test-engine"), **kw)
+
+
+def test_batched_equals_solo(tm32):
+    greedy = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
+    seeded = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True, temperature=0.8, top_p=0.9, seed=7)
+    texts = humaneval_prompts(3)
+    prompts = [encode(tm32, t) for t in texts] + [chat(tm32, "Explain recursion in one paragraph."),
+                                                  chat(tm32, "Name three sorting algorithms.")]
+    mt = ModelThread("test-solo")
+    solo = {}
+
+    def run_solo(prompt, params, drafter):
+        return [t for out, _ in decode(tm32, prompt, params, drafter=drafter, prefill_chunk=PREFILL) for t in out]
+
+    cases = []  # (prompt, params, mode, drafter factory)
+    for i, prompt in enumerate(prompts):
+        ar = mt.call(run_solo, prompt, greedy, None)
+        solo[i] = ar
+        kinds = [("ar", greedy, lambda: None), ("pld", greedy, PromptLookupDrafter),
+                 ("rest", greedy, lambda p=prompt, a=ar: AdversarialDrafter(list(p) + a, seed=3))]
+        cases.append((prompt, *kinds[i % 3]))
+    cases.append((prompts[0], "pld", seeded, PromptLookupDrafter))
+    want = [solo[i] if params is greedy else mt.call(run_solo, prompt, params, make())
+            for i, (prompt, _, params, make) in enumerate(cases)]
+    mt.stop(wait=True)
+
+    drafters: dict[int, object] = {}
+    engine = _engine(tm32, drafters)
+    try:
+        jobs = []
+        for k, (prompt, mode, params, make) in enumerate(cases):
+            job = _job(prompt, params, mode)
+            drafters[id(job)] = make()
+            engine.submit(job)
+            jobs.append(job)
+            if k == 2:
+                time.sleep(0.5)  # later requests join a running batch
+        results = [_collect(j) for j in jobs]
+    finally:
+        engine.stop()
+    assert engine.peak_batch >= 3  # Not one request at a time
+    near_ties = 0
+    for (prompt, mode, params, _), w, (got, finish, stats) in zip(cases, want, results):
+        assert finish == "length" and len(got) == N_NEW
+        if got != w:
+            div = first_divergence(tm32, prompt, w, got)
+            assert params.greedy and div is not None and div.near_tie, (mode, div)
+            near_ties += 1
+        assert stats.forward_steps >= 1
+    assert near_ties <= 1, near_ties  # batched rows round like solo ones almost everywhere
+
+
+def test_admission_queue_and_kv_bound(tm32):
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    prompt = encode(tm32, "def add(a, b):\n    return")
+    rows = job_kv_rows(tm32, _job(prompt, params))
+    per_row_mb = kv_bytes_per_row(tm32) / (1 << 20)
+    # Room for one running request's cache, not two: the second waits (Not refused), then runs.
+    engine = _engine(tm32, {}, kv_cache_mb=max(1, int(rows * per_row_mb * 1.5)))
+    try:
+        jobs = [_job(prompt, params) for _ in range(3)]
+        for j in jobs:
+            engine.submit(j)
+        outs = [_collect(j) for j in jobs]
+        assert engine.peak_batch == 1
+        assert all(o[0] == outs[0][0] and o[1] == "length" for o in outs)
+        huge = _job(prompt, SamplingParams(max_new_tokens=4000, ignore_eos=True))
+        with pytest.raises(ResourceExhausted):  # could never fit: refused at once, Not queued forever
+            engine.submit(huge)
+    finally:
+        engine.stop()
+
+
+def test_cancellation_frees_the_slot(tm32):
+    params = SamplingParams(max_new_tokens=400, ignore_eos=True)
+    prompt = encode(tm32, "for i in range(10):")
+    engine = _engine(tm32, {}, max_batch=1)
+    try:
+        long = _job(prompt, params)
+        engine.submit(long)
+        first = long.chunks.get(timeout=120)
+        assert first is not None and not isinstance(first, BaseException)
+        long.cancelled.set()
+        tokens, finish, _ = _collect(long)
+        assert finish == "cancelled" and len(tokens) < 400
+        short = _job(prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))
+        engine.submit(short)
+        assert _collect(short)[1] == "length"  # the slot came back
+        assert not engine.running
+    finally:
+        engine.stop()

@@ -13,7 +13,7 @@ PROTOS := $(wildcard proto/*.proto)
 STUBS := $(PROTOS:.proto=_pb2.py)
 
 .PHONY: run test lint install stubs model datastore system-packages clean-stubs bench-speculative up down loadtest kb \
-	calibrate bench-datastores bench-serving compose-test docker-engine
+	calibrate bench-datastores bench-serving bench-concurrency compose-test docker-engine
 
 # Debian packages the project uses (redis-server for the CREST Redis backend, python3.11-doc for the docs corpus).
 # Installed only when running as root and missing; otherwise the features that need them say so.
@@ -78,6 +78,13 @@ bench-datastores: model system-packages
 # The serving benchmark of record (README): services with default flags, over gRPC; ~40 min on 2 cores.
 bench-serving: bench-datastores
 	$(PYTHON) -m bench.serving --inprocess
+
+# Closed-loop concurrency benchmark (issue 17): ar and rest at 1, 2, 4, 8, 16 clients, HumanEval + MT-Bench mix,
+# through the services with default flags; JSON + PNG in bench/results/. ~15 min on 2 cores (10 cells of 75 s);
+# bounded by --max-minutes. A quick look: make bench-concurrency CONC_ARGS="--levels 1,2 --duration-s 20 --json /tmp/c.json"
+CONC_ARGS ?=
+bench-concurrency: bench-datastores
+	$(PYTHON) -m bench.concurrency $(CONC_ARGS)
 
 # The docker-compose topology as local processes (tools/launcher.py): redis is optional (--redis), more
 # retrieval replicas with REPLICAS=N. Health-gated like compose; `make down` drains and stops them.

@@ -3,6 +3,7 @@
 import pytest
 
 from bench.load_stats import (
+    MIN_SAMPLES,
     OK,
     STOPPED,
     RequestRecord,
@@ -128,8 +129,9 @@ def test_interleave(lists, expected):
 # Targets
 
 
-def cell(tok_s, ttft_p95=100.0, ttft_p50=80.0):
-    return {"tokens_per_s": tok_s, "ttft_ms_p95": ttft_p95, "ttft_ms_p50": ttft_p50}
+def cell(tok_s, ttft_p95=100.0, ttft_p50=80.0, done=20, ttft_samples=20):
+    return {"tokens_per_s": tok_s, "ttft_ms_p95": ttft_p95, "ttft_ms_p50": ttft_p50, "requests_done": done,
+            "ttft_samples": ttft_samples}
 
 
 def engine_like():
@@ -187,3 +189,22 @@ def test_a_level_measured_for_one_method_only_is_not_compared():
     cells = engine_like()
     cells["rest"][16] = cell(300)
     assert "16" not in evaluate_targets(cells)["rest_vs_ar"]["per_level"]
+
+
+def test_a_cell_with_too_few_requests_takes_no_part():
+    """The serial worker on a loaded machine: ar finished 1 request at 2 clients, rest none. That is no evidence
+    that rest is slower than ar (not False), nor that TTFT met its bound."""
+    cells = engine_like()
+    cells["ar"][2], cells["rest"][2] = cell(6.4, done=1), cell(0.0, done=0)
+    cells["rest"][8] = cell(270, ttft_p95=250, ttft_samples=MIN_SAMPLES - 1)
+    t = evaluate_targets(cells)
+    assert t["rest_vs_ar"]["per_level"]["2"]["passed"] is None and t["rest_vs_ar"]["passed"] is None
+    assert t["ttft"]["per_method"]["rest"]["passed"] is None
+    assert t["rest_scaling"]["passed"] is True  # the cells it needs have enough requests
+
+
+def test_exactly_min_samples_counts():
+    cells = engine_like()
+    cells["rest"][8] = cell(270, 250, done=MIN_SAMPLES, ttft_samples=MIN_SAMPLES)
+    t = evaluate_targets(cells)
+    assert t["rest_scaling"]["passed"] is True and t["ttft"]["per_method"]["rest"]["passed"] is True

@@ -110,7 +110,7 @@ class Cell:
     def now(self) -> float:
         return time.monotonic() - self.t0
 
-    def _track(self, client: int, call) -> None:
+    def _track(self, client: int, call: grpc.Call) -> None:
         with self._lock:
             self._calls[client] = call
         if self.stop.is_set():  # stop() ran between the loop's check and this registration
@@ -166,6 +166,13 @@ def cpu_share(before: dict[str, float], after: dict[str, float], seconds: float)
     return {name: round((after[name] - before[name]) / seconds, 3) for name in before}
 
 
+def worker_cpu_ms_per_token(cores: dict[str, float], seconds: float, tokens: int) -> float | None:
+    """Worker CPU time per streamed token over the cell. Against the calibrated step (GetInfo) it shows CPU
+    burnt without progress: OpenMP threads spinning at a barrier while their sibling waits for a core on a
+    crowded machine use a full core and produce little."""
+    return round(cores.get("generation", 0.0) * seconds * 1e3 / tokens, 1) if tokens else None
+
+
 def run_cell(target: str, method: str, level: int, feed: PromptFeed, max_new: int, warmup_s: float,
              duration_s: float, pids: dict[str, int], bar: tqdm) -> dict:
     cell_s = warmup_s + duration_s
@@ -183,7 +190,8 @@ def run_cell(target: str, method: str, level: int, feed: PromptFeed, max_new: in
         shown += step
         bar.set_postfix_str(f"{method} x{level}: {len(cell.records)} ended", refresh=False)
     bar.update(int(cell_s) - shown)
-    cpu = cpu_share(cpu_start, cpu_seconds(pids), cell.now())
+    cell_wall = cell.now()
+    cpu = cpu_share(cpu_start, cpu_seconds(pids), cell_wall)
     cell.cancel_all()
     deadline = time.monotonic() + JOIN_GRACE_S
     for th in threads:
@@ -192,6 +200,7 @@ def run_cell(target: str, method: str, level: int, feed: PromptFeed, max_new: in
     records = list(cell.records)
     return {"method": method, "concurrency": level, "warmup_s": warmup_s, "duration_s": duration_s,
             "loadavg_start": load_start, "loadavg_end": os.getloadavg(), "cpu_cores_used": cpu,
+            "worker_cpu_ms_per_token": worker_cpu_ms_per_token(cpu, cell_wall, sum(r.tokens for r in records)),
             "stuck_clients": stuck,
             "summary": cell_summary(records, Window(warmup_s, cell_s)),
             "records": [r.as_dict() for r in records]}
@@ -242,14 +251,15 @@ def plot(cells: dict[str, dict[int, dict]], path: Path, title: str) -> None:
 
 def print_table(cells: list[dict], targets: dict) -> None:
     print(f"\n{'method':<6} {'N':>3} {'tok/s':>7} {'stream':>7} {'done':>5} {'ms/tok p50':>10} {'p95':>7} "
-          f"{'TTFT p50':>9} {'p95':>7} {'load':>5} {'worker cores':>12} errors")
+          f"{'TTFT p50':>9} {'p95':>7} {'load':>5} {'cores':>5} {'cpu ms/tok':>10} errors")
     for c in sorted(cells, key=lambda c: (c["method"], c["concurrency"])):
         s = c["summary"]
         f = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
         print(f"{c['method']:<6} {c['concurrency']:>3} {s['tokens_per_s']:>7.1f} {s['streamed_tokens_per_s']:>7.1f} "
               f"{s['requests_done']:>5} {f(s['ms_per_token_p50']):>10} {f(s['ms_per_token_p95']):>7} "
               f"{f(s['ttft_ms_p50']):>9} {f(s['ttft_ms_p95']):>7} {c['loadavg_end'][0]:>5.1f} "
-              f"{c['cpu_cores_used'].get('generation', 0):>12.2f} {s['errors'] or ''}")
+              f"{c['cpu_cores_used'].get('generation', 0):>5.2f} {f(c['worker_cpu_ms_per_token']):>10} "
+              f"{s['errors'] or ''}")
     print("targets:", {k: v if k == "passed" else v["passed"] for k, v in targets.items()})
 
 

@@ -13,7 +13,7 @@ PROTOS := $(wildcard proto/*.proto)
 STUBS := $(PROTOS:.proto=_pb2.py)
 
 .PHONY: run test lint install stubs model datastore system-packages clean-stubs bench-speculative up down loadtest kb \
-	calibrate bench-datastores bench-serving compose-test docker-engine
+	calibrate bench-datastores bench-serving bench-concurrency loadtest-8 compose-test docker-engine
 
 # Debian packages the project uses (redis-server for the CREST Redis backend, python3.11-doc for the docs corpus).
 # Installed only when running as root and missing; otherwise the features that need them say so.
@@ -79,6 +79,13 @@ bench-datastores: model system-packages
 bench-serving: bench-datastores
 	$(PYTHON) -m bench.serving --inprocess
 
+# Closed-loop concurrency benchmark (issue 17): ar and rest at 1, 2, 4, 8, 16 clients, HumanEval + MT-Bench mix,
+# through the services with default flags; JSON + PNG in bench/results/. ~15 min on 2 cores (10 cells of 75 s);
+# bounded by --max-minutes. A quick look: make bench-concurrency CONC_ARGS="--levels 1,2 --duration-s 20 --json /tmp/c.json"
+CONC_ARGS ?=
+bench-concurrency: bench-datastores
+	$(PYTHON) -m bench.concurrency $(CONC_ARGS)
+
 # The docker-compose topology as local processes (tools/launcher.py): redis is optional (--redis), more
 # retrieval replicas with REPLICAS=N. Health-gated like compose; `make down` drains and stops them.
 REPLICAS ?= 1
@@ -93,6 +100,12 @@ down:
 LOAD_ARGS ?= --users 6 --generation-users 1 --spawn-rate 3 --duration 30
 loadtest: datastore
 	$(PYTHON) -m loadtests.run --datastore $(DATASTORE) $(LOAD_ARGS)
+
+# The same with 8 generation users (issue 17: the worker serves them concurrently); 4 retrieval users beside them.
+# Same thresholds; reports named load-8 in loadtests/reports/.
+LOAD8_ARGS ?= --users 12 --generation-users 8 --spawn-rate 6 --duration 60
+loadtest-8: datastore
+	$(PYTHON) -m loadtests.run --datastore $(DATASTORE) --name load-8 $(LOAD8_ARGS)
 
 # Knowledge base for RaLMSpec / kNN-LM (>= 100 K passages from docstrings + python3.11-doc; ~1 h of encoding on
 # 2 cores, resumable). Small test KBs are built by the tests themselves.

@@ -1,0 +1,251 @@
+"""Statistics of the closed-loop concurrency benchmark (bench/concurrency.py): pure functions, no model, no gRPC.
+
+A cell is one (method, concurrency) run: clients start at t = 0, the first `warmup_s` are excluded, and the
+measurement window is [warmup_s, warmup_s + duration_s). Every time below is seconds since the cell started.
+
+Worked example, window [10, 20), three requests:
+    A: start 2,  first token 3,  end 12, 128 tokens, OK        finished in the window: counted
+    B: start 12, first token 14, end 19, 128 tokens, OK        finished in the window: counted
+    C: start 19, first token 21, end 25, 100 tokens, STOPPED   in flight at the end: not counted
+    tokens_per_s = (128 + 128) / 10 = 25.6; ms/token from A and B; TTFT from B only (A's first token came
+    during the warm-up, C's after the window).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+OK = "OK"
+# The benchmark cancelled the request itself at the end of the cell: neither a result nor an error.
+STOPPED = "STOPPED"
+
+# The issue's targets (issue 17, "Measure").
+SCALING_LEVEL = 8
+SCALING_MIN = 4.0  # rest: aggregate tok/s at 8 clients >= 4x at 1 client
+REST_VS_AR_MIN = 1.0  # rest >= 1.0x ar aggregate tok/s at every level
+TTFT_LEVEL = 8
+TTFT_MAX_FACTOR = 3.0  # TTFT p95 at 8 clients <= 3x the solo (1 client) TTFT p95
+# A cell with fewer finished requests (or TTFT samples) than this takes no part in a target: one or two requests in
+# a window are a coin toss, not a throughput (a loaded machine or a short window gives such cells).
+MIN_SAMPLES = 3
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One request as a client saw it."""
+
+    method: str
+    client: int
+    kind: str  # prompt kind: "code" | "chat"
+    start_s: float
+    end_s: float
+    first_token_s: float | None  # None: no token arrived
+    tokens: int  # completion tokens streamed
+    status: str  # OK, STOPPED, or a gRPC status name
+    deltas: tuple[tuple[float, int], ...] = field(default=(), repr=False)  # (arrival time, tokens) per delta
+
+    def as_dict(self) -> dict:
+        return {"method": self.method, "client": self.client, "kind": self.kind, "start_s": round(self.start_s, 4),
+                "end_s": round(self.end_s, 4),
+                "first_token_s": None if self.first_token_s is None else round(self.first_token_s, 4),
+                "tokens": self.tokens, "status": self.status}
+
+
+@dataclass(frozen=True)
+class Window:
+    """The measured part of a cell, [start_s, end_s)."""
+
+    start_s: float
+    end_s: float
+
+    def __post_init__(self) -> None:
+        if not self.end_s > self.start_s >= 0:
+            raise ValueError(f"window: [{self.start_s}, {self.end_s}) must satisfy 0 <= start < end")
+
+    @property
+    def seconds(self) -> float:
+        return self.end_s - self.start_s
+
+    def contains(self, t: float) -> bool:
+        return self.start_s <= t < self.end_s
+
+
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """q-th percentile (0..100) with linear interpolation between closest ranks (numpy's default); None if empty.
+
+    [1, 2, 3, 4] -> p50 2.5, p95 3.85.
+    """
+    xs = sorted(values)
+    if not 0 <= q <= 100:
+        raise ValueError(f"q: {q} is outside [0, 100]")
+    if not xs:
+        return None
+    pos = (len(xs) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def finished_in(records: Iterable[RequestRecord], window: Window) -> list[RequestRecord]:
+    """Requests that completed successfully inside the window (wherever they started)."""
+    return [r for r in records if r.status == OK and window.contains(r.end_s)]
+
+
+def ms_per_token(r: RequestRecord) -> float | None:
+    """What the user waited per token, prefill included (bench/serving.py's ms_per_token); None without tokens."""
+    return (r.end_s - r.start_s) * 1e3 / r.tokens if r.tokens else None
+
+
+def ttft_ms(records: Iterable[RequestRecord], window: Window) -> list[float]:
+    """TTFT of every request whose first token arrived in the window: at high concurrency few requests finish in
+    a window, but many start, so this is the larger sample of the wait a new request sees."""
+    return [(r.first_token_s - r.start_s) * 1e3 for r in records
+            if r.first_token_s is not None and window.contains(r.first_token_s)]
+
+
+def streamed_tokens(records: Iterable[RequestRecord], window: Window) -> int:
+    """Tokens delivered inside the window, from every request (stopped ones included): smoother than counting
+    finished requests when a request takes a large part of the window."""
+    return sum(n for r in records for t, n in r.deltas if window.contains(t))
+
+
+def errors_by_status(records: Iterable[RequestRecord]) -> dict[str, int]:
+    """Failed requests by gRPC status over the whole cell (warm-up included: an error is never warm-up noise)."""
+    return dict(sorted(Counter(r.status for r in records if r.status not in (OK, STOPPED)).items()))
+
+
+def _round(v: float | None, digits: int = 2) -> float | None:
+    return None if v is None else round(v, digits)
+
+
+def cell_summary(records: Sequence[RequestRecord], window: Window) -> dict:
+    """The figures of one (method, concurrency) cell."""
+    done = finished_in(records, window)
+    tokens = sum(r.tokens for r in done)
+    mpt = [v for v in map(ms_per_token, done) if v is not None]
+    ttft = ttft_ms(records, window)
+    return {
+        "window_s": round(window.seconds, 3),
+        "requests_done": len(done),
+        "completion_tokens": tokens,
+        "tokens_per_s": round(tokens / window.seconds, 3),
+        "streamed_tokens_per_s": round(streamed_tokens(records, window) / window.seconds, 3),
+        "ms_per_token_p50": _round(percentile(mpt, 50)), "ms_per_token_p95": _round(percentile(mpt, 95)),
+        "ttft_ms_p50": _round(percentile(ttft, 50)), "ttft_ms_p95": _round(percentile(ttft, 95)),
+        "ttft_samples": len(ttft),
+        "requests_started": len(records),
+        "stopped_in_flight": sum(r.status == STOPPED for r in records),
+        "errors": errors_by_status(records),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Plan
+
+
+def cell_order(levels: Sequence[int], methods: Sequence[str]) -> list[tuple[int, str]]:
+    """Every (level, method), levels in the given order, the methods' order reversed at every other level
+    (ar, rest at 1; rest, ar at 2; ...) so slow machine drift hits both methods alike."""
+    out = []
+    for i, level in enumerate(levels):
+        order = list(methods) if i % 2 == 0 else list(reversed(methods))
+        out += [(level, m) for m in order]
+    return out
+
+
+def fits(elapsed_s: float, cell_s: float, budget_s: float) -> bool:
+    """Whether one more cell ends within the overall budget."""
+    return elapsed_s + cell_s <= budget_s
+
+
+def interleave(*lists: Sequence) -> list:
+    """[a0, b0, a1, b1, ...], the longer lists' tails appended in turn: a mix where every stretch holds both."""
+    out = []
+    for i in range(max((len(xs) for xs in lists), default=0)):
+        out += [xs[i] for xs in lists if i < len(xs)]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Targets: cells[method][level] = cell_summary(...)
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    """num / den; None when either is missing or den is 0 (a ratio over nothing measured says nothing)."""
+    if num is None or den is None or den <= 0:
+        return None
+    return num / den
+
+
+def _all(flags: Iterable[bool | None]) -> bool | None:
+    """True if every flag is True, False if any is False, None if nothing was evaluated or some could not be."""
+    flags = list(flags)
+    if any(f is False for f in flags):
+        return False
+    if not flags or any(f is None for f in flags):
+        return None
+    return True
+
+
+def throughput(cell: dict | None) -> float | None:
+    """A cell's aggregate tok/s, or None when it was not run or finished fewer than MIN_SAMPLES requests."""
+    if not cell or cell.get("requests_done", 0) < MIN_SAMPLES:
+        return None
+    return cell["tokens_per_s"]
+
+
+def ttft_p(cell: dict | None, key: str) -> float | None:
+    """A cell's TTFT percentile (key), or None with fewer than MIN_SAMPLES first tokens in its window."""
+    if not cell or cell.get("ttft_samples", 0) < MIN_SAMPLES:
+        return None
+    return cell[key]
+
+
+def scaling_target(cells: dict[str, dict[int, dict]], method: str = "rest") -> dict:
+    by_level = cells.get(method, {})
+    one = throughput(by_level.get(1))
+    many = throughput(by_level.get(SCALING_LEVEL))
+    ratio = _ratio(many, one)
+    return {"target": f"{method}: tok/s at {SCALING_LEVEL} clients >= {SCALING_MIN}x tok/s at 1",
+            "tokens_per_s_1": one, f"tokens_per_s_{SCALING_LEVEL}": many, "ratio": _round(ratio, 3),
+            "passed": None if ratio is None else ratio >= SCALING_MIN}
+
+
+def rest_vs_ar_target(cells: dict[str, dict[int, dict]]) -> dict:
+    levels = sorted(set(cells.get("rest", {})) & set(cells.get("ar", {})))
+    per_level = {}
+    for level in levels:
+        ar, rest = throughput(cells["ar"][level]), throughput(cells["rest"][level])
+        ratio = _ratio(rest, ar)
+        per_level[str(level)] = {"ar_tokens_per_s": ar, "rest_tokens_per_s": rest, "ratio": _round(ratio, 3),
+                                 "passed": None if ratio is None else ratio >= REST_VS_AR_MIN}
+    return {"target": f"rest tok/s >= {REST_VS_AR_MIN}x ar at every level", "per_level": per_level,
+            "passed": _all(v["passed"] for v in per_level.values())}
+
+
+def ttft_target(cells: dict[str, dict[int, dict]]) -> dict:
+    """Per method: TTFT p95 at 8 clients against the solo TTFT (p95 at 1 client: the same prompt mix's tail at
+    both levels; the ratio to the solo p50 is kept as a figure too)."""
+    per_method = {}
+    for method, by_level in sorted(cells.items()):
+        solo = by_level.get(1)
+        solo_p50, solo_p95 = ttft_p(solo, "ttft_ms_p50"), ttft_p(solo, "ttft_ms_p95")
+        at = ttft_p(by_level.get(TTFT_LEVEL), "ttft_ms_p95")
+        ratio = _ratio(at, solo_p95)
+        per_method[method] = {"solo_ttft_ms_p50": solo_p50, "solo_ttft_ms_p95": solo_p95,
+                              f"ttft_ms_p95_at_{TTFT_LEVEL}": at, "ratio": _round(ratio, 3),
+                              "ratio_vs_solo_p50": _round(_ratio(at, solo_p50), 3),
+                              "passed": None if ratio is None else ratio <= TTFT_MAX_FACTOR}
+    return {"target": f"TTFT p95 at {TTFT_LEVEL} clients <= {TTFT_MAX_FACTOR}x solo TTFT p95",
+            "per_method": per_method, "passed": _all(v["passed"] for v in per_method.values())}
+
+
+def evaluate_targets(cells: dict[str, dict[int, dict]]) -> dict:
+    """The issue's three targets as booleans with their figures; None = not measured in this run (level not run,
+    or fewer than MIN_SAMPLES requests in a cell it needs)."""
+    out = {"rest_scaling": scaling_target(cells), "rest_vs_ar": rest_vs_ar_target(cells),
+           "ttft": ttft_target(cells)}
+    out["passed"] = _all(t["passed"] for t in out.values())
+    return out

@@ -30,7 +30,9 @@ from generation_service.calibrate import Choice, ModelThread, calibrated_model, 
 from generation_service.config import DECODING_MODES, GenerationConfig
 from generation_service.drafters import Drafter, DraftUnavailable, PromptLookupDrafter
 from generation_service.engine.scheduler import Engine
+from generation_service.knnlm import KnnLmOptions
 from generation_service.model import load_model, set_threads, warmup
+from generation_service.ralm import RagParams
 from generation_service.retrieval_client import RemoteDrafter, RetrievalClient
 from generation_service.sampling import SamplingParams
 from generation_service.speculative import StreamChunk
@@ -66,8 +68,8 @@ class Job:
     chunks: "queue.Queue[StreamChunk | BaseException | None]" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)  # accepted into the queue (TTFT includes the wait)
-    knnlm: object = None  # knnlm.KnnLmOptions for kNN-LM requests
-    rag: object = None  # ralm.RagParams for RAG requests
+    knnlm: KnnLmOptions | None = None  # kNN-LM requests
+    rag: RagParams | None = None  # RAG requests
     # False (unary Generate): the worker hands over one merged chunk at the end instead of one per step, so the
     # gRPC thread does not wake (and take a core from the model's OpenMP team) on every token.
     stream: bool = True

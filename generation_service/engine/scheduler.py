@@ -147,13 +147,21 @@ class Engine:
     def depth(self) -> int:
         return self.jobs.qsize() + (self._waiting is not None)
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Finish the pass in flight, then stop the loop and the model thread (running requests end there)."""
         self._stop.set()
         try:
             self.jobs.put_nowait(None)  # wakes an idle loop
         except queue.Full:
             pass
         self.model_thread.stop()
+        if threading.current_thread().ident != self.model_thread.ident:
+            try:
+                self.done.result(timeout=timeout_s)
+            except Exception:
+                log.warning("engine loop did not end cleanly", exc_info=True)
+        self.draft_pool.shutdown(wait=False)
+        self.learner.shutdown(wait=False)
 
     # -------------------------------------------------------------------------------------- model thread
 

@@ -95,9 +95,12 @@ class _Layer:
     wgu: torch.Tensor  # [2 * intermediate, hidden]
     wd: torch.Tensor  # [hidden, intermediate]
     packed: dict  # name -> oneDNN-packed weight (fp32 only)
+    quant: dict | None = None  # name -> block-quantized weight (q4_weights.LeanLlamaQ4)
 
 
 class LeanLlama:
+    _prepack = True  # keep oneDNN-packed fp32 copies for multi-row passes (subclasses with other weights: False)
+
     def __init__(self, model, dtype: torch.dtype):
         cfg = model.config
         self.dtype = dtype
@@ -113,7 +116,8 @@ class LeanLlama:
         self.embed = inner.embed_tokens.weight.detach()
         self.norm = inner.norm.weight.detach()
         self.lm_head = model.lm_head.weight.detach()
-        self.pack = dtype == torch.float32 and self.device.type == "cpu" and _onednn_linear_available()
+        self.pack = (self._prepack and dtype == torch.float32 and self.device.type == "cpu"
+                     and _onednn_linear_available())
         self.layers = []
         with torch.no_grad():
             for layer in inner.layers:
@@ -188,6 +192,12 @@ class LeanLlama:
             return torch.ops.mkldnn._linear_pointwise(x, layer.packed[name], None, "none", [], "")
         return F.linear(x, getattr(layer, name))
 
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed[ids]
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.lm_head)
+
     def _rotate(self, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = self.head_dim // 2
         return t * cos + torch.cat((-t[..., half:], t[..., :half]), dim=-1) * sin
@@ -214,7 +224,7 @@ class LeanLlama:
                                         device=self.device).triu(1)
             causal_sdpa = False
         grouped_mask = mask.repeat(G, 1) if mask is not None and not causal_sdpa else None  # [G * q, S]
-        x = self.embed[ids]  # [q, hidden]
+        x = self._embed(ids)  # [q, hidden]
         for i, ly in enumerate(self.layers):
             h = self._rms(x, ly.ln1)
             qkv = self._linear(h, ly, "wqkv")  # [q, (H + 2 Hkv) D]
@@ -252,7 +262,7 @@ class LeanLlama:
         x = self._rms(x, self.norm)
         if self.hidden_sink is not None:
             self.hidden_sink.append(x[None])
-        return F.linear(x, self.lm_head)  # [q', V]
+        return self._logits(x)  # [q', V]
 
 
 def _onednn_linear_available() -> bool:

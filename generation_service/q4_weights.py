@@ -7,10 +7,16 @@ order of fp32 sums) at a sixth of the traffic. Exact relative to itself: every w
 from the fp16 d and m (q4_kernel.cpp), the values `dequantize_q4_1` gives and the safetensors hold.
 
 What the GGUF stores (SmolLM2-135M-Instruct.Q4_1.gguf): attention q/k/v/o and MLP gate/up/down in Q4_1, norms in
-F32, the token embedding (tied to the output layer) in Q8_0 (fp16 d + int8 codes, 8.5 bits per weight). The
-embedding rows a pass needs are dequantized exactly (d * q); the output layer runs from the Q8_0 blocks with the
-same kernel. The q and k projections are stored with llama.cpp's rotary row order; rows are permuted back to
-transformers' order (a permutation of whole rows: exact).
+F32, the token embedding (tied to the output layer) in Q8_0 (fp16 d + int8 codes, 8.5 bits per weight). Embedding
+look-ups read its exact dequantization (d * q); the output layer runs from the Q8_0 blocks with the same kernel.
+The q and k projections are stored with llama.cpp's rotary row order; rows are permuted back to transformers'
+order (a permutation of whole rows: exact). Passes of DENSE_MIN_ROWS rows or more are arithmetic-bound and run
+the same values dequantized to fp32 through oneDNN (LeanLlamaQ4).
+
+Why not torch's int4 kernel (_weight_int4pack_mm_for_cpu): its scales and zero points are bf16 (8-bit mantissa),
+which cannot hold Q4_1's fp16 d and m, and it is fast only with bf16 activations. Measured on a 3072 x 576
+projection (Zen 5, 2 threads, loaded machine): bf16 activations 30 / 48 / 272 / 715 us for 1 / 4 / 16 / 64 rows,
+fp32 activations 1400 / 9756 / 31570 / 90225 us; our kernel (exact, fp32) 66 / 99 / 328 / 1406 us.
 
     lean = LeanLlamaQ4.from_gguf(hf_model, gguf_path)   # hf_model: the fp32 model loaded from the same weights
     logits = lean.forward(ids, positions, cache)         # the LeanLlama API, fp32 activations
@@ -27,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from generation_service.lean_llama import LeanLlama, _Layer
+from generation_service.lean_llama import _PACK_HINT_ROWS, _PACK_MIN_ROWS, LeanLlama, _Layer, _onednn_linear_available
 from generation_service.q4_kernel import kernel
 
 log = logging.getLogger(__name__)
@@ -35,6 +41,9 @@ log = logging.getLogger(__name__)
 BLOCK = 32
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
 FORMAT = "q4_1"  # the --dtype value
+# Passes with at least this many rows use the dense fp32 copies (LeanLlamaQ4); measured crossover on a 2-core Zen 5
+# (bench/step.py): the block kernel wins up to q = 8, oneDNN from q = 16.
+DENSE_MIN_ROWS = 16
 
 
 # -- reference decoding (numpy; the kernel must agree with it bit for bit on the weights) ---------------------------
@@ -67,7 +76,7 @@ class BlockWeight:
     kind: str  # q4_1 | q8_0
     packed: torch.Tensor  # uint8 [N, in_features / 32 * BLOCK_BYTES[kind]], GGUF's layout
     in_features: int
-    dense: torch.Tensor | None = None  # fp32 dequantized copy, only when the kernel is unavailable
+    dense: torch.Tensor | None = None  # fp32 dequantized copy, used for every call when the kernel is unavailable
 
     def __post_init__(self) -> None:
         if self.kind not in BLOCK_BYTES:
@@ -98,17 +107,6 @@ class BlockWeight:
         if k is None:
             return torch.from_numpy(dequantize(self.kind, self.packed.numpy(), self.in_features))
         return (k.q4_1_dequantize if self.kind == "q4_1" else k.q8_0_dequantize)(self.packed, self.in_features)
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """float32 [len(ids), in_features]: the dequantized rows `ids` (an embedding look-up)."""
-        if self.dense is not None:
-            return self.dense[ids]
-        return BlockWeight(self.kind, self.packed[ids], self.in_features).dequantize()
-
-    def densify_if_no_kernel(self) -> "BlockWeight":
-        if kernel() is None and self.dense is None:
-            self.dense = self.dequantize()
-        return self
 
     @staticmethod
     def cat(parts: list["BlockWeight"]) -> "BlockWeight":
@@ -187,58 +185,75 @@ def read_gguf(path: str | os.PathLike, cfg) -> tuple[list[dict[str, BlockWeight]
 
 
 class LeanLlamaQ4(LeanLlama):
-    """LeanLlama with every linear, the embedding and the output layer read from GGUF blocks; fp32 activations,
-    norms, attention and KV cache (those are the fp32 lean forward's own code)."""
+    """LeanLlama with the linears, the embedding and the output layer taken from GGUF blocks; fp32 activations,
+    norms, attention and KV cache (the fp32 lean forward's own code).
 
-    _prepack = False  # no oneDNN fp32 copies: the block kernel serves every row count
+    Passes of fewer than DENSE_MIN_ROWS rows (AR steps, small trees) read the blocks through the block kernel: they
+    are bound by weight traffic. Larger passes are bound by arithmetic, where oneDNN's prepacked fp32 GEMM is ~3x
+    faster than the block kernel; they run the same weights dequantized from the blocks (bit-equal to d * q + m).
+    So every pass computes with the GGUF's values; only the order of fp32 sums depends on the pass size, as in the
+    fp32 lean forward (GEMV for one row, oneDNN for more).
+    """
+
+    _prepack = False  # packed below, from the GGUF's values rather than the checkpoint's
 
     def __init__(self, model, layers: list[dict[str, BlockWeight]], embed: BlockWeight):
         super().__init__(model, torch.float32)
         if len(layers) != len(self.layers):
             raise ValueError(f"GGUF has {len(layers)} layers, the model {len(self.layers)}")
-        for ly, q in zip(self.layers, layers):
-            for name, w in q.items():
-                want = tuple(getattr(ly, name).shape)
-                if (w.out_features, w.in_features) != want:
-                    raise ValueError(f"GGUF {name} is {(w.out_features, w.in_features)}, the model's {want}")
-                w.densify_if_no_kernel()
-            ly.quant = q
+        if model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
+            raise ValueError("the q4_1 format needs tied input and output embeddings (as the GGUF stores them)")
         if (embed.out_features, embed.in_features) != tuple(self.embed.shape):
             raise ValueError(f"GGUF embedding is {(embed.out_features, embed.in_features)}, the model's "
                              f"{tuple(self.embed.shape)}")
-        if model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
-            raise ValueError("the q4_1 format needs tied input and output embeddings (as the GGUF stores them)")
-        self.embed_blocks = embed.densify_if_no_kernel()
+        have_kernel = kernel() is not None
+        self.pack = _onednn_linear_available()
+        # Without the kernel every pass runs dense (the fp32 lean forward's split: GEMV for 1 row, oneDNN for more).
+        self.dense_min_rows = DENSE_MIN_ROWS if have_kernel else _PACK_MIN_ROWS
+        self.differs_from_checkpoint = 0  # weight matrices whose GGUF values are not the safetensors' (logged)
+        with torch.no_grad():
+            for ly, q in zip(self.layers, layers):
+                for name, w in q.items():
+                    dense = w.dequantize()
+                    if dense.shape != getattr(ly, name).shape:
+                        raise ValueError(f"GGUF {name} is {tuple(dense.shape)}, the model's "
+                                         f"{tuple(getattr(ly, name).shape)}")
+                    if not torch.equal(dense, getattr(ly, name)):
+                        self.differs_from_checkpoint += 1
+                        setattr(ly, name, dense)
+                    if self.pack:
+                        ly.packed[name] = torch.ops.mkldnn._reorder_linear_weight(getattr(ly, name), _PACK_HINT_ROWS)
+                    if not have_kernel:
+                        w.dense = getattr(ly, name)
+                ly.quant = q
+            dense = embed.dequantize()
+            if not torch.equal(dense, self.embed):
+                self.differs_from_checkpoint += 1
+                self.embed = self.lm_head = dense
+        if not have_kernel:
+            embed.dense = self.embed
+        self.embed_blocks = embed
+        if self.differs_from_checkpoint:
+            log.warning("q4_1: %d weight matrices of the GGUF differ from the model's safetensors; serving the GGUF's "
+                        "(the hf forward of this model would compute something else)", self.differs_from_checkpoint)
 
     @classmethod
     def from_gguf(cls, model, path: str | os.PathLike) -> "LeanLlamaQ4":
         why = cls.supports(model)
         if why:
             raise ValueError(f"the q4_1 format runs on the lean forward, which does not support this model: {why}")
-        layers, embed = read_gguf(path, model.config)
-        lean = cls(model, layers, embed)
         if kernel() is None:
             log.warning("q4_1: block kernel unavailable; serving the dequantized weights in fp32")
-        lean.check_matches_model(model)
-        return lean
-
-    def check_matches_model(self, model) -> None:
-        """Warn when the GGUF is not the model's own weights (then the generic forward on `model` would compute
-        something else than this one). Compares layer 0's k projection: cheap, and catches a wrong file."""
-        got = self.layers[0].quant["wqkv"].dequantize()[model.config.hidden_size:]
-        ref = self.layers[0].wqkv[model.config.hidden_size:]
-        if not torch.equal(got, ref.float()):
-            log.warning("q4_1: the GGUF's weights differ from the safetensors (max |diff| %.3g); serving the GGUF's",
-                        float((got - ref).abs().max()))
+        layers, embed = read_gguf(path, model.config)
+        return cls(model, layers, embed)
 
     def _linear(self, x: torch.Tensor, layer: _Layer, name: str) -> torch.Tensor:
-        return layer.quant[name](x)
-
-    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_blocks.rows(ids)
+        if x.shape[0] < self.dense_min_rows or not self.pack:
+            return layer.quant[name](x)
+        return torch.ops.mkldnn._linear_pointwise(x, layer.packed[name], None, "none", [], "")
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.embed_blocks(x)
+        return self.embed_blocks(x) if x.shape[0] < self.dense_min_rows else F.linear(x, self.lm_head)
 
 
 def lean_for_format(model, model_dir: str | os.PathLike, weights: str, forward: str) -> LeanLlamaQ4:

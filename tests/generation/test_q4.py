@@ -81,6 +81,7 @@ def test_gguf_blocks_are_our_fp32_weights(tmq4, tm32):
         for name, w in ly.quant.items():
             assert torch.equal(w.dequantize(), getattr(ref, name)), name
     assert torch.equal(tmq4.lean.embed_blocks.dequantize(), tm32.lean.embed)
+    assert tmq4.lean.differs_from_checkpoint == 0
 
 
 @pytest.mark.model

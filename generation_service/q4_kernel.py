@@ -25,14 +25,17 @@ from generation_service.model_files import ragserve_home
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("q4_kernel.cpp")
-_CFLAGS = ("-O3", "-march=native", "-fno-math-errno")
+# -fopenmp: at::parallel_for is a header template whose `omp parallel` needs it (without, the kernel runs on one
+# thread); the library then needs libgomp.so.1, which resolves to the copy torch already loaded: one thread pool.
+_CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
 
 
 def build_dir() -> Path:
     from generation_service.calibrate import cpu_info
 
     h = hashlib.sha256(_SOURCE.read_bytes())
-    h.update(f"{torch.__version__}|{' '.join(_CFLAGS)}|{' '.join(cpu_info()[1])}".encode())
+    h.update(f"{torch.__version__}|{' '.join(_CFLAGS + _LDFLAGS)}|{' '.join(cpu_info()[1])}".encode())
     return ragserve_home() / "kernels" / f"blockquant-{h.hexdigest()[:16]}"
 
 
@@ -46,7 +49,7 @@ def kernel() -> ModuleType | None:
     try:
         out.mkdir(parents=True, exist_ok=True)
         return cpp_extension.load(name=f"ragserve_blockquant_{out.name.split('-')[-1]}", sources=[str(_SOURCE)],
-                                  extra_cflags=list(_CFLAGS), build_directory=str(out), verbose=False)
+                                  extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS), build_directory=str(out), verbose=False)
     except (OSError, RuntimeError, ImportError, subprocess.CalledProcessError) as e:
         log.warning("block-quantized kernel unavailable (%s): q4_1 runs on dequantized fp32 weights instead",
                     str(e).splitlines()[0] if str(e) else type(e).__name__)

@@ -10,13 +10,13 @@ What the GGUF stores (SmolLM2-135M-Instruct.Q4_1.gguf): attention q/k/v/o and ML
 F32, the token embedding (tied to the output layer) in Q8_0 (fp16 d + int8 codes, 8.5 bits per weight). Embedding
 look-ups read its exact dequantization (d * q); the output layer runs from the Q8_0 blocks with the same kernel.
 The q and k projections are stored with llama.cpp's rotary row order; rows are permuted back to transformers'
-order (a permutation of whole rows: exact). Passes of DENSE_MIN_ROWS rows or more are arithmetic-bound and run
-the same values dequantized to fp32 through oneDNN (LeanLlamaQ4).
+order (a permutation of whole rows: exact). Passes of DENSE_MIN_ROWS rows or more (prefill chunks) are
+arithmetic-bound and run the same values dequantized to fp32 through oneDNN (LeanLlamaQ4).
 
 Why not torch's int4 kernel (_weight_int4pack_mm_for_cpu): its scales and zero points are bf16 (8-bit mantissa),
 which cannot hold Q4_1's fp16 d and m, and it is fast only with bf16 activations. Measured on a 3072 x 576
 projection (Zen 5, 2 threads, loaded machine): bf16 activations 30 / 48 / 272 / 715 us for 1 / 4 / 16 / 64 rows,
-fp32 activations 1400 / 9756 / 31570 / 90225 us; our kernel (exact, fp32) 66 / 99 / 328 / 1406 us.
+fp32 activations 1400 / 9756 / 31570 / 90225 us; our kernel (exact, fp32) 34 us for 1 row (66 on one thread).
 
     lean = LeanLlamaQ4.from_gguf(hf_model, gguf_path)   # hf_model: the fp32 model loaded from the same weights
     logits = lean.forward(ids, positions, cache)         # the LeanLlama API, fp32 activations
@@ -41,9 +41,10 @@ log = logging.getLogger(__name__)
 BLOCK = 32
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
 FORMAT = "q4_1"  # the --dtype value
-# Passes with at least this many rows use the dense fp32 copies (LeanLlamaQ4); measured crossover on a 2-core Zen 5
-# (bench/step.py): the block kernel wins up to q = 8, oneDNN from q = 16.
-DENSE_MIN_ROWS = 16
+# Passes with at least this many rows use the dense fp32 copies (LeanLlamaQ4). Measured on a 2-core Zen 5 (min ms of
+# a whole pass, block kernel / oneDNN on the dequantized values): q=16 28.9 / 44.5, 64 91.7 / 102.7,
+# 128 176.2 / 177.3, 192 278.0 / 267.2.
+DENSE_MIN_ROWS = 128
 
 
 # -- reference decoding (numpy; the kernel must agree with it bit for bit on the weights) ---------------------------
@@ -188,9 +189,9 @@ class LeanLlamaQ4(LeanLlama):
     """LeanLlama with the linears, the embedding and the output layer taken from GGUF blocks; fp32 activations,
     norms, attention and KV cache (the fp32 lean forward's own code).
 
-    Passes of fewer than DENSE_MIN_ROWS rows (AR steps, small trees) read the blocks through the block kernel: they
-    are bound by weight traffic. Larger passes are bound by arithmetic, where oneDNN's prepacked fp32 GEMM is ~3x
-    faster than the block kernel; they run the same weights dequantized from the blocks (bit-equal to d * q + m).
+    Passes of fewer than DENSE_MIN_ROWS rows (AR steps, draft trees) read the blocks through the block kernel. Much
+    larger passes (long prefill chunks) are bound by arithmetic, where oneDNN's prepacked fp32 GEMM wins; they run
+    the same weights dequantized from the blocks (bit-equal to d * q + m).
     So every pass computes with the GGUF's values; only the order of fp32 sums depends on the pass size, as in the
     fp32 lean forward (GEMV for one row, oneDNN for more).
     """

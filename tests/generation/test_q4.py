@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from generation_service.model import load_model, new_cache
 from generation_service.q4_kernel import kernel
-from generation_service.q4_weights import BLOCK_BYTES, BlockWeight, _llama_row_order, dequantize
+from generation_service.q4_weights import BLOCK_BYTES, DENSE_MIN_ROWS, BlockWeight, _llama_row_order, dequantize
 from generation_service.sampling import SamplingParams
 from generation_service.speculative import generate, prefill, verify_tree
 
@@ -87,9 +87,12 @@ def test_gguf_blocks_are_our_fp32_weights(tmq4, tm32):
 @pytest.mark.model
 def test_logits_match_fp32_lean(tmq4, tm32):
     rng = np.random.default_rng(0)
-    prompt = torch.from_numpy(rng.integers(0, 30000, 120))
+    prompt = torch.from_numpy(rng.integers(0, 30000, DENSE_MIN_ROWS + 8))
     kq, k32 = new_cache(tmq4), new_cache(tm32)
-    a, b = prefill(tmq4, kq, prompt, chunk=64), prefill(tm32, k32, prompt, chunk=64)
+    # Prefill in one pass runs q4_1's dense path, a 64-row chunk and the tree pass the block kernel.
+    a, b = prefill(tmq4, kq, prompt, chunk=1024), prefill(tm32, k32, prompt, chunk=1024)
+    assert torch.allclose(a, b, atol=5e-4, rtol=0)
+    a, b = prefill(tmq4, kq, prompt[:64], chunk=64), prefill(tm32, k32, prompt[:64], chunk=64)
     assert torch.allclose(a, b, atol=5e-4, rtol=0)  # same weights; only the order of fp32 sums differs
     parents = np.array([-1, 0, 0, 1, -1, 4], np.int32)
     tokens = rng.integers(0, 30000, len(parents)).astype(np.int32)

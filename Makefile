@@ -13,7 +13,7 @@ PROTOS := $(wildcard proto/*.proto)
 STUBS := $(PROTOS:.proto=_pb2.py)
 
 .PHONY: run test lint install stubs model datastore system-packages clean-stubs bench-speculative up down loadtest kb \
-	calibrate bench-datastores bench-serving bench-concurrency loadtest-8 compose-test docker-engine
+	calibrate bench-datastores bench-serving bench-concurrency loadtest-8 compose-test docker-engine kernels bench-step
 
 # Debian packages the project uses (redis-server for the CREST Redis backend, python3.11-doc for the docs corpus).
 # Installed only when running as root and missing; otherwise the features that need them say so.
@@ -36,7 +36,13 @@ $(STAMP): pyproject.toml requirements/nodeps.txt
 	$(BIN)/pip install -q --no-deps -r requirements/nodeps.txt
 	touch $(STAMP)
 
-install: $(STAMP) system-packages stubs
+install: $(STAMP) system-packages stubs kernels
+
+# The block-quantized linear kernel of the q4_1 weight format (generation_service/q4_kernel.cpp), compiled for this
+# CPU into $(RAGSERVE_HOME)/kernels (~30 s, once per CPU + torch version). Without g++/ninja it reports
+# "unavailable" and q4_1 serves the same weights dequantized to fp32 (with a warning).
+kernels: $(STAMP)
+	$(PYTHON) -m generation_service.q4_kernel
 
 # gRPC stubs are generated, never committed (pinned grpcio-tools = grpcio version).
 proto/%_pb2.py: proto/%.proto $(STAMP)
@@ -66,6 +72,11 @@ lint: install
 # What the worker will serve with on this machine: the measured cost curves and the choice (cached).
 calibrate: model
 	$(PYTHON) -m generation_service.calibrate
+
+# ms per forward pass (q = 1, 4, 16, 64) per weight format and forward, llama.cpp as the anchor when installed
+# (pip install -e '.[anchor]'); bench/results/step-<cpuclass>.json. ~2 min.
+bench-step: model kernels
+	$(PYTHON) -m bench.step
 
 # Datastores of the serving benchmark: code (stdlib + site-packages .py, ~95 M tokens, ~2 min) and docs
 # (python3.11-doc reST + docstrings, ~19 M tokens, ~3 min). Resumable; a finished one is left alone.

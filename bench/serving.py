@@ -35,8 +35,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from bench.speculative import MTBENCH_QUESTIONS, _package_file
-from generation_service.calibrate import cpu_info, kernel_isa, shown_flags
+from generation_service.calibrate import kernel_isa, shown_flags
 from generation_service.client import GenerationClient
+from ragcore.machine import cpu_info
 from ragcore.model_files import ragserve_home
 from tools import launcher
 

@@ -33,6 +33,10 @@ thread, see ModelThread): libgomp keeps one worker pool per thread that ever ran
 such pools exist on a 2-core machine it stops spinning between regions (its "throttled" mode) and every pass
 pays thread wake-ups — measured 1.8x slower decode steps when warm-up and decoding ran on different threads.
 
+Block-quantized weight formats (q4_1, model.WEIGHT_FORMATS) are candidates only when --dtype names them: they
+change the outputs relative to fp32, so auto never picks one; asked for, its curve is measured next to the others
+and shown in the table.
+
 User flags win: a fixed --dtype or --threads restricts the candidates (a warning is logged when an excluded
 candidate is measurably faster). The cache lives in $RAGSERVE_HOME/calibration/, one JSON file per model files
 + device + CPU model and flags + kernel ISA (ATEN_CPU_CAPABILITY and friends) + core count + torch version; an
@@ -50,7 +54,6 @@ import json
 import logging
 import math
 import os
-import platform
 import queue
 import tempfile
 import threading
@@ -66,6 +69,7 @@ import torch
 from generation_service.draft_budget import StepCost
 from generation_service.model import (
     DTYPES as TORCH_DTYPES,
+    WEIGHT_FORMATS,
     TargetModel,
     cache_length,
     load_model,
@@ -76,6 +80,7 @@ from generation_service.model import (
     with_forward,
 )
 from generation_service.speculative import prefill, verify_tree
+from ragcore.machine import cpu_info
 from ragcore.model_files import ragserve_home, resolve_model_dir
 
 log = logging.getLogger(__name__)
@@ -86,6 +91,7 @@ REFERENCE_NEW_TOKENS = 128  # the objective spreads a PREFIX_TOKENS prefill over
 REPS = 5
 FORMAT_VERSION = 1
 DTYPES = ("bf16", "fp32")
+OPT_IN_DTYPES = tuple(WEIGHT_FORMATS)  # measured and chosen only when --dtype names them (module docstring)
 # A user-fixed choice is called out when another candidate is this much faster.
 WARN_RATIO = 1.15
 # CPU features that change the curve; the cache key hashes all flags, these are shown.
@@ -205,12 +211,16 @@ class Choice:
 def choose(curves: Sequence[CostCurve], dtype: str = "auto", threads: int = 0) -> tuple[CostCurve, list[str]]:
     """The candidate with the lowest expected ms/token among those the user allows (dtype "auto", threads 0 = any);
     warnings name a faster candidate the user's flags excluded."""
-    allowed = [c for c in curves if dtype in ("auto", c.dtype) and threads in (0, c.threads)]
+    def eligible(c: CostCurve) -> bool:
+        return c.dtype == dtype if dtype != "auto" else c.dtype not in OPT_IN_DTYPES
+
+    allowed = [c for c in curves if eligible(c) and threads in (0, c.threads)]
     if not allowed:
         raise ValueError(f"no measured candidate matches dtype={dtype!r} threads={threads}: "
                          f"have {[c.name for c in curves]}")
     chosen = min(allowed, key=lambda c: c.expected_ms_per_token())
-    best = min(curves, key=lambda c: c.expected_ms_per_token())
+    best = min([c for c in curves if c.dtype not in OPT_IN_DTYPES] + [chosen],
+               key=lambda c: c.expected_ms_per_token())
     warnings = []
     ratio = chosen.expected_ms_per_token() / best.expected_ms_per_token()
     if ratio >= WARN_RATIO:
@@ -243,23 +253,6 @@ def available_cores() -> int:
 
 # ---------------------------------------------------------------------------------------------------------------
 # What the curves depend on
-
-
-def cpu_info() -> tuple[str, list[str]]:
-    """(model name, flags) from /proc/cpuinfo; (platform.processor(), []) elsewhere."""
-    try:
-        text = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        return platform.processor() or "unknown", []
-    name, flags = "unknown", []
-    for line in text.splitlines():
-        k, _, v = line.partition(":")
-        k = k.strip()
-        if k == "model name" and name == "unknown":
-            name = v.strip()
-        elif k == "flags" and not flags:
-            flags = sorted(v.split())
-    return name, flags
 
 
 def model_identity(model_dir: Path) -> str:
@@ -425,8 +418,8 @@ def calibrated_model(model: str = "", device: str = "auto", dtype: str = "auto",
 
     Call on the thread that will run every forward pass (ModelThread). dtype "auto" / threads 0 = choose.
     """
-    if dtype not in ("auto",) + DTYPES:
-        raise ValueError(f"dtype must be auto, {' or '.join(DTYPES)}, got {dtype!r}")
+    if dtype not in ("auto",) + DTYPES + OPT_IN_DTYPES:
+        raise ValueError(f"dtype must be auto, {', '.join(DTYPES + OPT_IN_DTYPES)}, got {dtype!r}")
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
         raise ValueError(f"threads must be an integer >= 0 (0 = choose), got {threads!r}")
     path = resolve_model_dir(model)
@@ -476,7 +469,12 @@ def calibrated_model(model: str = "", device: str = "auto", dtype: str = "auto",
 
 
 def convert(tm: TargetModel, dtype: str) -> TargetModel:
-    """A copy of `tm` with weights cast to `dtype` (what loading the checkpoint in that dtype gives)."""
+    """A copy of `tm` with weights cast to `dtype` (what loading the checkpoint in that dtype gives); a
+    block-quantized format shares `tm`'s fp32 model and reads its own weights (q4_weights.py)."""
+    if dtype in WEIGHT_FORMATS:
+        out = dataclasses.replace(tm, dtype=WEIGHT_FORMATS[dtype], min_rows=min_rows_for(WEIGHT_FORMATS[dtype]),
+                                  lean=None, weights=dtype)
+        return with_forward(out, tm.forward_name)
     target = TORCH_DTYPES[dtype]
     model = copy.deepcopy(tm.model).to(target)
     model.config.dtype = target
@@ -551,7 +549,8 @@ def main(argv: list[str] | None = None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="", help="local HF model directory (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default: auto)")
-    ap.add_argument("--dtype", default="auto", help="auto | bf16 | fp32: restrict the choice (default: auto)")
+    ap.add_argument("--dtype", default="auto", help="auto | bf16 | fp32 | q4_1: restrict the choice; q4_1 is "
+                    "measured only when asked for (default: auto)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads to restrict the choice to (0 = any)")
     ap.add_argument("--force", action="store_true", help="measure again even if a cached calibration exists")
     ap.add_argument("--reps", type=int, default=REPS, help=f"timed passes per point (default: {REPS})")

@@ -18,7 +18,9 @@ FLAG_HELP = {
     "host": "address the gRPC port binds to (0.0.0.0 = every interface)",
     "port": "gRPC port (0 = a free port)",
     "model": "local Hugging Face model directory (\"\" = SmolLM2-135M-Instruct, prepared on first use)",
-    "dtype": "model weights and activations: auto (the fastest measured on this machine) | bf16 | fp32",
+    "dtype": "model weights and activations: auto (the fastest measured on this machine) | bf16 | fp32 | q4_1 "
+             "(the model's Q4_1 GGUF weights served exactly from 4-bit blocks, fp32 activations; lean forward only, "
+             "never picked by auto)",
     "forward": "auto (lean for Llama-family models, else transformers) | lean | hf",
     "calibration": "start-up cost measurement: auto (cached per machine) | force (measure again) | off",
     "device": "auto | cpu | cuda",
@@ -70,7 +72,8 @@ class GenerationConfig(config_util.ShellConfig):
     port: int = 50052
     # Local Hugging Face model directory; "" = the default SmolLM2-135M-Instruct (prepared on first use).
     model: str = ""
-    # auto = the fastest on this machine, measured at start (calibrate.py; cached in RAGSERVE_HOME) | bf16 | fp32
+    # auto = the fastest on this machine, measured at start (calibrate.py; cached in RAGSERVE_HOME) | bf16 | fp32 |
+    # q4_1 (the GGUF's 4-bit weights, exactly; fp32 activations; never chosen by auto: outputs differ from fp32)
     dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     threads: int = 0  # torch intra-op threads; 0 = the fastest measured count
@@ -133,8 +136,8 @@ class GenerationConfig(config_util.ShellConfig):
     kb_spec_timeout_ms: float = 2_000.0
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "bf16", "fp32"):
-            raise ValueError(f"dtype: {self.dtype!r} is not auto, bf16 or fp32")
+        if self.dtype not in ("auto", "bf16", "fp32", "q4_1"):
+            raise ValueError(f"dtype: {self.dtype!r} is not auto, bf16, fp32 or q4_1")
         if self.forward not in ("auto", "lean", "hf"):
             raise ValueError(f"forward: {self.forward!r} is not auto, lean or hf")
         if self.calibration not in ("auto", "force", "off"):

@@ -96,9 +96,12 @@ class _Layer:
     wgu: torch.Tensor  # [2 * intermediate, hidden]
     wd: torch.Tensor  # [hidden, intermediate]
     packed: dict  # name -> oneDNN-packed weight (fp32 only)
+    quant: dict | None = None  # name -> block-quantized weight (q4_weights.LeanLlamaQ4)
 
 
 class LeanLlama:
+    _prepack = True  # keep oneDNN-packed fp32 copies for multi-row passes (subclasses with other weights: False)
+
     def __init__(self, model, dtype: torch.dtype):
         cfg = model.config
         self.dtype = dtype
@@ -114,7 +117,8 @@ class LeanLlama:
         self.embed = inner.embed_tokens.weight.detach()
         self.norm = inner.norm.weight.detach()
         self.lm_head = model.lm_head.weight.detach()
-        self.pack = dtype == torch.float32 and self.device.type == "cpu" and _onednn_linear_available()
+        self.pack = (self._prepack and dtype == torch.float32 and self.device.type == "cpu"
+                     and _onednn_linear_available())
         self.layers = []
         with torch.no_grad():
             for layer in inner.layers:
@@ -189,6 +193,12 @@ class LeanLlama:
             return torch.ops.mkldnn._linear_pointwise(x, layer.packed[name], None, "none", [], "")
         return F.linear(x, getattr(layer, name))
 
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed[ids]
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.lm_head)
+
     def _rotate(self, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = self.head_dim // 2
         return t * cos + torch.cat((-t[..., half:], t[..., :half]), dim=-1) * sin
@@ -219,7 +229,7 @@ class LeanLlama:
         cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]  # [N, 1, D]
         N = starts[-1]
         H, Hkv, D = self.heads, self.kv_heads, self.head_dim
-        x = self.embed[ids]  # [N, hidden]
+        x = self._embed(ids)  # [N, hidden]
         for i, ly in enumerate(self.layers):
             h = self._rms(x, ly.ln1)
             qkv = self._linear(h, ly, "wqkv")  # [N, (H + 2 Hkv) D]
@@ -243,7 +253,7 @@ class LeanLlama:
         x = self._rms(x, self.norm)
         if self.hidden_sink is not None:
             self.hidden_sink.append(x[None])
-        logits = F.linear(x, self.lm_head)  # [sum q', V]
+        logits = self._logits(x)  # [sum q', V]
         if len(segments) == 1:
             return [logits]
         sizes = [b - a for a, b in keep]

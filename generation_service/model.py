@@ -30,12 +30,16 @@ from threadpoolctl import threadpool_limits
 
 from generation_service.draft_budget import StepCost
 from generation_service.lean_llama import LeanLlama, Segment
+from generation_service.q4_weights import lean_for_format
 from generation_service.tree_attention import tree_mask, tree_position_ids
 from ragcore.model_files import load_tokenizer, resolve_model_dir
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+# Weight formats the lean forward serves from GGUF blocks (q4_weights.py) -> their activation dtype. They change
+# the outputs relative to fp32 of a model that was not quantized, so nothing picks them unless a user asks.
+WEIGHT_FORMATS = {"q4_1": torch.float32}
 ATTENTION = "ragserve_decode"
 
 
@@ -91,6 +95,7 @@ class TargetModel:
     step_cost: StepCost = field(default_factory=StepCost.linear)
     # The lean forward (lean_llama.py) when the architecture is supported and not turned off; None = transformers.
     lean: LeanLlama | None = None
+    weights: str = ""  # a WEIGHT_FORMATS name when the linears are block-quantized, else "" (weights in `dtype`)
 
     @property
     def forward_name(self) -> str:
@@ -98,7 +103,7 @@ class TargetModel:
 
     @property
     def dtype_name(self) -> str:
-        return {v: k for k, v in DTYPES.items()}[self.dtype]
+        return self.weights or {v: k for k, v in DTYPES.items()}[self.dtype]
 
 
 def pick_device(device: str) -> torch.device:
@@ -153,15 +158,15 @@ def load_model(model_dir: str | os.PathLike | None = "", dtype: str = "bf16", de
     forward: auto = the lean forward where the architecture is supported, else transformers'; lean = require it;
     hf = always transformers' forward.
     """
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if dtype not in DTYPES and dtype not in WEIGHT_FORMATS:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES) + sorted(WEIGHT_FORMATS)}, got {dtype!r}")
     if forward not in FORWARDS:
         raise ValueError(f"forward must be one of {', '.join(FORWARDS)}, got {forward!r}")
     from transformers import AutoModelForCausalLM  # seconds to import: only processes that load a model pay
 
     dev = pick_device(device)
     path = resolve_model_dir(model_dir)
-    torch_dtype = DTYPES[dtype]
+    torch_dtype = DTYPES.get(dtype) or WEIGHT_FORMATS[dtype]
     _register_attention()
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, attn_implementation=ATTENTION,
                                                  local_files_only=True)
@@ -172,13 +177,16 @@ def load_model(model_dir: str | os.PathLike | None = "", dtype: str = "bf16", de
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     max_pos = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
     tm = TargetModel(model, tokenizer, dev, torch_dtype, vocab, _eos_ids(model, tokenizer), max_pos, str(path),
-                     min_rows_for(torch_dtype))
+                     min_rows_for(torch_dtype), weights=dtype if dtype in WEIGHT_FORMATS else "")
     return with_forward(tm, forward)
 
 
 def with_forward(tm: TargetModel, forward: str = "auto") -> TargetModel:
     """Attach the lean forward to `tm` (in place) as `forward` asks; raises ValueError for lean on an
-    unsupported architecture."""
+    unsupported architecture (and for a block-quantized format with forward hf)."""
+    if tm.weights:
+        tm.lean = lean_for_format(tm.model, tm.model_dir, tm.weights, forward)
+        return tm
     why = LeanLlama.supports(tm.model)
     if forward == "lean" and why:
         raise ValueError(f"forward: the lean forward does not support this model: {why}")

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from generation_service import knnlm, metrics, ralm_service
-from generation_service.calibrate import Choice, ModelThread, calibrated_model, cpu_info, format_table, shown_flags
+from generation_service.calibrate import Choice, ModelThread, calibrated_model, format_table, shown_flags
 from generation_service.config import DECODING_MODES, GenerationConfig
 from generation_service.drafters import Drafter, DraftUnavailable, PromptLookupDrafter
 from generation_service.engine.scheduler import Engine
@@ -41,6 +41,7 @@ from ragcore import metrics as core_metrics, security
 from ragcore.draft_tree import warmup_context_draft
 from ragcore.errors import Cancelled, DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
 from ragcore.grpc_shell import RunningServer, install_signal_handlers, start_server
+from ragcore.machine import cpu_info
 from ragcore.model_files import tokenizer_identity
 from ragcore.process import offline_process
 from ragcore.wire import clip

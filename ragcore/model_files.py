@@ -41,7 +41,7 @@ def is_model_dir(path: str | os.PathLike) -> bool:
     return p.is_dir() and all((p / f).exists() for f in _REQUIRED) and has_weights
 
 
-def _gguf_path() -> Path:
+def bundled_gguf_path() -> Path:
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
@@ -62,7 +62,7 @@ def prepare_default_model(out_dir: str | os.PathLike | None = None) -> Path:
     import torch  # heavy, and only the one-off conversion needs it
     from transformers import AutoModelForCausalLM, AutoTokenizer  # same: seconds to import
 
-    gguf = _gguf_path()
+    gguf = bundled_gguf_path()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:

@@ -16,3 +16,9 @@ def tm32():
 @pytest.fixture(scope="session")
 def tm16(tm):
     return tm  # the shared bf16 model (tests/conftest.py)
+
+
+@pytest.fixture(scope="session")
+def tmq4():
+    """The q4_1 weight format (the shipped GGUF's blocks; q4_weights.py)."""
+    return real_model("q4_1")

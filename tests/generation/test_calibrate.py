@@ -48,6 +48,17 @@ def test_choose(case, curves, dtype, threads, expected, not_expected):
     assert (chosen.dtype, chosen.threads) != not_expected, case
 
 
+def test_q4_1_is_chosen_only_when_asked_for():
+    # q4_1 decodes fastest here but changes outputs vs fp32: auto must not pick it, --dtype q4_1 must.
+    q4 = CostCurve("q4_1", 2, ROWS, (9.0, 10.0, 13.0, 25.0, 48.0, 80.0, 150.0), 300)
+    chosen, warnings = choose(ZEN5 + [q4], "auto", 0)
+    assert chosen.dtype == "bf16" and warnings == []  # Not q4_1, and no nagging about it
+    chosen, warnings = choose(ZEN5 + [q4], "q4_1", 0)
+    assert (chosen.dtype, chosen.threads) == ("q4_1", 2) and warnings == []
+    with pytest.raises(ValueError, match="no measured candidate"):
+        choose(ZEN5, "q4_1", 0)
+
+
 def test_a_measurably_bad_user_choice_is_warned_about():
     _, warnings = choose(AVX2, "bf16", 0)
     assert len(warnings) == 1 and "fp32/2t" in warnings[0]  # names the faster candidate

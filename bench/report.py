@@ -219,7 +219,32 @@ def serving(name: str, d: dict) -> str:
     return "\n".join(out)
 
 
+def concurrency(name: str, d: dict) -> str:
+    m, w = d["machine"], d.get("worker", {})
+    rows = [[c["method"], str(c["concurrency"]), _f(c["summary"]["tokens_per_s"], ".1f"),
+             _f(c["summary"]["ms_per_token_p50"], ".0f"), _f(c["summary"]["ms_per_token_p95"], ".0f"),
+             _f(c["summary"]["ttft_ms_p50"], ".0f"), _f(c["summary"]["ttft_ms_p95"], ".0f"),
+             str(c["summary"]["requests_done"]), str(sum(c["summary"]["errors"].values()))]
+            for c in sorted(d["cells"], key=lambda c: (c["method"], c["concurrency"]))]
+    t = d["targets"]
+    verdicts = []
+    for key in ("rest_scaling", "rest_vs_ar", "ttft"):
+        v = t.get(key) or {}
+        fig = f" ({v['ratio']:.2f}×)" if "ratio" in v else ""
+        if "per_method" in v:
+            fig = " (" + ", ".join(f"{k} {x['ratio']:.2f}×" for k, x in v["per_method"].items()) + ")"
+        verdicts.append(f"{v.get('target', key)}: **{'met' if v.get('passed') else 'not met'}**{fig}")
+    head = (f"**{m['cpu']} ({' '.join(m.get('cpu_flags', []))}), {m.get('cores', '?')} cores**; worker chose "
+            f"{w.get('dtype', '?')}, {w.get('threads', '?')} threads; closed-loop clients, HumanEval + MT-Bench "
+            f"prompts, {d['settings'].get('max_new_tokens', '?')} new tokens, "
+            f"{d['settings'].get('duration_s', '?')} s per cell")
+    return head + "\n\n" + _table(["method", "clients", "tok/s (all)", "ms/token p50", "p95", "TTFT p50 ms", "p95",
+                                    "requests", "errors"], rows) + "\n\n" + "\n".join(f"- {v}" for v in verdicts) + \
+        "\n\n" + _source(name, d)
+
+
 TABLES: dict[str, tuple[list[str], Callable[[str, dict], str]]] = {
+    "concurrency": (sorted(p.name for p in RESULTS.glob("concurrency-*.json")), concurrency),
     "serving": (sorted(p.name for p in RESULTS.glob("serving-*.json")), serving),
     "speculative": (["speculative-humaneval.json", "speculative-mtbench.json"], speculative),
     "draft-retrieval": (["draft-retrieval.json"], draft_retrieval),

@@ -18,9 +18,8 @@ FLAG_HELP = {
     "host": "address the gRPC port binds to (0.0.0.0 = every interface)",
     "port": "gRPC port (0 = a free port)",
     "model": "local Hugging Face model directory (\"\" = SmolLM2-135M-Instruct, prepared on first use)",
-    "dtype": "model weights and activations: auto (the fastest measured on this machine) | bf16 | fp32 | q4_1 "
-             "(the model's Q4_1 GGUF weights served exactly from 4-bit blocks, fp32 activations; lean forward only, "
-             "never picked by auto)",
+    "dtype": "auto (the fastest measured here) | bf16 | fp32 | q4_1 (the GGUF's exact 4-bit weights, lean forward "
+             "only, never auto)",
     "forward": "auto (lean for Llama-family models, else transformers) | lean | hf",
     "calibration": "start-up cost measurement: auto (cached per machine) | force (measure again) | off",
     "device": "auto | cpu | cuda",

@@ -124,14 +124,19 @@ def test_seeded_sampling_fp32_identical(tm32, prompts, sampling):
         assert tokens_of(tm32, prompt, params, drafter=PromptLookupDrafter()) == ar
 
 
-def test_bf16_identical_or_near_tie(tm16):
-    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
-    for text in humaneval_prompts(3):
-        prompt = encode(tm16, text)
-        ar = tokens_of(tm16, prompt, params)
+def assert_identical_or_near_tie(tm, n_prompts: int, max_new: int) -> None:
+    """Speculative == AR within tm's weight format, up to near-ties of its rounding."""
+    params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+    for text in humaneval_prompts(n_prompts):
+        prompt = encode(tm, text)
+        ar = tokens_of(tm, prompt, params)
         for drafter in (AdversarialDrafter(list(prompt) + ar, depth=10), PromptLookupDrafter()):
-            div = first_divergence(tm16, prompt, ar, tokens_of(tm16, prompt, params, drafter=drafter))
+            div = first_divergence(tm, prompt, ar, tokens_of(tm, prompt, params, drafter=drafter))
             assert div is None or div.near_tie, div
+
+
+def test_bf16_identical_or_near_tie(tm16):
+    assert_identical_or_near_tie(tm16, n_prompts=3, max_new=48)
 
 
 class Flaky:
@@ -280,10 +285,4 @@ def test_hf_generate_still_works_on_the_same_model(tm32, prompts):
 
 def test_q4_1_identical_or_near_tie(tmq4):
     """Lossless per weight format: speculative == AR within q4_1."""
-    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
-    for text in humaneval_prompts(1):
-        prompt = encode(tmq4, text)
-        ar = tokens_of(tmq4, prompt, params)
-        for drafter in (AdversarialDrafter(list(prompt) + ar, depth=10), PromptLookupDrafter()):
-            div = first_divergence(tmq4, prompt, ar, tokens_of(tmq4, prompt, params, drafter=drafter))
-            assert div is None or div.near_tie, div
+    assert_identical_or_near_tie(tmq4, n_prompts=1, max_new=32)

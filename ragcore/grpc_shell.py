@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
@@ -144,10 +145,8 @@ def _record_raised(call: Call, context: _Context, exc: Exception) -> None:
         code, details = errors.status_of(exc)
         if not isinstance(exc, errors.ServiceError):
             log.error("unhandled %s in a handler", type(exc).__name__, exc_info=exc)
-        try:
+        with contextlib.suppress(Exception):  # abort() raises by design; the status stays recorded in context
             context.abort(code, details)
-        except Exception:
-            pass  # the abort's own exception
     call.code, call.details = context.code or Code.UNKNOWN, context.details
 
 

@@ -51,6 +51,8 @@ class KVCache:
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.length = 0
+        self.slab: KVSlab | None = None  # set for a slot of a KVSlab (fixed capacity)
+        self.slot = -1
 
     @property
     def capacity(self) -> int:
@@ -64,6 +66,8 @@ class KVCache:
         need = self.length + rows
         if need <= self.capacity:
             return
+        if self.slab is not None:
+            raise RuntimeError(f"KV slab slot of {self.capacity} rows cannot hold {need}")
         cap = max(need, 2 * self.capacity)
         for name in ("k", "v"):
             old = getattr(self, name)
@@ -85,6 +89,37 @@ class KVCache:
             for t in (self.k, self.v):
                 t[:, :, past + 1: past + 1 + m] = t.index_select(2, src)  # index_select copies: overlap-safe
         self.length = past + 1 + m
+
+
+class KVSlab:
+    """KV caches of up to `slots` sequences in one tensor: k, v [layers, slots, kv_heads, capacity, head_dim].
+
+    Sequences in neighbouring slots attend in one chain of ops per layer (their keys are one strided view of the
+    slab), where separate caches need one chain per sequence: on a CPU that per-sequence chain (~10 small ops x
+    30 layers) costs more than the arithmetic of a small batch. The engine keeps its running sequences in slots
+    0..n-1 (move() fills the hole a finished one leaves).
+    """
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, slots: int, capacity: int, dtype: torch.dtype,
+                 device: torch.device):
+        shape = (layers, slots, kv_heads, capacity, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.slots, self.capacity = slots, capacity
+
+    def cache(self, slot: int) -> KVCache:
+        """An empty cache living in `slot` (fixed capacity)."""
+        c = KVCache.__new__(KVCache)
+        c.k, c.v, c.length, c.slab, c.slot = self.k[:, slot], self.v[:, slot], 0, self, slot
+        return c
+
+    @torch.inference_mode()
+    def move(self, cache: KVCache, slot: int) -> None:
+        """Copy `cache`'s rows into `slot` and make it live there."""
+        n = cache.length
+        self.k[:, slot, :, :n] = cache.k[:, :, :n]
+        self.v[:, slot, :, :n] = cache.v[:, :, :n]
+        cache.k, cache.v, cache.slot = self.k[:, slot], self.v[:, slot], slot
 
 
 @dataclass
@@ -229,6 +264,8 @@ class LeanLlama:
         cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]  # [N, 1, D]
         N = starts[-1]
         H, Hkv, D = self.heads, self.kv_heads, self.head_dim
+        group = _SlabGroup.of(self, segments, plans, starts)
+        alone = [j for j in range(len(segments)) if group is None or j not in group.members]
         x = self._embed(ids)  # [N, hidden]
         for i, ly in enumerate(self.layers):
             h = self._rms(x, ly.ln1)
@@ -236,9 +273,16 @@ class LeanLlama:
             qh = self._rotate(qkv[:, : H * D].view(N, H, D), cos, sin)
             kh = self._rotate(qkv[:, H * D: (H + Hkv) * D].view(N, Hkv, D), cos, sin)
             vh = qkv[:, (H + Hkv) * D:].view(N, Hkv, D)
-            outs = [self._attend(i, qh[a:b], kh[a:b], vh[a:b], seg.cache, plan)
-                    for seg, plan, a, b in zip(segments, plans, starts, starts[1:])]
-            o = outs[0] if len(outs) == 1 else torch.cat(outs)  # [N, H D]
+            if group is None:
+                outs = [self._attend(i, qh[a:b], kh[a:b], vh[a:b], seg.cache, plan)
+                        for seg, plan, a, b in zip(segments, plans, starts, starts[1:])]
+                o = outs[0] if len(outs) == 1 else torch.cat(outs)  # [N, H D]
+            else:
+                o = torch.empty(N, H * D, dtype=x.dtype, device=x.device)
+                o[group.rows] = group.attend(self, i, qh, kh, vh)
+                for j in alone:
+                    a, b = starts[j], starts[j + 1]
+                    o[a:b] = self._attend(i, qh[a:b], kh[a:b], vh[a:b], segments[j].cache, plans[j])
             x = x + self._linear(o, ly, "wo")
             h = self._rms(x, ly.ln2)
             gu = self._linear(h, ly, "wgu")  # [N, 2 I]
@@ -318,6 +362,80 @@ class _Plan:
     past: int
     causal_sdpa: bool
     grouped_mask: torch.Tensor | None
+
+
+class _SlabGroup:
+    """The segments of one pass whose caches share a KVSlab (and need no SDPA prefill): one attention chain per
+    layer for all of them, over slots lo..hi-1 (keys padded to the longest; the padding and any slot not in the
+    pass are masked out)."""
+
+    @staticmethod
+    def of(model: "LeanLlama", segments: "Sequence[Segment]", plans: list[_Plan], starts: list[int]
+           ) -> "_SlabGroup | None":
+        members = [j for j, (s, p) in enumerate(zip(segments, plans))
+                   if s.cache.slab is not None and not p.causal_sdpa]
+        if len(members) < 2 or len({id(segments[j].cache.slab) for j in members}) != 1:
+            return None
+        return _SlabGroup(model, segments, plans, starts, members)
+
+    def __init__(self, model: "LeanLlama", segments, plans, starts, members: list[int]):
+        self.members = set(members)
+        self.slab = segments[members[0]].cache.slab
+        slots = [segments[j].cache.slot for j in members]
+        self.lo, hi = min(slots), max(slots) + 1
+        n_slots = hi - self.lo
+        qs = [segments[j].ids.shape[0] for j in members]
+        self.qmax = max(qs)
+        self.smax = max(plans[j].past + q for j, q in zip(members, qs))
+        dev, dt = model.device, model.dtype
+        rows, b_idx, r_idx, pos = [], [], [], []
+        neg = torch.finfo(dt).min
+        mask = torch.full((n_slots, self.qmax, self.smax), neg, dtype=dt, device=dev)
+        mask[:, :, 0] = 0  # rows that are only padding attend somewhere (softmax of all -inf is NaN); discarded
+        for j, q in zip(members, qs):
+            seg, plan = segments[j], plans[j]
+            b = seg.cache.slot - self.lo
+            past = plan.past
+            rows += range(starts[j], starts[j] + q)
+            b_idx += [b] * q
+            r_idx += range(q)
+            pos += range(past, past + q)
+            if seg.mask is not None:
+                mask[b, :q, :past + q] = seg.mask
+            elif q == 1:
+                mask[b, 0, :past + 1] = 0
+            else:  # chunked prefill: everything cached before, causal over the new rows
+                mask[b, :q, :past + q] = torch.zeros(q, past + q, dtype=dt, device=dev)
+                mask[b, :q, past:past + q] = torch.full((q, q), neg, dtype=dt, device=dev).triu(1)
+        self.rows = torch.tensor(rows, device=dev)
+        self.b_idx = torch.tensor(b_idx, device=dev)
+        self.r_idx = torch.tensor(r_idx, device=dev)
+        self.slot_idx = self.b_idx + self.lo
+        self.pos = torch.tensor(pos, device=dev)
+        G, Hkv = model.groups, model.kv_heads
+        # [slots, qmax, S] -> per (slot, kv head): [slots * Hkv, G * qmax, S], query rows ordered (group, row)
+        self.mask = mask[:, None, None].expand(n_slots, Hkv, G, self.qmax, self.smax).reshape(
+            n_slots * Hkv, G * self.qmax, self.smax)
+        self.n_slots = n_slots
+
+    def attend(self, model: "LeanLlama", i: int, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor
+               ) -> torch.Tensor:
+        """Layer i for the group's rows of qh/kh/vh ([N, heads, D]) -> [rows, H D]; writes their keys/values."""
+        H, Hkv, D, G = model.heads, model.kv_heads, model.head_dim, model.groups
+        n, qmax, S = self.n_slots, self.qmax, self.smax
+        k, v = self.slab.k[i], self.slab.v[i]  # [slots, Hkv, cap, D]
+        k[self.slot_idx, :, self.pos] = kh[self.rows]
+        v[self.slot_idx, :, self.pos] = vh[self.rows]
+        q = torch.zeros(n, qmax, H, D, dtype=qh.dtype, device=qh.device)
+        q[self.b_idx, self.r_idx] = qh[self.rows]
+        qg = q.view(n, qmax, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(n * Hkv, G * qmax, D)
+        keys = k[self.lo:self.lo + n, :, :S].reshape(n * Hkv, S, D)
+        values = v[self.lo:self.lo + n, :, :S].reshape(n * Hkv, S, D)
+        scores = torch.matmul(qg, keys.transpose(1, 2)) * model.scale + self.mask  # [n Hkv, G qmax, S]
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(model.dtype)
+        o = torch.matmul(probs, values)  # [n Hkv, G qmax, D]
+        o = o.view(n, Hkv, G, qmax, D).permute(0, 3, 1, 2, 4).reshape(n, qmax, H * D)
+        return o[self.b_idx, self.r_idx]
 
 
 def _onednn_linear_available() -> bool:

@@ -40,12 +40,14 @@ from generation_service.calibrate import ModelThread
 from generation_service.draft_budget import batch_sizes
 from generation_service.engine.requests import TreeRequest
 from generation_service.engine.steps import SpeculationStats, prefill, tree_segment
-from generation_service.lean_llama import capacity_for
+from generation_service.lean_llama import KVSlab, capacity_for
 from generation_service.model import TargetModel, forward_batch, new_cache
 from generation_service.speculative import StreamChunk, TextOutput
 from ragcore.errors import ResourceExhausted, ServiceError
 
 log = logging.getLogger(__name__)
+
+SLAB_MAX_ROWS = 4096  # rows per slab slot; a request needing more gets its own cache (attended on its own)
 
 
 def kv_bytes_per_row(tm: TargetModel) -> int:
@@ -65,11 +67,12 @@ def job_kv_rows(tm: TargetModel, job) -> int:
     return capacity_for(len(job.prompt_ids), job.params.max_new_tokens, max(job.budget, 0))
 
 
-def measure_segment_ms(tm: TargetModel, reps: int = 5) -> float:
+def measure_segment_ms(tm: TargetModel, reps: int = 5, slab: KVSlab | None = None) -> float:
     """ms one more sequence adds to a batched pass beyond its rows (its own attention, bookkeeping): four 1-row
-    sequences against one sequence of four rows, min over reps."""
+    sequences against one sequence of four rows, min over reps (in slab slots when the engine has a slab)."""
     rng = np.random.default_rng(0)
-    caches = [new_cache(tm, 128) for _ in range(4)]
+    caches = [slab.cache(i) for i in range(4)] if slab is not None and slab.slots >= 4 else [
+        new_cache(tm, 128) for _ in range(4)]
     for c in caches:
         prefill(tm, c, torch.from_numpy(rng.integers(0, min(tm.vocab_size, 1000), 32)).to(tm.device))
     chain = np.arange(-1, 2, dtype=np.int32)  # 3 nodes: a 4-row pass
@@ -126,6 +129,16 @@ class Engine:
         self.segment_ms = 0.0
         self.passes = 0  # batched passes run (stats, tests)
         self.peak_batch = 0  # most sequences in one pass so far
+        # The running requests' caches, in slots 0..n-1 of one slab: each pass attends them in one chain of ops
+        # per layer. A request that needs more rows than a slot holds gets a cache of its own.
+        self.slab: KVSlab | None = None
+        if tm.lean is not None and self.max_batch > 1:
+            cap = int(min(SLAB_MAX_ROWS, self.kv_budget_rows // self.max_batch) // 64 * 64)
+            if cap >= 64:
+                lean = tm.lean
+                self.slab = KVSlab(len(lean.layers), lean.kv_heads, lean.head_dim, self.max_batch, cap, lean.dtype,
+                                   lean.device)
+        self._in_slab: list[_Running] = []
         self.draft_pool = ThreadPoolExecutor(max_workers=self.max_batch, thread_name_prefix="draft")
         self.learner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learn")
         self.model_thread = model_thread or ModelThread("generation-engine")
@@ -167,7 +180,7 @@ class Engine:
 
     def _measure(self) -> float:
         try:
-            return measure_segment_ms(self.tm)
+            return measure_segment_ms(self.tm, slab=self.slab)
         except Exception:  # an estimate only: batching still works with 0
             log.warning("could not measure the per-sequence cost of a batched pass", exc_info=True)
             return 0.0
@@ -207,9 +220,14 @@ class Engine:
             if job.rag is not None or job.knnlm is not None:
                 run.stream = self._exclusive(job)
             else:
+                cache = None
+                if self.slab is not None and rows <= self.slab.capacity and len(self._in_slab) < self.slab.slots:
+                    cache = self.slab.cache(len(self._in_slab))
                 run.req = TreeRequest(self.tm, job.prompt_ids, job.params, drafter=self._drafter(job),
                                       draft_budget=job.budget, stats=SpeculationStats(decoding=job.decoding),
-                                      prefill_chunk=self.prefill_chunk)
+                                      prefill_chunk=self.prefill_chunk, cache=cache)
+                if cache is not None:
+                    self._in_slab.append(run)
                 run.out = TextOutput(self.tm.tokenizer, job.prompt_ids, job.params.stop)
         except Exception as e:
             self._fail(run, e, started=False)
@@ -326,6 +344,12 @@ class Engine:
         if run in self.running:
             self.running.remove(run)
             self._kv_used -= run.kv_rows
+        if run in self._in_slab:  # keep the slab's users in slots 0..n-1: the last one fills the hole
+            hole, last = self._in_slab.index(run), self._in_slab[-1]
+            if last is not run:
+                self.slab.move(last.req.cache, hole)
+                self._in_slab[hole] = last
+            self._in_slab.pop()
         if run.stream is not None:
             close = getattr(run.stream, "close", None)
             if close is not None:

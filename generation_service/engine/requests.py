@@ -114,14 +114,11 @@ class TreeRequest:
     def remaining(self) -> int:
         return self.params.max_new_tokens - self.n_out
 
-    def fetch_draft(self, remote: bool = True) -> None:
+    def fetch_draft(self) -> None:
         """Ask the drafter for this step's tree (an RPC for remote drafters: safe to run beside other requests'
-        fetches); a failing drafter makes this step AR and the request degraded, never failed.
-        remote=False: this step drafts in process only (the drafter's `local` part, if any)."""
+        fetches); a failing drafter makes this step AR and the request degraded, never failed."""
         self._tree, self.p = None, np.zeros(0)
         source = self.drafter if self.budget > 0 and self.remaining > 1 else None
-        if source is not None and not remote and getattr(source, "remote", False):
-            source = source.local
         if source is not None and self.sizer is not None and getattr(source, "remote", False) \
                 and not self.sizer.query_remote():
             source = source.local  # a remote source that keeps being useless is skipped for a while

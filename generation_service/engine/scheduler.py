@@ -47,9 +47,6 @@ from ragcore.errors import ResourceExhausted, ServiceError
 
 log = logging.getLogger(__name__)
 
-# Remote draft RPCs per pass: the retrieval service usually shares the machine, and with many clients a draft for
-# every request every pass takes the cores the pass needs; the others draft in process this pass, in turn.
-REMOTE_DRAFTS_PER_PASS = 4
 SLAB_MAX_ROWS = 4096  # rows per slab slot; a request needing more gets its own cache (attended on its own)
 
 
@@ -256,10 +253,7 @@ class Engine:
     def _tree_step(self, trees: list[_Running]) -> None:
         decoding = [r for r in trees if not r.req.prefilling]
         prefilling = next((r for r in trees if r.req.prefilling), None)
-        drafting = [r for r in decoding if r.req.drafter is not None]
-        first = next(self._turn) if len(drafting) > REMOTE_DRAFTS_PER_PASS else 0
-        turn = {id(r): (k - first) % len(drafting) for k, r in enumerate(drafting)}
-        asked = [self.draft_pool.submit(r.req.fetch_draft, turn[id(r)] < REMOTE_DRAFTS_PER_PASS) for r in drafting]
+        asked = [self.draft_pool.submit(r.req.fetch_draft) for r in decoding if r.req.drafter is not None]
         wait(asked)
         for f in asked:
             f.result()  # fetch_draft turns drafter failures into AR steps; anything else is a bug

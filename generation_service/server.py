@@ -2,8 +2,8 @@
 
     python -m generation_service.server --retrieval 127.0.0.1:50051 --port 50052
 
-The model already uses every core for one request, so requests run one at a time from a bounded queue
-(full queue -> RESOURCE_EXHAUSTED). Drafting failures never fail a request: the step decodes
+Running requests share every forward pass (continuous batching, engine/scheduler.py); more wait in a bounded
+queue (full queue -> RESOURCE_EXHAUSTED). Drafting failures never fail a request: the step decodes
 autoregressively and the stats say `degraded`. Health reports SERVING once the model is loaded and warm.
 
 Start-up: the dtype and thread count are chosen by measuring this machine's decode-pass cost (calibrate.py,

@@ -11,6 +11,7 @@ without a compiler `kernel()` returns None and the q4_1 format falls back to the
 
 from __future__ import annotations
 
+import argparse
 import functools
 import hashlib
 import logging
@@ -56,6 +57,8 @@ def kernel() -> ModuleType | None:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description="Compile the block-quantized (q4_1 / q8_0) linear kernel for this CPU into "
+                            "$RAGSERVE_HOME/kernels and print the instruction set it uses.").parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     k = kernel()
     print(f"block-quantized kernel: {k.isa() if k is not None else 'unavailable'} ({build_dir()})")

@@ -25,6 +25,7 @@ from typing import Iterable, Sequence
 import numpy as np
 from tqdm import tqdm
 
+from ragcore.encoder import ENCODER_DTYPES, Encoder
 from ragcore.process import offline_process
 from retrieval_service.knowledge import dense, passages as P, sparse
 from retrieval_service.knowledge.kb import DENSE_DIR, MANIFEST, RETRIEVERS, SPARSE_DIR
@@ -59,7 +60,7 @@ def build_kb(out: str | Path, passages: Iterable[P.Passage] | None = None, *,
              dtype: str = "float32", encoder_dtype: str = "float32", batch_size: int = 64, chunk: int = 4096,
              hnsw_m: int = 32, hnsw_ef_construction: int = 200, threads: int = 2, omp_threads: int = 1,
              jvm_heap: str = "", force: bool = False,
-             encoder: dense.Encoder | None = None, progress: bool = True) -> dict:
+             encoder: Encoder | None = None, progress: bool = True) -> dict:
     """Build (or finish building) a KB in `out`; returns the manifest.
 
     passages: an explicit corpus (tests, --passages-jsonl); None = extract docstrings (+ reST) offline.
@@ -118,7 +119,7 @@ def build_kb(out: str | Path, passages: Iterable[P.Passage] | None = None, *,
             carry("edr")
         else:
             t0 = time.perf_counter()
-            enc = encoder or dense.Encoder(threads=omp_threads, cache_size=0, dtype=encoder_dtype)
+            enc = encoder or Encoder(threads=omp_threads, cache_size=0, dtype=encoder_dtype)
             with tqdm(total=n, desc="encode", unit=" psg", smoothing=0.05, disable=not progress) as bar:
                 dense.encode_passages(lambda a, b: store.iter_range(a, b), n, dense_dir, enc, fingerprint=fp,
                                       dtype=dtype, chunk=chunk, batch_size=batch_size, progress=bar)
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--retrievers", default="edr,adr,sr", help="comma list of edr, adr, sr")
     ap.add_argument("--words", type=int, default=P.DEFAULT_WORDS, help="words per passage")
     ap.add_argument("--float16", action="store_true", help="store embeddings as float16 (half the disk)")
-    ap.add_argument("--encoder-dtype", choices=dense.ENCODER_DTYPES, default="float32",
+    ap.add_argument("--encoder-dtype", choices=ENCODER_DTYPES, default="float32",
                     help="encoder compute dtype; bfloat16 is ~2x faster on avx512_bf16 CPUs (queries use the same)")
     ap.add_argument("--batch-size", type=int, default=64, help="encoder batch size")
     ap.add_argument("--chunk", type=int, default=4096, help="passages per resumable encoding chunk")

@@ -1,16 +1,20 @@
 """Decode-step benchmark: ms of one forward pass over q new rows after a 200-token cached prefix, per weight format
 and forward implementation, with llama.cpp's decode step on the same machine as the anchor when it is installed.
 
-    python -m bench.step                          # q = 1, 4, 16, 64; fp32, bf16, q4_1; lean and hf forward
+    python -m bench.step                          # q = 1, 4, 16, 64; fp32, bf16, q4_1; lean, lean-ops, hf forward
     python -m bench.step --reps 5 --formats q4_1,fp32 --forwards lean
 
-Each pass is what the decode loop runs (speculative.verify_tree over a chain of q - 1 draft nodes after the last
-token; q = 1 is an AR step), cropped back to the prefix afterwards. Variants are measured interleaved, the order
-rotating every round, so load drifts hit all alike; round 0 only warms kernels. Reported: min and median ms per q.
-Batch: the forward runs one sequence per pass (batched ragged steps come with the continuous-batching engine), so
-batch 8 is recorded as "n/a" with that reason. q4_1 runs on the lean forward only (the hf forward would compute in
-fp32). The llama.cpp anchor (llama-cpp-python, optional: `pip install -e '.[anchor]'`, a source build) decodes the
-shipped Q4_1 GGUF: ms per token of single-token decode steps after the same 200-token prefix, same thread count.
+Each pass is what the decode loop runs (engine.steps.tree_segment + forward_batch over a chain of q - 1 draft nodes after the last
+token; q = 1 is an AR step), cropped back to the prefix afterwards. Batch 8: eight sequences (200 cached tokens
+each, in the slots of one KV slab as the engine keeps them) with q rows each in one forward_batch pass, as the
+continuous-batching engine runs them. Variants are measured interleaved, the order rotating every round, so load
+drifts hit all alike; round 0 only warms kernels. Reported: min and median ms per pass.
+Forwards: lean = the lean forward as served (the fused C++ pass, lean_forward.cpp, where it runs: fp32 activations,
+passes under 128 rows); lean-ops = the same weights through the per-op Python path (what the fused pass replaces);
+hf = transformers. q4_1 runs on the lean forward only (the hf forward would compute in fp32).
+The llama.cpp anchors (llama-cpp-python, optional: `pip install -e '.[anchor]'`, a source build) decode the shipped
+Q4_1 GGUF and an F32 GGUF written from it (its blocks dequantized: the values of our fp32 safetensors, with the same
+metadata): ms per token of single-token decode steps after the same 200-token prefix, same thread count.
 Results: bench/results/step-<cpuclass>.json (cpu class as bench/serving.py names it) and a printed table.
 """
 
@@ -31,15 +35,16 @@ import torch
 
 from bench.serving import cpu_class, machine, write_json
 from generation_service.calibrate import ModelThread
-from generation_service.model import TargetModel, cache_length, load_model, new_cache, set_threads
-from generation_service.speculative import prefill, verify_tree
+from generation_service.engine.steps import tree_segment
+from generation_service.lean_llama import KVSlab
+from generation_service.model import TargetModel, cache_length, forward_batch, load_model, new_cache, set_threads
+from generation_service.speculative import prefill
 
 ROWS = (1, 4, 16, 64)
 PREFIX = 200
 FORMATS = ("fp32", "bf16", "q4_1")
-FORWARDS = ("lean", "hf")
-BATCH_NOTE = ("n/a: the forward (lean and the hf path through model.forward) runs one sequence per pass; batched "
-              "ragged steps come with the continuous-batching engine")
+FORWARDS = ("lean", "lean-ops", "hf")
+BATCH = 8
 
 
 def _load() -> float:
@@ -52,57 +57,113 @@ def load_variants(formats: list[str], forwards: list[str], threads: int) -> tupl
         for fwd in forwards:
             name = f"{fwd}/{fmt}"
             try:
-                variants[name] = load_model("", dtype=fmt, device="cpu", forward=fwd)
+                tm = load_model("", dtype=fmt, device="cpu", forward="lean" if fwd == "lean-ops" else fwd)
             except ValueError as e:  # q4_1 with the hf forward
                 skipped[name] = f"n/a: {e}"
+                continue
+            if fwd == "lean-ops":
+                if tm.lean.fused is None:
+                    skipped[name] = "n/a: the same as lean here (the fused pass runs fp32 activations only)"
+                    continue
+                tm.lean.fused = None
+            variants[name] = tm
     return variants, skipped
 
 
-def time_passes(variants: dict[str, TargetModel], rows: tuple[int, ...], reps: int) -> dict[str, dict[int, list]]:
-    """ms samples per variant and q, measured interleaved (module docstring)."""
+def time_passes(variants: dict[str, TargetModel], rows: tuple[int, ...], reps: int
+                ) -> dict[str, dict[str, dict[int, list]]]:
+    """ms samples per variant, batch (1, BATCH) and q, measured interleaved (module docstring)."""
     rng = np.random.default_rng(0)
-    prefix = torch.from_numpy(rng.integers(0, 30000, PREFIX))
     caches = {}
     for name, tm in variants.items():
-        caches[name] = new_cache(tm, PREFIX + max(rows) + 8)
-        prefill(tm, caches[name], prefix)
-    samples: dict[str, dict[int, list]] = {n: {q: [] for q in rows} for n in variants}
+        slab = KVSlab(len(tm.lean.layers), tm.lean.kv_heads, tm.lean.head_dim, BATCH, PREFIX + max(rows) + 64,
+                      tm.lean.dtype, tm.lean.device) if tm.lean is not None else None
+        caches[name] = [new_cache(tm, PREFIX + max(rows) + 8)] + [
+            slab.cache(i) if slab is not None else new_cache(tm, PREFIX + max(rows) + 8) for i in range(BATCH)]
+        for c in caches[name]:
+            prefill(tm, c, torch.from_numpy(rng.integers(0, 30000, PREFIX)))
+    samples = {n: {"1": {q: [] for q in rows}, str(BATCH): {q: [] for q in rows}} for n in variants}
     names = list(variants)
     for rep in range(reps + 1):
         for name in names[rep % len(names):] + names[: rep % len(names)]:
-            tm, cache = variants[name], caches[name]
+            tm, solo, batch = variants[name], caches[name][0], caches[name][1:]
             for q in rows:
-                tokens = rng.integers(0, 30000, q - 1).astype(np.int32)
                 parents = np.arange(-1, q - 2, dtype=np.int32)  # a chain: the cost depends on q, not the shape
-                t0 = time.perf_counter()
-                verify_tree(tm, cache, int(rng.integers(0, 1000)), tokens, parents)
-                elapsed = (time.perf_counter() - t0) * 1e3
-                cache.crop(PREFIX - cache_length(cache))  # negative: drop the pass's rows (both cache types)
-                if rep:
-                    samples[name][q].append(elapsed)
+                for b, cs in (("1", [solo]), (str(BATCH), batch)):
+                    drafts = [(int(rng.integers(0, 1000)), rng.integers(0, 30000, q - 1).astype(np.int32))
+                              for _ in cs]
+                    t0 = time.perf_counter()  # the step's segments (masks, positions) and its one pass
+                    forward_batch(tm, [tree_segment(tm, c, last, tokens, parents)
+                                       for c, (last, tokens) in zip(cs, drafts)])
+                    elapsed = (time.perf_counter() - t0) * 1e3
+                    for c in cs:
+                        c.crop(PREFIX - cache_length(c))  # negative: drop the pass's rows (both cache types)
+                    if rep:
+                        samples[name][b][q].append(elapsed)
     return samples
 
 
 def llama_cpp_anchor(threads: int, tokens: int = 32, runs: int = 5) -> dict:
-    """ms per decode token of llama.cpp on the shipped Q4_1 GGUF after a PREFIX-token prompt, or why not. Runs in
-    a child process: torch's OpenMP workers keep spinning after our passes and would take llama.cpp's cores."""
+    """Per GGUF (q4_1: the shipped file; fp32: f32_gguf()) ms per decode token of llama.cpp after a PREFIX-token
+    prompt, or why not. Each runs in a child process: torch's OpenMP workers keep spinning after our passes and
+    would take llama.cpp's cores."""
     if importlib.util.find_spec("llama_cpp") is None:
-        return {"status": "not installed: llama-cpp-python is not in this environment (optional extra 'anchor': "
-                          "pip install -e '.[anchor]', a source build of llama.cpp; never a runtime dependency)"}
-    code = f"import json, bench.step as s; print(json.dumps(s.llama_cpp_decode({threads}, {tokens}, {runs})))"
-    try:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, check=True)
-    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
-        return {"status": f"failed: {type(e).__name__}: {(getattr(e, 'stderr', '') or '').strip()[-300:]}"}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+        why = ("not installed: llama-cpp-python is not in this environment (optional extra 'anchor': "
+               "pip install -e '.[anchor]', a source build of llama.cpp; never a runtime dependency)")
+        return {"q4_1": {"status": why}, "fp32": {"status": why}}
+    out = {}
+    for fmt in ("q4_1", "fp32"):
+        code = (f"import json, bench.step as s; print(json.dumps(s.llama_cpp_decode({fmt!r}, {threads}, {tokens}, "
+                f"{runs})))")
+        try:
+            done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900,
+                                  check=True)
+            out[fmt] = json.loads(done.stdout.strip().splitlines()[-1])
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+            out[fmt] = {"status": f"failed: {type(e).__name__}: {(getattr(e, 'stderr', '') or '').strip()[-300:]}"}
+    return out
 
 
-def llama_cpp_decode(threads: int, tokens: int, runs: int) -> dict:
+def f32_gguf(src: Path) -> Path:
+    """An F32 copy of a GGUF (every tensor dequantized, metadata kept) next to our cached models; written once,
+    atomically. Its values are our fp32 safetensors' (q4_weights: the checkpoint is the GGUF's dequantization)."""
+    import gguf
+    from gguf.quants import dequantize
+
+    from ragcore.model_files import ragserve_home
+
+    out = ragserve_home() / "models" / (src.stem.rsplit(".", 1)[0] + ".F32.gguf")
+    if out.is_file():
+        return out
+    reader = gguf.GGUFReader(str(src))
+    arch = str(reader.fields[gguf.Keys.General.ARCHITECTURE].contents())
+    tmp = out.with_suffix(".tmp")
+    writer = gguf.GGUFWriter(str(tmp), arch)
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue  # written by GGUFWriter itself
+        value = field.contents()
+        if field.name == gguf.Keys.General.FILE_TYPE:
+            value = int(gguf.LlamaFileType.ALL_F32)
+        kind = field.types[0]
+        writer.add_key_value(field.name, value, kind,
+                             sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file(progress=True)
+    writer.close()
+    os.replace(tmp, out)
+    return out
+
+
+def llama_cpp_decode(fmt: str, threads: int, tokens: int, runs: int) -> dict:
     import llama_cpp
 
     from ragcore.model_files import bundled_gguf_path
 
-    path = bundled_gguf_path()
+    path = bundled_gguf_path() if fmt == "q4_1" else f32_gguf(bundled_gguf_path())
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=512, n_threads=threads, n_threads_batch=threads,
                           n_batch=PREFIX, verbose=False)
     rng = np.random.default_rng(0)
@@ -116,10 +177,12 @@ def llama_cpp_decode(threads: int, tokens: int, runs: int) -> dict:
             llm.eval([int(rng.integers(0, 30000))])  # one token per call: a decode step
         per_run.append((time.perf_counter() - t0) * 1e3 / tokens)
     per_run = per_run[1:]
+    note = ("llama.cpp quantizes activations to Q8_1 for its Q4_1 dot products (not exact w.r.t. fp32); "
+            if fmt == "q4_1" else "")
     return {"status": "measured", "version": llama_cpp.__version__, "gguf": path.name, "threads": threads,
             "decode_ms_per_token": {"min": min(per_run), "median": statistics.median(per_run), "runs": per_run},
-            "note": "llama.cpp quantizes activations to Q8_1 for its Q4_1 dot products (not exact w.r.t. fp32); "
-                    "min/median over runs of 32 single-token steps after a 200-token prompt, in a child process"}
+            "note": note + f"min/median over runs of {tokens} single-token steps after a {PREFIX}-token prompt, in a "
+                           "child process"}
 
 
 def q4_kernel_isa() -> str:
@@ -138,13 +201,14 @@ def run(args: argparse.Namespace) -> dict:
     results: dict = {}
     for name in [f"{fwd}/{fmt}" for fmt in args.formats for fwd in args.forwards]:
         if name in skipped:
-            results[name] = {"batch1": skipped[name], "batch8": skipped[name]}
+            results[name] = {"batch1": skipped[name], f"batch{BATCH}": skipped[name]}
             continue
-        results[name] = {"batch1": {str(q): {"min_ms": min(s), "median_ms": statistics.median(s), "samples": s}
-                                    for q, s in samples[name].items()},
-                         "batch8": BATCH_NOTE}
+        results[name] = {f"batch{b}": {str(q): {"min_ms": min(s), "median_ms": statistics.median(s), "samples": s}
+                                       for q, s in per_q.items()}
+                         for b, per_q in samples[name].items()}
     variants.clear()
-    anchor = llama_cpp_anchor(threads) if not args.no_anchor else {"status": "skipped (--no-anchor)"}
+    anchor = llama_cpp_anchor(threads) if not args.no_anchor else {
+        f: {"status": "skipped (--no-anchor)"} for f in ("q4_1", "fp32")}
     return {"bench": "step", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(),
             "cpu_class": cpu_class(), "torch": torch.__version__, "threads": threads, "prefix_tokens": PREFIX,
             "rows": list(args.rows), "reps": args.reps, "load_before": load_before, "load_after": _load(),
@@ -155,24 +219,25 @@ def print_table(res: dict) -> None:
     m = res["machine"]
     print(f"\nCPU {m['cpu']} ({' '.join(m['cpu_flags'])}), {res['threads']} threads, torch {res['torch']}, "
           f"q4 kernel {res['q4_kernel_isa']}, load {res['load_before']:.2f} -> {res['load_after']:.2f}")
-    print(f"ms per forward pass over q rows after {res['prefix_tokens']} cached tokens, batch 1 (min / median of "
+    print(f"ms per forward pass over q rows per sequence after {res['prefix_tokens']} cached tokens (min / median of "
           f"{res['reps']})")
-    print(f"{'variant':<11} " + " ".join(f"{'q=' + str(q):>13}" for q in res["rows"]))
+    print(f"{'variant':<20} " + " ".join(f"{'q=' + str(q):>13}" for q in res["rows"]))
     for name, r in res["results"].items():
-        b1 = r["batch1"]
-        if isinstance(b1, str):
-            print(f"{name:<11} {b1}")
-            continue
-        print(f"{name:<11} " + " ".join(f"{b1[str(q)]['min_ms']:>6.1f}/{b1[str(q)]['median_ms']:<6.1f}"
-                                        for q in res["rows"]))
-    print(f"batch 8: {BATCH_NOTE}")
-    a = res["llama_cpp"]
-    if a["status"] == "measured":
-        d = a["decode_ms_per_token"]
-        print(f"llama.cpp {a['version']} ({a['gguf']}, {a['threads']} threads): decode {d['min']:.1f} / "
-              f"{d['median']:.1f} ms per token")
-    else:
-        print(f"llama.cpp: {a['status']}")
+        for b in ("1", str(BATCH)):
+            per_q = r[f"batch{b}"]
+            label = f"{name} x{b}"
+            if isinstance(per_q, str):
+                print(f"{label:<20} {per_q}")
+                continue
+            print(f"{label:<20} " + " ".join(f"{per_q[str(q)]['min_ms']:>6.1f}/{per_q[str(q)]['median_ms']:<6.1f}"
+                                             for q in res["rows"]))
+    for fmt, a in res["llama_cpp"].items():
+        if a["status"] == "measured":
+            d = a["decode_ms_per_token"]
+            print(f"llama.cpp {a['version']} {fmt} ({a['gguf']}, {a['threads']} threads): decode {d['min']:.1f} / "
+                  f"{d['median']:.1f} ms per token")
+        else:
+            print(f"llama.cpp {fmt}: {a['status']}")
 
 
 def main(argv: list[str] | None = None) -> None:

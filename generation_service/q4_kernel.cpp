@@ -18,6 +18,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "cpu_kernels.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -29,7 +31,8 @@ namespace {
 
 constexpr int kBlock = 32;
 constexpr int kTile = 8;  // rows of x per pass over a weight row
-constexpr int64_t kChunk = 16;  // weight rows per L1-resident chunk (and the parallel grain)
+constexpr int64_t kChunk = 16;
+constexpr int64_t kPrefetchRows = 16;  // weight rows ahead of the one being read (~6-10 KB)  // weight rows per L1-resident chunk (and the parallel grain)
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
@@ -110,6 +113,23 @@ struct Q80 {
 #endif
 };
 
+// Plain fp32 rows through the same tiling: a dense fp32 weight then gives every row of x the same bits in a 1-row step
+// and in a tree pass, as the block formats do (MKL's GEMV and GEMM sum in different orders).
+struct F32 {
+  static constexpr int bytes = 128;
+  static inline void decode_scalar(const uint8_t* b, float* w) { std::memcpy(w, b, bytes); }
+#if defined(__AVX512F__)
+  static inline void decode(const uint8_t* b, __m512& w0, __m512& w1) {
+    w0 = _mm512_loadu_ps((const float*)b);
+    w1 = _mm512_loadu_ps((const float*)b + 16);
+  }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  static inline void decode(const uint8_t* b, __m256 w[4]) {
+    for (int j = 0; j < 4; ++j) w[j] = _mm256_loadu_ps((const float*)b + 8 * j);
+  }
+#endif
+};
+
 // out[n + r * ldo] = dot(x[r * ldx, :K], W row n) for n < NR, r < R; `row` points at row 0's first block.
 // Every (n, r) has one accumulator that takes the block's two halves in the same order whatever NR and R are, so a
 // row of x gets bit-identical results in a 1-row step and inside a 64-row tree pass (lossless speculation needs it).
@@ -122,6 +142,10 @@ inline void tile_dot(const float* x, int64_t ldx, const uint8_t* row, int64_t ro
     for (int r = 0; r < R; ++r) acc[n][r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     __m512 w0[NR], w1[NR];
+    // Memory-bound at one row of x: ask for the weight rows kPrefetchRows ahead, one request per cache line.
+    if (R <= 2 && (b * B::bytes) % 64 < B::bytes)
+      for (int n = 0; n < NR; ++n)
+        _mm_prefetch((const char*)(row + (n + kPrefetchRows) * row_bytes + b * B::bytes), _MM_HINT_T0);
     for (int n = 0; n < NR; ++n) B::decode(row + n * row_bytes + b * B::bytes, w0[n], w1[n]);
     const float* xb = x + b * kBlock;
     for (int r = 0; r < R; ++r) {
@@ -189,15 +213,11 @@ void check(const torch::Tensor& x, const torch::Tensor& packed, int64_t block_by
 }
 
 template <class B>
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed) {
-  check(x, packed, B::bytes);
-  x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0), nb = K / kBlock;
+torch::Tensor linear_rows(const torch::Tensor& x, const uint8_t* wp, int64_t N, int64_t row_bytes) {
+  const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
   auto out = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  const int64_t row_bytes = packed.size(1);
   // Loop order: a chunk of kChunk weight rows (a few KB) against every tile of x, so both stay in L1 and neither is
   // re-read from L2 per row (x of a 64-row pass is 150-400 KB).
   at::parallel_for(0, N, kChunk, [&](int64_t c0, int64_t c1) {
@@ -221,6 +241,13 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed) {
 }
 
 template <class B>
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed) {
+  check(x, packed, B::bytes);
+  x = x.contiguous();
+  return linear_rows<B>(x, packed.data_ptr<uint8_t>(), packed.size(0), packed.size(1));
+}
+
+template <class B>
 torch::Tensor dequantize(torch::Tensor packed, int64_t K) {
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 2 && packed.is_contiguous() &&
                   K % kBlock == 0 && packed.size(1) == K / kBlock * B::bytes,
@@ -238,11 +265,28 @@ torch::Tensor dequantize(torch::Tensor packed, int64_t K) {
 
 }  // namespace
 
+torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous() && x.size(1) % kBlock == 0,
+              "x must be contiguous float32 [M, K], K a multiple of 32, got ", x.sizes());
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "weight must be a contiguous matrix");
+  const int64_t K = x.size(1), nb = K / kBlock;
+  if (w.scalar_type() == torch::kFloat32) {
+    TORCH_CHECK(w.size(1) == K, "fp32 weight has ", w.size(1), " inputs, x ", K);
+    return linear_rows<F32>(x, (const uint8_t*)w.data_ptr<float>(), w.size(0), K * 4);
+  }
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8, "weight must be float32 or GGUF blocks (uint8)");
+  if (w.size(1) == nb * Q41::bytes) return linear_rows<Q41>(x, w.data_ptr<uint8_t>(), w.size(0), w.size(1));
+  if (w.size(1) == nb * Q80::bytes) return linear_rows<Q80>(x, w.data_ptr<uint8_t>(), w.size(0), w.size(1));
+  TORCH_CHECK(false, "a packed row of ", w.size(1), " bytes is neither Q4_1 nor Q8_0 for K = ", K);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_1_linear", &linear<Q41>, "x[M, K] float32 @ Q4_1 weight[N, K]^T -> [M, N]");
   m.def("q8_0_linear", &linear<Q80>, "x[M, K] float32 @ Q8_0 weight[N, K]^T -> [M, N]");
+  m.def("f32_linear", &block_linear, "x[M, K] float32 @ float32 weight[N, K]^T -> [M, N] (the block kernel's tiling)");
   m.def("q4_1_dequantize", &dequantize<Q41>, "Q4_1 weight -> float32 [N, K]");
   m.def("q8_0_dequantize", &dequantize<Q80>, "Q8_0 weight -> float32 [N, K]");
+  bind_lean_forward(m);
   m.def("isa", []() {
 #if defined(__AVX512F__)
     return std::string("avx512");

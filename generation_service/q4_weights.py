@@ -233,6 +233,7 @@ class LeanLlamaQ4(LeanLlama):
         if not have_kernel:
             embed.dense = self.embed
         self.embed_blocks = embed
+        self._build_fused()
         if self.differs_from_checkpoint:
             log.warning("q4_1: %d weight matrices of the GGUF differ from the model's safetensors; serving the GGUF's "
                         "(the hf forward of this model would compute something else)", self.differs_from_checkpoint)
@@ -246,6 +247,11 @@ class LeanLlamaQ4(LeanLlama):
             log.warning("q4_1: block kernel unavailable; serving the dequantized weights in fp32")
         layers, embed = read_gguf(path, model.config)
         return cls(model, layers, embed)
+
+    def _fused_weights(self) -> tuple[dict[str, list[torch.Tensor]], torch.Tensor]:
+        return ({n: [ly.quant[n].packed if ly.quant[n].dense is None else ly.quant[n].dense for ly in self.layers]
+                 for n in ("wqkv", "wo", "wgu", "wd")},
+                self.embed_blocks.packed if self.embed_blocks.dense is None else self.embed_blocks.dense)
 
     def _linear(self, x: torch.Tensor, layer: _Layer, name: str) -> torch.Tensor:
         if x.shape[0] < self.dense_min_rows or not self.pack:

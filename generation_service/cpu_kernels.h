@@ -1,0 +1,12 @@
+// Declarations shared by the two translation units of the CPU kernel extension (generation_service/q4_kernel.py
+// compiles q4_kernel.cpp and lean_forward.cpp into one module).
+#pragma once
+
+#include <torch/extension.h>
+
+// x [M, K] float32 contiguous @ w^T -> [M, N]; w is a dense float32 [N, K] or GGUF blocks (uint8 [N, K / 32 * 20]
+// Q4_1 or [N, K / 32 * 34] Q8_0). Every row of x gets the same bits whatever M is.
+torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& w);
+
+// Registers LeanForward (lean_forward.cpp) in the module.
+void bind_lean_forward(pybind11::module_& m);

@@ -1,0 +1,144 @@
+"""The fused C++ forward (lean_forward.cpp) against the lean forward's ops-in-Python path on the same weights.
+
+Both compute the same function in fp32; only the order of sums differs (30 layers of it: logits of magnitude ~25
+differ by up to ~1.5e-4), so logits agree within ATOL and the greedy token of every row is the same; a wrong index
+or mask shows up as differences of order 1. Scenarios cover each way a pass reaches attention: an AR step, a draft tree (4D
+mask), a causal chunk after cached rows, a causal prefill from nothing, a segment long enough for the ATen matmul
+branch, and a ragged batch of several sequences (own caches and slab slots) with logits of the last rows only.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from generation_service.lean_llama import KVSlab, Segment
+from generation_service.q4_kernel import kernel
+from generation_service.tree_attention import tree_mask
+
+pytestmark = pytest.mark.model
+
+ATOL = 5e-4
+
+@contextmanager
+def ops_path(lean):
+    """The same model with the fused kernel switched off."""
+    fused, lean.fused = lean.fused, None
+    try:
+        yield
+    finally:
+        lean.fused = fused
+
+
+@dataclass(frozen=True)
+class Seq:
+    past: int  # cached rows before the pass
+    q: int  # new rows
+    tree: bool = False  # a bushy draft tree (4D mask) instead of causal rows
+    logits_rows: int = 0
+
+
+SCENARIOS = {
+    "ar step": [Seq(200, 1)],
+    "draft tree": [Seq(120, 9, tree=True)],
+    "causal chunk after cached rows": [Seq(64, 16)],
+    "prefill from nothing": [Seq(0, 20)],
+    "long segment (matmul branch)": [Seq(500, 40, tree=True)],
+    "ragged batch": [Seq(30, 1), Seq(90, 7, tree=True), Seq(10, 12, logits_rows=1), Seq(0, 5)],
+}
+
+
+def _mask(past: int, q: int, rng) -> torch.Tensor:
+    parents = np.array([-1] + [int(rng.integers(-1, i)) for i in range(q - 2)], np.int32)  # q - 1 draft nodes
+    return tree_mask(parents, past, torch.float32)[0, 0]  # [q, past + q]: the root row, then the draft nodes
+
+
+def _run(lean, seqs: list[Seq], slab: bool, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    store = KVSlab(len(lean.layers), lean.kv_heads, lean.head_dim, len(seqs), 1024, torch.float32,
+                   torch.device("cpu")) if slab else None
+    caches, segments = [], []
+    for j, s in enumerate(seqs):
+        cache = store.cache(j) if slab else lean.new_cache(64)
+        if s.past:
+            with ops_path(lean):  # the same prefix in both runs
+                lean.forward(torch.from_numpy(rng.integers(0, 30000, s.past)), torch.arange(s.past), cache)
+        ids = torch.from_numpy(rng.integers(0, 30000, s.q))
+        mask = _mask(s.past, s.q, rng) if s.tree else None
+        caches.append(cache)
+        segments.append(Segment(ids, torch.arange(s.past, s.past + s.q), cache, mask, s.logits_rows))
+    return lean.forward_batch(segments), caches
+
+
+@pytest.fixture(scope="module", params=["fp32", "q4_1"])
+def lean(request, tm32, tmq4):
+    tm = tm32 if request.param == "fp32" else tmq4
+    if tm.lean.fused is None:
+        pytest.skip("the CPU kernel extension is not built here")
+    return tm.lean
+
+
+@pytest.mark.parametrize("slab", [False, True], ids=["own caches", "slab slots"])
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_fused_equals_ops_path(lean, name, slab):
+    seqs = SCENARIOS[name]
+    fused, kv_fused = _run(lean, seqs, slab)
+    with ops_path(lean):
+        ops, kv_ops = _run(lean, seqs, slab)
+    for s, a, b, ca, cb in zip(seqs, fused, ops, kv_fused, kv_ops):
+        assert a.shape == b.shape == ((s.logits_rows or s.q), lean.lm_head.shape[0])
+        assert torch.allclose(a, b, atol=ATOL, rtol=0), float((a - b).abs().max())
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+        assert ca.length == cb.length == s.past + s.q  # not more: the pass added exactly its rows
+        n = s.past + s.q
+        assert torch.allclose(ca.k[:, :, :n], cb.k[:, :, :n], atol=ATOL, rtol=0)
+        assert torch.allclose(ca.v[:, :, :n], cb.v[:, :, :n], atol=ATOL, rtol=0)
+
+
+def test_fused_feeds_the_hidden_sink(lean):
+    lean.hidden_sink = []
+    try:
+        _run(lean, [Seq(40, 3, logits_rows=2)], slab=False)
+        fused = lean.hidden_sink[-1]  # the prefix's prefill appended before it
+        with ops_path(lean):
+            _run(lean, [Seq(40, 3, logits_rows=2)], slab=False)
+        ops = lean.hidden_sink[-1]
+    finally:
+        lean.hidden_sink = None
+    assert fused.shape == ops.shape == (1, 2, lean.embed.shape[1])  # the logits rows' hidden states, not all 3
+    assert torch.allclose(fused, ops, atol=ATOL, rtol=0)
+
+
+def test_a_row_gets_the_same_bits_in_a_step_and_in_a_small_tree(lean):
+    """Lossless speculation in a weight format needs a row's logits not to depend on what else is in the pass:
+    the root row of a tree pass (which sees only the cached rows) equals the AR step over the same token."""
+    rng = np.random.default_rng(3)
+    prefix = torch.from_numpy(rng.integers(0, 30000, 50))
+    outs = []
+    for q in (1, 5):
+        cache = lean.new_cache(64)
+        lean.forward(prefix, torch.arange(50), cache)
+        ids = torch.tensor([7] + [int(t) for t in rng.integers(0, 30000, q - 1)])
+        mask = _mask(50, q, rng) if q > 1 else None
+        outs.append(lean.forward(ids, torch.arange(50, 50 + q), cache, mask)[0])
+    assert torch.equal(outs[0], outs[1])
+    assert not torch.equal(outs[0], torch.zeros_like(outs[0]))
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 96, 64), (3, 40, 128), (9, 17, 576), (20, 5, 32)])
+def test_f32_linear_matches_matmul(m, n, k):
+    ext = kernel()
+    if ext is None:
+        pytest.skip("the CPU kernel extension is not built here")
+    g = torch.Generator().manual_seed(m * n + k)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    out = ext.f32_linear(x, w)
+    assert torch.allclose(out, x @ w.T, atol=1e-4, rtol=1e-5)
+    # Each row alone gets the same bits as inside the pass.
+    assert torch.equal(torch.cat([ext.f32_linear(x[i:i + 1], w) for i in range(m)]), out)
+    with pytest.raises(RuntimeError, match="inputs"):
+        ext.f32_linear(x, torch.randn(n, k + 32))

@@ -66,6 +66,7 @@ from typing import Callable, Iterable, Sequence, TypeVar
 import numpy as np
 import torch
 
+from generation_service import lean_llama, model as model_module, q4_weights
 from generation_service.draft_budget import StepCost
 from generation_service.model import (
     DTYPES as TORCH_DTYPES,
@@ -79,6 +80,7 @@ from generation_service.model import (
     set_threads,
     with_forward,
 )
+from generation_service.q4_kernel import build_dir, kernel
 from generation_service.speculative import prefill, verify_tree
 from ragcore.machine import cpu_info
 from ragcore.model_files import ragserve_home, resolve_model_dir
@@ -276,9 +278,19 @@ def kernel_isa() -> dict:
             **{k: os.environ[k] for k in ISA_ENV if k in os.environ}}
 
 
+def forward_code() -> str:
+    """Hash of the code a pass runs (the forward's Python modules; the compiled kernels' build, which hashes their
+    sources and flags): a new version of either is measured again."""
+    h = hashlib.sha256()
+    for mod in (lean_llama, model_module, q4_weights):
+        h.update(Path(mod.__file__).read_bytes())
+    h.update((build_dir().name if kernel() is not None else "no-kernels").encode())
+    return h.hexdigest()[:16]
+
+
 def machine_key(model_dir: Path, device: torch.device) -> dict:
     cpu, flags = cpu_info()
-    key = {"model": str(model_dir.resolve()), "model_id": model_identity(model_dir), "device": str(device),
+    key = {"code": forward_code(), "model": str(model_dir.resolve()), "model_id": model_identity(model_dir), "device": str(device),
            "cpu": cpu, "cpu_flags": hashlib.sha256(" ".join(flags).encode()).hexdigest()[:16],
            "isa": kernel_isa(), "cores": available_cores(), "torch": torch.__version__, "rows": list(CURVE_ROWS),
            "prefix": PREFIX_TOKENS}

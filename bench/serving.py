@@ -131,18 +131,21 @@ def warm_page_cache(directory: str) -> float:
 
 
 def run_workload(name: str, datastore: str, methods: list[str], limit: int, max_new: int, crest: str,
-                 bar: tqdm) -> dict:
+                 bar: tqdm, dtype: str = "") -> dict:
     requests = REQUESTS[name](limit)
     warm_s = warm_page_cache(datastore)
     state = Path(tempfile.mkdtemp(prefix="bench-serving-")) / "launcher.json"
     extra = ["--crest", crest] if crest else []
     methods = [m for m in methods if m != "crest" or crest]
     t_up = time.perf_counter()
-    topo = launcher.up(datastore=datastore, state=state, extra_retrieval=extra)  # default worker flags
+    topo = launcher.up(datastore=datastore, state=state, extra_retrieval=extra, dtype=dtype)  # default worker flags
     up_s = time.perf_counter() - t_up
     try:
         with GenerationClient(topo.get("generation").address) as client:
             info = client.info()
+            # The first request after start against the same request once warm (recorded apart, issue: first
+            # request not slower than 2x a warm one).
+            first = run_request(client, requests[0], methods[0], max_new)
             for m in methods:  # page in the datastore, load kernels: not recorded
                 run_request(client, requests[0], m, 8)
             per_prompt = []
@@ -154,10 +157,19 @@ def run_workload(name: str, datastore: str, methods: list[str], limit: int, max_
                     bar.update(1)
                 per_prompt.append(row)
             ttft = ttft_study(client) if name == "humaneval" else None
+            warm = run_request(client, requests[0], methods[0], max_new)
     finally:
         launcher.down(state=state)
     return {"datastore": datastore, "page_cache_warm_s": warm_s, "start_s": up_s, "worker": worker_info_dict(info),
-            "per_prompt": per_prompt, "summary": summarize(per_prompt, methods), "ttft_by_prompt_length": ttft}
+            "per_prompt": per_prompt, "summary": summarize(per_prompt, methods), "ttft_by_prompt_length": ttft,
+            "first_request": first_vs_warm(methods[0], first, warm)}
+
+
+def first_vs_warm(method: str, first: dict, warm: dict) -> dict:
+    keep = ("ms", "ttft_ms", "ms_per_token", "decode_ms_per_token", "tokens")
+    return {"method": method, "first": {k: first[k] for k in keep}, "warm": {k: warm[k] for k in keep},
+            "ratio_ms": first["ms"] / warm["ms"], "ratio_ttft": first["ttft_ms"] / warm["ttft_ms"],
+            "same_tokens": first["token_ids"] == warm["token_ids"]}
 
 
 def ttft_study(client: GenerationClient, reps: int = 3) -> dict:
@@ -286,6 +298,10 @@ def print_summary(result: dict) -> None:
             print("ar through the server vs in-process:", w["ar_vs_inprocess"])
         if w.get("ttft_by_prompt_length"):
             print("TTFT ms by prompt tokens:", w["ttft_by_prompt_length"])
+        f = w.get("first_request")
+        if f:
+            print(f"first request after start ({f['method']}): {f['first']['ms']:.0f} ms, TTFT {f['first']['ttft_ms']:.0f} "
+                  f"ms = {f['ratio_ms']:.2f}x / {f['ratio_ttft']:.2f}x the same request warm")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -297,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma list of " + ", ".join(METHODS) + " (crest only where --crest-* names a store)")
     ap.add_argument("--limit", type=int, default=12, help="prompts per workload (default: 12)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--dtype", default="", help="the worker's --dtype ('' = its default, measured on this machine; "
+                    "q4_1 = the GGUF's 4-bit weights, opt-in)")
     ap.add_argument("--code-datastore", default=str(home / "datastores" / "code"))
     ap.add_argument("--docs-datastore", default=str(home / "datastores" / "docs"))
     ap.add_argument("--crest-code", default="", help="CREST store served for humaneval ('' = no crest method)")
@@ -331,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     with tqdm(total=total, unit="req", desc="serving bench") as bar:
         for w in workloads:
             kind = WORKLOADS[w]
-            res = run_workload(w, stores[kind], methods, args.limit, args.max_new_tokens, crest[kind], bar)
+            res = run_workload(w, stores[kind], methods, args.limit, args.max_new_tokens, crest[kind], bar,
+                               args.dtype)
             ar_ms = res["summary"]["ar"]["decode_ms_per_token"]
             serving = next(c for c in res["worker"]["candidates"]
                            if (c["dtype"], c["threads"]) == (res["worker"]["dtype"], res["worker"]["threads"]))

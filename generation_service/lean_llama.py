@@ -40,6 +40,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from generation_service.q4_kernel import kernel
+
 # Passes of fewer rows run the fused C++ forward (lean_forward.cpp) when it is built; larger ones (prefill chunks)
 # the ops below, whose oneDNN GEMMs win once arithmetic dominates.
 FUSED_MAX_ROWS = 128
@@ -233,9 +235,7 @@ class LeanLlama:
         kernel built)."""
         if self.dtype != torch.float32 or self.device.type != "cpu":
             return
-        from generation_service.q4_kernel import kernel  # the extension: built on first use, cached per machine
-
-        k = kernel()
+        k = kernel()  # the extension: built on first use, cached per machine
         if k is None or not hasattr(k, "LeanForward"):
             return
         w, head = self._fused_weights()

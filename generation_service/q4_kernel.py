@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
+import importlib.util
 import logging
 import subprocess
 from pathlib import Path
@@ -33,39 +34,101 @@ log = logging.getLogger(__name__)
 _SOURCES = tuple(Path(__file__).with_name(n) for n in ("q4_kernel.cpp", "lean_forward.cpp", "cpu_kernels.h"))
 # -fopenmp: at::parallel_for is a header template whose `omp parallel` needs it (without, the kernel runs on one
 # thread); the library then needs libgomp.so.1, which resolves to the copy torch already loaded: one thread pool.
-_CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
 
 
-def build_dir() -> Path:
+# Prebuilt variants (`--prebuild`, the container images): x86-64 microarchitecture levels as GCC names them, each
+# with the /proc/cpuinfo flags a CPU needs to run code built for it. The best level this CPU has is loaded.
+LEVELS = {
+    "x86-64-v4": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "f16c", "bmi2", "movbe"),
+    "x86-64-v3": ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"),
+}
+
+
+def cpu_level() -> str:
+    """The best of LEVELS this CPU runs, or '' (another architecture, an older CPU)."""
+    flags = set(cpu_info()[1])
+    return next((lvl for lvl, need in LEVELS.items() if flags.issuperset(need)), "")
+
+
+def build_dir(march: str = "native") -> Path:
+    """Where the extension for `march` lives: native builds hash this CPU's flags too, level builds do not."""
     h = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES))
-    h.update(f"{torch.__version__}|{' '.join(_CFLAGS + _LDFLAGS)}|{' '.join(cpu_info()[1])}".encode())
-    return ragserve_home() / "kernels" / f"blockquant-{h.hexdigest()[:16]}"
+    h.update(f"{torch.__version__}|{' '.join(_cflags(march) + _LDFLAGS)}".encode())
+    if march == "native":
+        h.update(" ".join(cpu_info()[1]).encode())
+        return ragserve_home() / "kernels" / f"blockquant-{h.hexdigest()[:16]}"
+    return ragserve_home() / "kernels" / f"prebuilt-{march}-{h.hexdigest()[:16]}"
+
+
+def _cflags(march: str) -> tuple[str, ...]:
+    return ("-O3", f"-march={march}", "-fno-math-errno", "-fopenmp")
+
+
+def _name(out: Path) -> str:
+    return f"ragserve_blockquant_{out.name.split('-')[-1]}"
+
+
+def build(march: str = "native") -> ModuleType:
+    """Compile (or find up to date) the extension for `march`; raises when it cannot be built."""
+    from torch.utils import cpp_extension
+
+    out = build_dir(march)
+    out.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(name=_name(out), sources=[str(p) for p in _SOURCES if p.suffix == ".cpp"],
+                              extra_cflags=list(_cflags(march)), extra_ldflags=list(_LDFLAGS),
+                              build_directory=str(out), verbose=False)
+
+
+def _load_prebuilt() -> ModuleType | None:
+    level = cpu_level()
+    if not level:
+        return None
+    out = build_dir(level)
+    so = out / f"{_name(out)}.so"
+    if not so.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location(_name(out), so)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @functools.lru_cache(maxsize=1)
 def kernel() -> ModuleType | None:
-    """The compiled module (q4_1_linear, q8_0_linear, q4_1_dequantize, q8_0_dequantize, isa), or None when it
-    cannot be built here (no compiler, no ninja, a failed build); the reason is logged once."""
-    from torch.utils import cpp_extension
-
-    out = build_dir()
+    """The compiled module (q4_1_linear, q8_0_linear, f32_linear, the dequantizers, LeanForward, isa): a prebuilt
+    variant for this CPU's level when one is installed (container images), else built here for this CPU; None when
+    neither works (no compiler, no ninja, a failed build): the reason is logged once."""
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        return cpp_extension.load(name=f"ragserve_blockquant_{out.name.split('-')[-1]}", sources=[str(p) for p in _SOURCES if p.suffix == ".cpp"],
-                                  extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS), build_directory=str(out), verbose=False)
+        module = _load_prebuilt()
+        if module is not None:
+            return module
+    except (OSError, ImportError) as e:
+        log.warning("prebuilt CPU kernels do not load (%s); building them here", e)
+    try:
+        return build("native")
     except (OSError, RuntimeError, ImportError, subprocess.CalledProcessError) as e:
-        log.warning("block-quantized kernel unavailable (%s): q4_1 runs on dequantized fp32 weights instead",
-                    str(e).splitlines()[0] if str(e) else type(e).__name__)
+        log.warning("CPU kernels unavailable (%s): q4_1 runs on dequantized fp32 weights and the lean forward runs "
+                    "its ops from Python", str(e).splitlines()[0] if str(e) else type(e).__name__)
         return None
 
 
 def main() -> None:
-    argparse.ArgumentParser(description="Compile the block-quantized (q4_1 / q8_0) linear kernel for this CPU into "
-                            "$RAGSERVE_HOME/kernels and print the instruction set it uses.").parse_args()
+    ap = argparse.ArgumentParser(description="Compile the CPU kernels (block-quantized linears, fused lean forward) "
+                                 "into $RAGSERVE_HOME/kernels and print the instruction set they use.")
+    ap.add_argument("--prebuild", default="", help=f"comma list of x86-64 levels to build for any CPU of that level "
+                    f"instead of this CPU ({', '.join(LEVELS)}; container images)")
+    args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    k = kernel()
-    print(f"block-quantized kernel: {k.isa() if k is not None else 'unavailable'} ({build_dir()})")
+    levels = [lvl for lvl in args.prebuild.split(",") if lvl]
+    bad = [lvl for lvl in levels if lvl not in LEVELS]
+    if bad:
+        ap.error(f"--prebuild: unknown level(s) {bad}; one of {', '.join(LEVELS)}")
+    for level in levels:
+        print(f"CPU kernels for {level}: {build(level).isa()} ({build_dir(level)})")
+    if not levels:
+        k = kernel()
+        print(f"CPU kernels: {k.isa() if k is not None else 'unavailable'} ({k.__file__ if k is not None else ''})")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from generation_service.drafters import Drafter, DraftUnavailable, PromptLookupD
 from generation_service.engine.scheduler import Engine
 from generation_service.knnlm import KnnLmOptions
 from generation_service.model import load_model, set_threads, warmup
+from generation_service.q4_kernel import kernel
 from generation_service.ralm import RagParams
 from generation_service.retrieval_client import RemoteDrafter, RetrievalClient
 from generation_service.sampling import SamplingParams
@@ -420,7 +421,7 @@ def worker_info(cfg: GenerationConfig, tm, choice: Choice | None, threads: int) 
         cpu_flags=shown_flags(), torch_version=torch_version(), calibration="off" if choice is None else
         choice.calibration.source, max_draft_nodes=tm.step_cost.max_nodes, default_decoding=cfg.default_decoding,
         max_positions=min(tm.max_positions, 2**32 - 1), tokenizer_id=tokenizer_identity(tm.tokenizer),
-        forward=tm.forward_name)
+        forward=tm.forward_name, kernels=kernels_loaded(), fused=tm.lean is not None and tm.lean.fused is not None)
     if choice is not None:
         info.calibration_file = choice.calibration.path
         info.warnings.extend(choice.warnings)
@@ -428,6 +429,11 @@ def worker_info(cfg: GenerationConfig, tm, choice: Choice | None, threads: int) 
             info.candidates.add(dtype=c.dtype, threads=c.threads, rows=c.rows, step_ms=c.step_ms,
                                 prefill_ms=c.prefill_ms, expected_ms_per_token=c.expected_ms_per_token())
     return info
+
+
+def kernels_loaded() -> str:
+    k = kernel()
+    return f"{k.isa()} {k.__file__}" if k is not None else ""
 
 
 def torch_version() -> str:

@@ -43,6 +43,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from generation_service.client import GenerationClient
+from generation_service.q4_kernel import cpu_level
 from proto import draft_pb2, draft_pb2_grpc, generation_pb2
 from ragcore.wire import pack_tokens
 
@@ -275,6 +276,12 @@ def check_stack(stack: Stack, report: Report) -> dict:
                          e.code().name)
 
         client = GenerationClient(gen_target, credentials=creds, metadata=meta)
+        worker = client.info()
+        level = cpu_level()  # the image carries kernels for x86-64-v4 and -v3: a CPU of either level loads them
+        report.check("worker loaded the image's prebuilt CPU kernels", (not level) or (
+            "prebuilt-" + level in worker.kernels and worker.fused == (worker.dtype in ("fp32", "q4_1"))),
+            f"host level {level or 'none'}; kernels {worker.kernels or 'none'}; dtype {worker.dtype}, "
+            f"fused {worker.fused}")
         params = dict(max_new_tokens=48, ignore_eos=True)
         t0 = time.monotonic()
         ar = client.generate(CODE_PROMPT, decoding="ar", timeout=RPC_TIMEOUT_S, **params)

@@ -312,9 +312,12 @@ def test_images_build_stubs_and_install_from_pyproject():
 def test_images_are_multi_stage_and_share_their_dependency_layers():
     texts = {name: (ROOT / name).read_text() for name in DOCKERFILES}
     stages = {name: _stages(t) for name, t in texts.items()}
+    # The generation image compiles its CPU kernels in a stage of its own (the compiler stays out of the final).
+    expected = {"Dockerfile.retrieval": ["FROM ${BASE_IMAGE} AS deps", "FROM deps AS app", "FROM ${BASE_IMAGE}"],
+                "Dockerfile.generation": ["FROM ${BASE_IMAGE} AS deps", "FROM deps AS app", "FROM app AS kernels",
+                                          "FROM ${BASE_IMAGE}"]}
     for name, st in stages.items():
-        assert [s.split("\n", 1)[0] for s in st] == ["FROM ${BASE_IMAGE} AS deps", "FROM deps AS app",
-                                                   "FROM ${BASE_IMAGE}"], name
+        assert [s.split("\n", 1)[0] for s in st] == expected[name], name
         final = st[-1]
         assert "COPY --from=deps /opt/venv /opt/venv" in final and "COPY . " not in final, f"{name}: sources"
         for tool in ("build-essential", "gcc", "g++", "python3-dev", "git "):
@@ -323,8 +326,10 @@ def test_images_are_multi_stage_and_share_their_dependency_layers():
     # Same text = the builder reuses the layers, and both images share the ~2 GB dependency layer on disk.
     a, b = (stages[n] for n in DOCKERFILES)
     assert a[:2] == b[:2]
-    shared = a[2].split("COPY --from=deps /opt/venv /opt/venv")[0]
-    assert shared == b[2].split("COPY --from=deps /opt/venv /opt/venv")[0]
+    shared = a[-1].split("COPY --from=deps /opt/venv /opt/venv")[0]
+    assert shared == b[-1].split("COPY --from=deps /opt/venv /opt/venv")[0]
+    assert "torch/include" not in stages["Dockerfile.generation"][-1]  # the headers stay in the build stages
+    assert "COPY --from=kernels /kernels/kernels /data/kernels" in stages["Dockerfile.generation"][-1]
 
 
 def test_no_secret_is_baked_into_an_image(compose):

@@ -143,7 +143,7 @@ inline void tile_dot(const float* x, int64_t ldx, const uint8_t* row, int64_t ro
   for (int64_t b = 0; b < nb; ++b) {
     __m512 w0[NR], w1[NR];
     // Memory-bound at one row of x: ask for the weight rows kPrefetchRows ahead, one request per cache line.
-    if (R <= 2 && (b * B::bytes) % 64 < B::bytes)
+    if ((b * B::bytes) % 64 < B::bytes)
       for (int n = 0; n < NR; ++n)
         _mm_prefetch((const char*)(row + (n + kPrefetchRows) * row_bytes + b * B::bytes), _MM_HINT_T0);
     for (int n = 0; n < NR; ++n) B::decode(row + n * row_bytes + b * B::bytes, w0[n], w1[n]);
@@ -226,8 +226,9 @@ torch::Tensor linear_rows(const torch::Tensor& x, const uint8_t* wp, int64_t N, 
       for (int64_t r = 0; r < M; r += kTile) {
         const int rows = (int)std::min<int64_t>(kTile, M - r);
         int64_t n = n0;
-        // Few rows of x: more weight rows at once, so enough independent FMA chains hide the FMA latency.
-        if (rows <= 2)
+        // Few rows of x: more weight rows at once, so enough independent FMA chains hide the FMA latency and more
+        // weight streams are in flight (4 x 4 accumulators still fit the 32 vector registers).
+        if (rows <= 4)
           for (; n + 4 <= n1; n += 4)
             rows_dot<B, 4>(xp + r * K, K, rows, wp + n * row_bytes, row_bytes, nb, op + r * N + n, N);
         for (; n + 2 <= n1; n += 2)

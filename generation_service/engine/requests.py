@@ -114,13 +114,14 @@ class TreeRequest:
     def remaining(self) -> int:
         return self.params.max_new_tokens - self.n_out
 
-    def fetch_draft(self) -> None:
+    def fetch_draft(self, allow_remote: bool = True) -> None:
         """Ask the drafter for this step's tree (an RPC for remote drafters: safe to run beside other requests'
-        fetches); a failing drafter makes this step AR and the request degraded, never failed."""
+        fetches); a failing drafter makes this step AR and the request degraded, never failed. allow_remote=False:
+        only the drafter's in-process part (the engine's DraftGate)."""
         self._tree, self.p = None, np.zeros(0)
         source = self.drafter if self.budget > 0 and self.remaining > 1 else None
-        if source is not None and self.sizer is not None and getattr(source, "remote", False) \
-                and not self.sizer.query_remote():
+        if source is not None and getattr(source, "remote", False) and (
+                not allow_remote or (self.sizer is not None and not self.sizer.query_remote())):
             source = source.local  # a remote source that keeps being useless is skipped for a while
             self.stats.skipped_drafts += 1
         if source is None:

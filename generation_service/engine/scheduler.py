@@ -5,7 +5,8 @@ One loop on the model thread (calibrate.ModelThread). Between passes requests jo
 RESOURCE_EXHAUSTED) and leave (finished, cancelled, past their deadline: the slot is free at the next pass).
 One step:
 
-    drafts      every decoding request's drafter is asked at once (remote drafts are RPCs, run side by side)
+    drafts      every decoding request's drafter is asked at once (remote drafts are RPCs, run side by side);
+                in a batch, engine/draft_gate.py decides from measured step rates whether remote drafts pay
     sizes       draft_budget.batch_sizes: the nodes worth verifying across the whole batch, best first, from the
                 calibrated pass cost of the batch's total rows — trees shrink as the batch grows
     one pass    forward_batch over [last + tree] of every decoding request and one chunk (prefill_chunk tokens)
@@ -38,6 +39,7 @@ import torch
 from generation_service import metrics
 from generation_service.calibrate import ModelThread
 from generation_service.draft_budget import batch_sizes
+from generation_service.engine.draft_gate import DraftGate
 from generation_service.engine.requests import TreeRequest
 from generation_service.engine.steps import SpeculationStats, prefill, tree_segment
 from generation_service.lean_llama import KVSlab, capacity_for
@@ -127,6 +129,7 @@ class Engine:
         self._turn = itertools.count()
         self._stop = threading.Event()
         self.segment_ms = 0.0
+        self.gate = DraftGate()
         self.passes = 0  # batched passes run (stats, tests)
         self.peak_batch = 0  # most sequences in one pass so far
         # The running requests' caches, in slots 0..n-1 of one slab: each pass attends them in one chain of ops
@@ -251,9 +254,13 @@ class Engine:
                     self._fail(run, e)
 
     def _tree_step(self, trees: list[_Running]) -> None:
+        t0 = time.perf_counter()
         decoding = [r for r in trees if not r.req.prefilling]
         prefilling = next((r for r in trees if r.req.prefilling), None)
-        asked = [self.draft_pool.submit(r.req.fetch_draft) for r in decoding if r.req.drafter is not None]
+        # Alone, a request decides for itself (its sizer); in a batch the gate measures whether remote drafts pay.
+        gated = len(decoding) > 1 and any(getattr(r.req.drafter, "remote", False) for r in decoding)
+        remote = self.gate.remote(len(decoding)) if gated else True
+        asked = [self.draft_pool.submit(r.req.fetch_draft, remote) for r in decoding if r.req.drafter is not None]
         wait(asked)
         for f in asked:
             f.result()  # fetch_draft turns drafter failures into AR steps; anything else is a bug
@@ -274,8 +281,13 @@ class Engine:
         logits = forward_batch(self.tm, segments)
         self.passes += 1
         self.peak_batch = max(self.peak_batch, len(segments))
+        emitted = 0
         for r, lg in zip(decoding, logits):
-            self._feed(r, r.req.commit(lg))
+            step = r.req.commit(lg)
+            emitted += len(step[0])
+            self._feed(r, step)
+        if gated and prefilling is None:  # a prefill chunk in the pass would blur the rate
+            self.gate.record(len(decoding), remote, emitted, (time.perf_counter() - t0) * 1e3)
         if prefilling is not None:
             step = prefilling.req.prefilled(logits[-1])
             if step is not None:

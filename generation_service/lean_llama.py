@@ -344,15 +344,15 @@ class LeanLlama:
     def _forward_fused(self, segments: "Sequence[Segment]", qs: list[int]) -> list[torch.Tensor]:
         ids = segments[0].ids if len(segments) == 1 else torch.cat([s.ids for s in segments])
         positions = segments[0].positions if len(segments) == 1 else torch.cat([s.positions for s in segments])
+        ids, positions = ids.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()  # read raw in C++
         self._rope_tables(int(positions.max()) + 1)
         past = []
         for s, q in zip(segments, qs):
             past.append(s.cache.length)
             s.cache.reserve(q)
-        none = _NO_MASK
         logits, hidden = self.fused.forward(
             ids, positions, self._cos, self._sin, qs, past, [s.cache.k for s in segments],
-            [s.cache.v for s in segments], [none if s.mask is None else s.mask for s in segments],
+            [s.cache.v for s in segments], [_NO_MASK if s.mask is None else s.mask for s in segments],
             [s.logits_rows for s in segments])
         for s, p, q in zip(segments, past, qs):
             s.cache.length = p + q

@@ -17,15 +17,8 @@ keys of entries that were *not* hits anyway (the cache's j+1..j+n), which Search
 Long documents are cut into windows of `window` tokens overlapping by `overlap`: every key after a document's
 first window has seen at least `overlap` tokens of context.
 
-On disk (one directory):
-    keys.npy     float16|float32 [N, D]  memory-mapped by the retrieval service (exact index + re-scoring) and by
-                                         the worker (cache fill)
-    values.npy   int32 [N]               next-token ids
-    tokens.npy   int32 [T]               the tokenized corpus, documents concatenated (checks, held-out split)
-    docs.npy     int64 [n_docs + 1, 2]   (token offset, entry offset) of each document, then the totals
-    hnsw.faiss                           the ADR index (IndexHNSWFlat, L2); the exact index is built at load
-    knn.json                             the manifest, written last: a directory without it is not a datastore
-    heldout.npy, heldout_docs.npy         held-out documents (int32 tokens, offsets): perplexity text, prompts
+On disk: the layout of ragcore/knn_store.py (keys.npy is memory-mapped by the retrieval service for the exact
+index and re-scoring, and by the worker for cache fill).
 Build: corpus -> tokens -> key chunks (resumable, written atomically) -> keys/values -> HNSW (checkpointed) -> knn.json
 Chunk files are named by their entry range and a hash of the tokens they read, so a rerun with another
 --max-entries reuses every chunk before the cut. On a machine with spare cores two helper processes shorten the

@@ -284,6 +284,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-minutes", type=float, default=40.0,
                     help="overall bound, start-up included; cells that would end later are skipped (default 40)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--dtype", default="", help="the worker's --dtype ('' = its default, measured on this machine)")
     ap.add_argument("--prompts", type=int, default=40, help="prompts of each kind in the mix (default 40)")
     ap.add_argument("--datastore", default=str(ragserve_home() / "datastores" / "code"),
                     help="datastore the retrieval service serves (default: the code datastore)")
@@ -314,13 +315,13 @@ def main(argv: list[str] | None = None) -> int:
               "machine": machine(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "loadavg_start": os.getloadavg(), "datastore": args.datastore,
               "settings": {"levels": args.levels, "methods": args.methods, "duration_s": args.duration_s,
-                           "warmup_s": args.warmup_s, "max_minutes": args.max_minutes,
+                           "warmup_s": args.warmup_s, "max_minutes": args.max_minutes, "dtype": args.dtype,
                            "max_new_tokens": args.max_new_tokens, "prompts": len(prompts),
                            "mix": "HumanEval raw prompt + 4 spaces / MT-Bench first turn, alternating"},
               "page_cache_warm_s": warm_page_cache(args.datastore), "cells": [], "skipped": [], "by_method": {},
               "targets": evaluate_targets({})}
     state = Path(tempfile.mkdtemp(prefix="bench-concurrency-")) / "launcher.json"
-    topo = launcher.up(datastore=args.datastore, state=state)  # default worker flags, as a user starts it
+    topo = launcher.up(datastore=args.datastore, state=state, dtype=args.dtype)  # default flags unless --dtype
     try:
         target = topo.get("generation").address
         pids = {p.name: p.pid for p in topo.procs}

@@ -196,7 +196,8 @@ def worker_info_dict(info) -> dict:
             "cpu_flags": list(info.cpu_flags), "calibration": info.calibration, "warnings": list(info.warnings),
             "max_draft_nodes": info.max_draft_nodes,
             "candidates": [{"dtype": c.dtype, "threads": c.threads, "rows": list(c.rows), "step_ms": list(c.step_ms),
-                            "prefill_ms": c.prefill_ms, "expected_ms_per_token": c.expected_ms_per_token}
+                            "prefill_ms": c.prefill_ms, "expected_ms_per_token": c.expected_ms_per_token,
+                            "batch_ms": c.batch_ms, "objective": c.objective}
                            for c in info.candidates]}
 
 

@@ -427,7 +427,8 @@ def worker_info(cfg: GenerationConfig, tm, choice: Choice | None, threads: int) 
         info.warnings.extend(choice.warnings)
         for c in choice.calibration.curves:
             info.candidates.add(dtype=c.dtype, threads=c.threads, rows=c.rows, step_ms=c.step_ms,
-                                prefill_ms=c.prefill_ms, expected_ms_per_token=c.expected_ms_per_token())
+                                prefill_ms=c.prefill_ms, expected_ms_per_token=c.expected_ms_per_token(),
+                                batch_ms=c.batch_ms, objective=c.objective())
     return info
 
 

@@ -3,6 +3,7 @@ again, never a crash), the model thread; one real measurement on the real model.
 
 import json
 import threading
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -46,6 +47,25 @@ def test_choose(case, curves, dtype, threads, expected, not_expected):
     chosen, _ = choose(curves, dtype, threads)
     assert (chosen.dtype, chosen.threads) == expected, case
     assert (chosen.dtype, chosen.threads) != not_expected, case
+
+
+# The Zen 5 box of this session (ms): bf16 wins alone (flat tree passes), fp32's fused pass wins 8 requests at once.
+ZEN5_FUSED = [CostCurve("fp32", 2, ROWS, (14.7, 17.0, 19.7, 23.0, 29.0, 50.0, 93.8), 300, batch_ms=23.5),
+              CostCurve("bf16", 2, ROWS, (20.9, 21.0, 21.0, 23.0, 26.1, 32.0, 48.5), 250, batch_ms=31.8)]
+
+
+@pytest.mark.parametrize("case, curves, expected, not_expected", [
+    ("batched passes measured: fp32 serves 8 requests 1.35x cheaper", ZEN5_FUSED, "fp32", "bf16"),
+    ("not measured (an old file): alone decides", [replace(c, batch_ms=0.0) for c in ZEN5_FUSED], "bf16", "fp32"),
+])
+def test_choice_weighs_batched_passes(case, curves, expected, not_expected):
+    chosen, _ = choose(curves, "auto", 0)
+    assert chosen.dtype == expected and chosen.dtype != not_expected, case
+    fp32 = curves[0]
+    if fp32.batch_ms:  # the geometric mean of alone and batched ms/token
+        assert fp32.objective() == pytest.approx((fp32.expected_ms_per_token() * 23.5 / 8) ** 0.5)
+    else:
+        assert fp32.objective() == fp32.expected_ms_per_token()
 
 
 def test_q4_1_is_chosen_only_when_asked_for():
@@ -95,7 +115,7 @@ KEY = {"model": "/m", "model_id": "abc", "device": "cpu", "cpu": "Some CPU", "cp
     ("truncated", lambda good: good[: len(good) // 2]),
     ("not JSON", lambda good: "\x00\x01garbage"),
     ("another CPU", lambda good: good.replace("Some CPU", "Other CPU")),
-    ("another format", lambda good: good.replace('"format": 1', '"format": 99')),
+    ("another format", lambda good: good.replace('"format": 2', '"format": 99')),
     ("a curve without step_ms", lambda good: good.replace('"step_ms"', '"nope"')),
     ("negative times", lambda good: good.replace("68", "-68")),
 ])
@@ -140,7 +160,8 @@ def test_real_calibration_measures_then_reuses_and_survives_a_corrupt_cache(monk
         cal = choice.calibration
         assert cal.source == "measured" and len(cal.curves) >= 2
         assert all(c.step_ms == tuple(sorted(c.step_ms)) for c in cal.curves)  # non-decreasing in q
-        best = min(cal.curves, key=lambda c: c.expected_ms_per_token())
+        assert all(c.batch_ms > 0 for c in cal.curves)  # the batched pass was measured for every candidate
+        best = min(cal.curves, key=lambda c: c.objective())
         assert (tm.dtype_name, choice.threads) == (best.dtype, best.threads)
         assert tm.step_cost.rel[0] == 1.0 and np.all(np.diff(tm.step_cost.rel) >= 0)
         path = tmp_path / "calibration" / (cal.path.rsplit("/", 1)[-1])
@@ -149,6 +170,6 @@ def test_real_calibration_measures_then_reuses_and_survives_a_corrupt_cache(monk
         path.write_text(path.read_text()[:100])  # truncated
         _, third = mt.call(calibrated_model, model, "cpu", "auto", 0, reps=1)
         assert third.calibration.source == "measured"  # measured again, not a crash
-        assert json.loads(path.read_text())["format"] == 1  # and the cache is whole again
+        assert json.loads(path.read_text())["format"] == 2  # and the cache is whole again
     finally:
         mt.stop(wait=True)

@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from bench.load_stats import (
     OK,
+    STAT_FIELDS,
     STOPPED,
     RequestRecord,
     Window,
@@ -125,7 +126,7 @@ class Cell:
 
     def one_request(self, client: GenerationClient, cid: int) -> RequestRecord:
         kind, request = self.feed.next()
-        start, first, deltas, status = self.now(), None, [], OK
+        start, first, deltas, status, stats = self.now(), None, [], OK, None
         call = client.stream(**request, max_new_tokens=self.max_new, decoding=self.method, timeout=self.timeout_s)
         self._track(cid, call)
         try:
@@ -134,10 +135,12 @@ class Cell:
                     t = self.now()
                     first = t if first is None else first
                     deltas.append((t, len(msg.token_ids)))
+                if msg.HasField("stats"):
+                    stats = {k: getattr(msg.stats, k) for k in STAT_FIELDS}
         except grpc.RpcError as e:
             status = STOPPED if self.stop.is_set() and e.code() == grpc.StatusCode.CANCELLED else e.code().name
         return RequestRecord(self.method, cid, kind, start, self.now(), first, sum(n for _, n in deltas), status,
-                             tuple(deltas))
+                             tuple(deltas), stats)
 
     def client_loop(self, cid: int) -> None:
         with GenerationClient(self.target) as client:
@@ -251,7 +254,7 @@ def plot(cells: dict[str, dict[int, dict]], path: Path, title: str) -> None:
 
 def print_table(cells: list[dict], targets: dict) -> None:
     print(f"\n{'method':<6} {'N':>3} {'tok/s':>7} {'stream':>7} {'done':>5} {'ms/tok p50':>10} {'p95':>7} "
-          f"{'TTFT p50':>9} {'p95':>7} {'load':>5} {'cores':>5} {'cpu ms/tok':>10} errors")
+          f"{'TTFT p50':>9} {'p95':>7} {'load':>5} {'cores':>5} {'cpu ms/tok':>10} {'M':>5} {'nodes':>5} {'acc':>5} errors")
     for c in sorted(cells, key=lambda c: (c["method"], c["concurrency"])):
         s = c["summary"]
         f = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
@@ -259,8 +262,16 @@ def print_table(cells: list[dict], targets: dict) -> None:
               f"{s['requests_done']:>5} {f(s['ms_per_token_p50']):>10} {f(s['ms_per_token_p95']):>7} "
               f"{f(s['ttft_ms_p50']):>9} {f(s['ttft_ms_p95']):>7} {c['loadavg_end'][0]:>5.1f} "
               f"{c['cpu_cores_used'].get('generation', 0):>5.2f} {f(c['worker_cpu_ms_per_token']):>10} "
-              f"{s['errors'] or ''}")
+              f"{_spec(s.get('speculation'))} {s['errors'] or ''}")
     print("targets:", {k: v if k == "passed" else v["passed"] for k, v in targets.items()})
+
+
+def _spec(sp: dict | None) -> str:
+    """M, draft nodes verified per pass and their acceptance, as table cells."""
+    f = lambda v, p: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
+    sp = sp or {}
+    return (f"{f(sp.get('mean_accepted_length'), 2):>5} {f(sp.get('draft_nodes_per_step'), 1):>5} "
+            f"{f(sp.get('draft_acceptance'), 2):>5}")
 
 
 # ---------------------------------------------------------------------------------------------------------------

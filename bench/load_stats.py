@@ -46,12 +46,19 @@ class RequestRecord:
     tokens: int  # completion tokens streamed
     status: str  # OK, STOPPED, or a gRPC status name
     deltas: tuple[tuple[float, int], ...] = field(default=(), repr=False)  # (arrival time, tokens) per delta
+    # The final reply's SpeculationStats fields in STAT_FIELDS (None: the request did not finish).
+    stats: dict | None = None
 
     def as_dict(self) -> dict:
         return {"method": self.method, "client": self.client, "kind": self.kind, "start_s": round(self.start_s, 4),
                 "end_s": round(self.end_s, 4),
                 "first_token_s": None if self.first_token_s is None else round(self.first_token_s, 4),
-                "tokens": self.tokens, "status": self.status}
+                "tokens": self.tokens, "status": self.status, "stats": self.stats}
+
+
+# What a finished request's stats say about speculation (summed over a cell's finished requests).
+STAT_FIELDS = ("forward_steps", "draft_tokens_proposed", "draft_tokens_accepted", "skipped_drafts",
+               "degraded_steps", "draft_ms", "verify_ms", "prefill_ms")
 
 
 @dataclass(frozen=True)
@@ -138,7 +145,23 @@ def cell_summary(records: Sequence[RequestRecord], window: Window) -> dict:
         "requests_started": len(records),
         "stopped_in_flight": sum(r.status == STOPPED for r in records),
         "errors": errors_by_status(records),
+        "speculation": speculation_summary(done),
     }
+
+
+def speculation_summary(done: Sequence[RequestRecord]) -> dict | None:
+    """Sums of STAT_FIELDS over the finished requests that carry stats, and what they add up to: M (tokens per
+    decode pass), draft nodes verified per pass, the share of them accepted. None when no request has stats."""
+    with_stats = [r for r in done if r.stats]
+    if not with_stats:
+        return None
+    total = {k: round(sum(r.stats.get(k, 0) for r in with_stats), 3) for k in STAT_FIELDS}
+    steps = total["forward_steps"]
+    decoded = sum(r.tokens for r in with_stats) - len(with_stats)  # the first token of each comes from prefill
+    return {"requests": len(with_stats), **total,
+            "mean_accepted_length": _round(decoded / steps if steps else None),
+            "draft_nodes_per_step": _round(total["draft_tokens_proposed"] / steps if steps else None),
+            "draft_acceptance": _round(_ratio(total["draft_tokens_accepted"], total["draft_tokens_proposed"]))}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -31,8 +31,11 @@ namespace {
 
 constexpr int kBlock = 32;
 constexpr int kTile = 8;  // rows of x per pass over a weight row
-constexpr int64_t kChunk = 16;
-constexpr int64_t kPrefetchRows = 16;  // weight rows ahead of the one being read (~6-10 KB)  // weight rows per L1-resident chunk (and the parallel grain)
+constexpr int64_t kChunk = 32;  // weight rows per cache-resident chunk (and the parallel grain)
+// Weight rows ahead of the one being read, fetched into L2 (not L1: 32 fp32 rows of K = 1536 are 200 KB). Measured on
+// an EPYC Zen 4 over the 135M model's linears: T0 16 rows ahead on one line per block -> T1 32 rows ahead on every
+// line: 8 rows of x 31.4 -> 19.7 ms (what 1 row costs: reading the weights), 16 rows 42.0 -> 31.8, 1 row unchanged.
+constexpr int64_t kPrefetchRows = 32;
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
@@ -142,10 +145,12 @@ inline void tile_dot(const float* x, int64_t ldx, const uint8_t* row, int64_t ro
     for (int r = 0; r < R; ++r) acc[n][r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     __m512 w0[NR], w1[NR];
-    // Memory-bound at one row of x: ask for the weight rows kPrefetchRows ahead, one request per cache line.
-    if ((b * B::bytes) % 64 < B::bytes)
+    // Streaming the weights bounds a pass of a few rows: ask for the rows kPrefetchRows ahead, one request per cache
+    // line that starts in this block (a 128-byte fp32 block spans two), so the multiply-adds of the rows of x
+    // overlap the reads instead of following them.
+    for (int64_t line = (b * B::bytes + 63) / 64 * 64; line < (b + 1) * B::bytes; line += 64)
       for (int n = 0; n < NR; ++n)
-        _mm_prefetch((const char*)(row + (n + kPrefetchRows) * row_bytes + b * B::bytes), _MM_HINT_T0);
+        _mm_prefetch((const char*)(row + (n + kPrefetchRows) * row_bytes + line), _MM_HINT_T1);
     for (int n = 0; n < NR; ++n) B::decode(row + n * row_bytes + b * B::bytes, w0[n], w1[n]);
     const float* xb = x + b * kBlock;
     for (int r = 0; r < R; ++r) {

@@ -11,12 +11,22 @@ Per step, from the drafter's per-source estimates (DraftTree.source_p; SOURCES =
     n*        = argmax_n (1 + E(n)) / rel(n)            tokens per unit of pass cost, rel(n) = cost(1 + n) / cost(1)
                                                         from the calibrated curve; n* = 0 is a plain AR step
 alpha_s calibrates source s on the nodes it decided (the owner of a node is its argmax source): decayed accepted
-over decayed predicted, shrunk toward 1 by a prior, kept separately per length of the suffix the source matched
+over decayed predicted, shrunk toward a prior, kept separately per length of the suffix the source matched
 (1, 2-3, 4-7, 8+ tokens): a one-token coincidence and a real repetition of the output are different evidence, so
 a request whose short matches kept missing still verifies a deep tree the moment its output starts repeating
 itself. A source that keeps hitting keeps a deep tree whatever the other sources do. Evidence fades by DECAY per
 step in which the estimate was tested and by IDLE_DECAY otherwise, so after a bad stretch alpha drifts back
-toward 1 and the source is tried again — rarely, so a source that stays wrong costs little.
+toward the prior and the source is tried again — rarely, so a source that stays wrong costs little.
+
+The pooled calibration. A request lives ~100 steps, too few to learn alpha from scratch, and the raw shares are
+far from calibrated: over 24 HumanEval + MT-Bench requests on the code datastore, datastore nodes of 2-3-token
+matches were accepted 0.03x as often as their share predicted and context nodes of 1-token matches 0.15x. Alone
+that costs little (a 4-row pass costs ~1.06 AR steps), but in a batch every extra row costs about what an AR token
+costs. So a worker pools the evidence of all its requests per (source, suffix bucket, depth bucket)
+(SharedCalibration), and a node's estimate is
+    p(node) = min(1, max_s raw_s(node) * pooled_s(bucket, depth) * alpha_s(bucket))
+where alpha_s, this request's own correction, starts at 1 and measures accepted tokens against the pooled
+estimates. Without a pooled calibration (a request decoded alone in process) pooled = 1.
 
 Skipping the draft RPC. A remote source (the retrieval service's datastore, its learned shards, CREST) whose
 drafts on two steps in a row gave no accepted token of its own (no node it decided was accepted: nodes the
@@ -43,7 +53,12 @@ TREE_MS = 0.25  # per verified tree, outside the forward pass (measured 0.1-0.3 
 PRIOR_WEIGHT = 2.0  # pseudo-tokens behind the initial alpha = 1
 DECAY = 0.9  # per step in which an estimate was tested: it remembers about ten tests
 IDLE_DECAY = 0.97  # per step without a test: evidence fades slowly, so a bad source is retried now and then
+SHARED_DECAY = 0.998  # per test of a pooled cell: it remembers the last ~500 trees that tested it
+# Per tree, for the pooled cells it did not test: a cell whose nodes stopped being chosen (its estimate fell) drifts
+# back toward 1 and is tried again, after ~1400 trees (about 30 s at 8 clients).
+SHARED_IDLE_DECAY = 0.9995
 SUFFIX_BUCKETS = np.array([2, 4, 8])  # matched-suffix lengths 1 | 2-3 | 4-7 | 8+ (0 = no match counts as 1)
+DEPTH_BUCKETS = np.array([2, 3, 5])  # a node's depth in its tree: 1 | 2 | 3-4 | 5+
 MAX_BACKOFF = 16  # steps a useless remote source is skipped, at most
 USELESS_BEFORE_BACKOFF = 2
 N_SOURCES = len(SOURCES)
@@ -175,6 +190,14 @@ def source_estimates(parents: np.ndarray, scores: np.ndarray, source_p: np.ndarr
     return p
 
 
+def node_depths(parents: np.ndarray) -> np.ndarray:
+    """int64 [n]: each node's depth (1 = a child of the root); parents[i] < i."""
+    depth = np.zeros(parents.shape[0], np.int64)
+    for i, parent in enumerate(parents.tolist()):
+        depth[i] = 1 if parent < 0 else depth[parent] + 1
+    return depth
+
+
 def suffix_bucket(matched: int) -> int:
     """Matched-suffix length -> calibration bucket (SUFFIX_BUCKETS)."""
     return int(np.searchsorted(SUFFIX_BUCKETS, max(int(matched), 1), side="right"))
@@ -189,23 +212,72 @@ def tree_buckets(matched_suffix: int, context_matched_suffix: int) -> np.ndarray
     return out
 
 
+class SharedCalibration:
+    """Acceptance evidence pooled over every request of one worker, per (source, suffix bucket, depth bucket).
+
+    Depth too, because a source's share says little about it: one earlier occurrence gives share 1 at every depth
+    of its continuation, while the model accepts depth d only after 1..d-1. Tested cells fade by SHARED_DECAY per
+    tree, the others by SHARED_IDLE_DECAY: a cell whose estimate fell so low that its nodes are no longer chosen
+    still comes back to be tested. Updated on the engine's thread after each pass; requests read it when they
+    size a tree.
+    """
+
+    shape = (N_SOURCES, len(SUFFIX_BUCKETS) + 1, len(DEPTH_BUCKETS) + 1)
+
+    def __init__(self, prior_weight: float = PRIOR_WEIGHT, decay: float = SHARED_DECAY,
+                 idle_decay: float = SHARED_IDLE_DECAY):
+        if not (0.0 < decay <= 1.0 and 0.0 < idle_decay <= 1.0):
+            raise ValueError(f"decays must lie in (0, 1], got {decay}, {idle_decay}")
+        self.prior_weight, self.decay, self.idle_decay = prior_weight, decay, idle_decay
+        self.predicted = np.zeros(self.shape)
+        self.accepted = np.zeros(self.shape)
+
+    @property
+    def alpha(self) -> np.ndarray:
+        """float64 [N_SOURCES, suffix buckets, depth buckets]: pooled accepted / raw predicted, shrunk toward 1."""
+        return (self.accepted + self.prior_weight) / (self.predicted + self.prior_weight)
+
+    def cells(self, source_buckets: np.ndarray, parents: np.ndarray) -> np.ndarray:
+        """int64 [n, N_SOURCES]: each node's flat cell per source (source_buckets: tree_buckets' answer)."""
+        depth = np.searchsorted(DEPTH_BUCKETS, node_depths(parents), side="right")  # [n]
+        _, nb, nd = self.shape
+        return (np.arange(N_SOURCES) * nb + source_buckets)[None, :] * nd + depth[:, None]
+
+    def add(self, cells: np.ndarray, raw: np.ndarray, accepted_cells: np.ndarray) -> None:
+        """One verified tree: the flat cell and raw share of each node, the cells of the accepted ones."""
+        if cells.shape[0] == 0:
+            return
+        decay = np.full(self.predicted.size, self.idle_decay)
+        decay[cells] = self.decay
+        predicted, accepted = self.predicted.reshape(-1), self.accepted.reshape(-1)  # views
+        predicted *= decay
+        accepted *= decay
+        np.add.at(predicted, cells, raw)
+        np.add.at(accepted, accepted_cells, 1.0)
+
+
 class DraftSizer:
     """Per request: each step's tree size, per-source calibration, and when to skip a remote source."""
 
     def __init__(self, cost: StepCost, prior_weight: float = PRIOR_WEIGHT, decay: float = DECAY,
-                 idle_decay: float = IDLE_DECAY):
+                 idle_decay: float = IDLE_DECAY, shared: SharedCalibration | None = None):
+        """shared: the worker's pooled calibration: estimates start from it, this request's alpha corrects what is
+        left, and this request's evidence joins it. None = raw shares corrected by this request alone."""
         if not (0.0 < decay <= 1.0 and 0.0 < idle_decay <= 1.0):
             raise ValueError(f"decays must lie in (0, 1], got {decay}, {idle_decay}")
         self.cost = cost
         self.prior_weight = prior_weight
         self.decay, self.idle_decay = decay, idle_decay
+        self.shared = shared
         shape = (N_SOURCES, len(SUFFIX_BUCKETS) + 1)
         self.predicted = np.zeros(shape)
         self.accepted = np.zeros(shape)
-        # Of the last tree: the (source, bucket) cell that decided each kept node, and that source's raw p.
-        self._pending: tuple[np.ndarray, np.ndarray] = (np.zeros(0, np.int64), np.zeros(0))
-        self._estimated: tuple[np.ndarray, np.ndarray] = self._pending
-        self._expect: tuple[np.ndarray, np.ndarray] | None = None
+        # Of the last tree, per node: (request cell, pooled cell, raw share, pooled estimate) of the source that
+        # decided it; of the kept nodes; of the verified nodes in verifier order.
+        empty = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0), np.zeros(0))
+        self._estimated: tuple[np.ndarray, ...] = empty
+        self._pending: tuple[np.ndarray, ...] = empty
+        self._expect: tuple[np.ndarray, ...] | None = None
         self._remote_asked = False  # the last shrink() was of a remote draft: observe() judges its usefulness
         self._useless = 0
         self._backoff = 1
@@ -213,8 +285,8 @@ class DraftSizer:
 
     @property
     def alpha(self) -> np.ndarray:
-        """float64 [N_SOURCES, buckets]: observed / predicted accepted tokens per source and suffix bucket, shrunk
-        toward 1."""
+        """float64 [N_SOURCES, buckets]: this request's observed / predicted accepted tokens per source and suffix
+        bucket, shrunk toward 1 (predicted = the pooled calibration's estimates when there is one)."""
         return (self.accepted + self.prior_weight) / (self.predicted + self.prior_weight)
 
     @property
@@ -248,32 +320,36 @@ class DraftSizer:
         """float64 [n]: each node's calibrated acceptance estimate (call keep() with the nodes chosen)."""
         raw = source_estimates(parents, scores, source_p, default_source)  # [n, S]
         buckets = tree_buckets(matched_suffix, context_matched_suffix)  # [S]
-        cells = np.arange(N_SOURCES) * self.predicted.shape[1] + buckets  # [S] flat (source, bucket) cells
-        scaled = raw * self.alpha.ravel()[cells]  # [n, S]
         n_all = raw.shape[0]
+        cells = np.arange(N_SOURCES) * self.predicted.shape[1] + buckets  # [S] flat (source, bucket) cells
+        if self.shared is not None:
+            pooled_cells = self.shared.cells(buckets, parents)  # [n, S]
+            pooled = raw * self.shared.alpha.ravel()[pooled_cells]  # [n, S]
+        else:
+            pooled_cells, pooled = np.zeros(raw.shape, np.int64), raw
+        scaled = pooled * self.alpha.ravel()[cells]  # [n, S]
         owner = np.argmax(scaled, axis=1) if n_all else np.zeros(0, np.int64)  # [n]
-        self._estimated = (cells[owner], raw[np.arange(n_all), owner])
-        return np.minimum(scaled[np.arange(n_all), owner], 1.0)  # [n]
+        rows = np.arange(n_all)
+        self._estimated = (cells[owner], pooled_cells[rows, owner], raw[rows, owner], pooled[rows, owner])
+        return np.minimum(scaled[rows, owner], 1.0)  # [n]
 
     def keep(self, keep: np.ndarray, remote: bool = True) -> None:
         """The nodes of the last estimate() that will be verified (ascending indices)."""
-        cells, raw = self._estimated
-        self._pending = (cells[keep], raw[keep])
+        self._pending = tuple(a[keep] for a in self._estimated)
         self._remote_asked = remote
 
     def expect(self, order: np.ndarray) -> None:
         """The kept nodes as the verifier will see them (order: kept index of each verifier node)."""
-        cells, p = self._pending
-        self._expect = (cells[order], p[order])
+        self._expect = tuple(a[order] for a in self._pending)
 
     def observe(self, accepted_nodes: Sequence[int]) -> None:
         """After verification: the accepted nodes (verifier indices) of the tree passed to expect()."""
         decay = np.full(self.predicted.size, self.idle_decay)
         expect, self._expect = self._expect, None
+        hit = np.asarray(accepted_nodes, np.int64)
         if self._remote_asked:  # was the RPC worth it: did the model accept a node only a remote source had?
             cells = expect[0] if expect is not None else np.zeros(0, np.int64)
-            owners = cells[np.asarray(accepted_nodes, np.int64)] // self.predicted.shape[1] if len(
-                accepted_nodes) else np.zeros(0, np.int64)
+            owners = cells[hit] // self.predicted.shape[1] if hit.shape[0] else np.zeros(0, np.int64)
             self._remote_result(any(int(o) not in LOCAL_SOURCES for o in owners))
             self._remote_asked = False
         if expect is not None:
@@ -283,10 +359,11 @@ class DraftSizer:
         accepted *= decay
         if expect is None:
             return
-        cells, p = expect
-        np.add.at(predicted, cells, p)
-        if len(accepted_nodes):
-            np.add.at(accepted, cells[np.asarray(accepted_nodes, np.int64)], 1.0)
+        cells, pooled_cells, raw, pooled = expect
+        np.add.at(predicted, cells, pooled)
+        np.add.at(accepted, cells[hit], 1.0)
+        if self.shared is not None:
+            self.shared.add(pooled_cells, raw, pooled_cells[hit])
 
     def _remote_result(self, useful: bool) -> None:
         if useful:

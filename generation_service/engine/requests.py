@@ -24,7 +24,7 @@ import time
 import numpy as np
 import torch
 
-from generation_service.draft_budget import DraftSizer, best_size, keep_best, subtree
+from generation_service.draft_budget import DraftSizer, SharedCalibration, best_size, keep_best, subtree
 from generation_service.drafters import Drafter, DraftUnavailable
 from generation_service.engine.steps import (
     DEFAULT_DRAFT_BUDGET,
@@ -51,10 +51,12 @@ _EMPTY = np.zeros(0, np.int32)
 class TreeRequest:
     def __init__(self, tm: TargetModel, prompt_ids, params: SamplingParams, *, drafter: Drafter | None = None,
                  draft_budget: int = DEFAULT_DRAFT_BUDGET, stats: SpeculationStats | None = None,
-                 adaptive_budget: bool = True, prefill_chunk: int = PREFILL_CHUNK, cache=None):
+                 adaptive_budget: bool = True, prefill_chunk: int = PREFILL_CHUNK, cache=None,
+                 calibration: SharedCalibration | None = None):
         """adaptive_budget: verify only the cost-effective part of each draft tree and skip useless remote drafts
         (draft_budget.py); False = always verify up to draft_budget nodes. Either way the output is the same.
-        cache: an empty KV cache to use (a batch's slab slot; it must hold kv_rows_needed()), else a new one."""
+        cache: an empty KV cache to use (a batch's slab slot; it must hold kv_rows_needed()), else a new one.
+        calibration: acceptance evidence pooled over the worker's requests (the sizer's prior), None = none."""
         self.prompt = check_prompt(tm, prompt_ids, params)
         if isinstance(draft_budget, bool) or not isinstance(draft_budget, (int, np.integer)) or draft_budget < 0:
             raise ValueError(f"draft_budget must be an integer >= 0 (0 = no drafting), got {draft_budget!r}")
@@ -67,7 +69,7 @@ class TreeRequest:
         self.context[:n_prompt] = self.prompt
         self.n_ctx = n_prompt
         self.n_out = 0
-        self.sizer = DraftSizer(tm.step_cost) if adaptive_budget and drafter is not None else None
+        self.sizer = DraftSizer(tm.step_cost, shared=calibration) if adaptive_budget and drafter is not None else None
         # Nodes beyond the largest tree that could ever pay on this machine's curve are never worth asking for.
         self.budget = min(draft_budget, tm.step_cost.max_nodes) if self.sizer is not None else draft_budget
         self.cache = cache if cache is not None else new_cache(tm, capacity_for(n_prompt, params.max_new_tokens,

@@ -38,7 +38,7 @@ import torch
 
 from generation_service import metrics
 from generation_service.calibrate import ModelThread
-from generation_service.draft_budget import batch_sizes
+from generation_service.draft_budget import SharedCalibration, batch_sizes
 from generation_service.engine.draft_gate import DraftGate
 from generation_service.engine.requests import TreeRequest
 from generation_service.engine.steps import SpeculationStats, prefill, tree_segment
@@ -130,6 +130,7 @@ class Engine:
         self._stop = threading.Event()
         self.segment_ms = 0.0
         self.gate = DraftGate()
+        self.calibration = SharedCalibration()  # every request's acceptance evidence: the prior of the next ones
         self.passes = 0  # batched passes run (stats, tests)
         self.peak_batch = 0  # most sequences in one pass so far
         # The running requests' caches, in slots 0..n-1 of one slab: each pass attends them in one chain of ops
@@ -228,7 +229,7 @@ class Engine:
                     cache = self.slab.cache(len(self._in_slab))
                 run.req = TreeRequest(self.tm, job.prompt_ids, job.params, drafter=self._drafter(job),
                                       draft_budget=job.budget, stats=SpeculationStats(decoding=job.decoding),
-                                      prefill_chunk=self.prefill_chunk, cache=cache)
+                                      prefill_chunk=self.prefill_chunk, cache=cache, calibration=self.calibration)
                 if cache is not None:
                     self._in_slab.append(run)
                 run.out = TextOutput(self.tm.tokenizer, job.prompt_ids, job.params.stop)
@@ -265,13 +266,16 @@ class Engine:
         for f in asked:
             f.result()  # fetch_draft turns drafter failures into AR steps; anything else is a bug
         pre = prefilling.req.prefill_segment() if prefilling is not None else None
-        if len(decoding) == 1 and pre is None:
+        if len(decoding) == 1:
             decoding[0].req.choose()  # alone: exactly the solo decision
         elif decoding:
-            base = len(decoding) * self.tm.min_rows + (pre.ids.shape[0] if pre is not None else 0)
+            # Sized as if the pass carried the decoding rows only. A prefill chunk's rows emit no token, so counted
+            # in they make the pass's tokens per ms tiny and any node look worth its row (trees of 64 nodes beside
+            # a 200-row chunk); but the chunk's cost is spent either way, while a node's row costs what it costs
+            # in any pass: it must pay against the decoding rows' own rate.
             sized = [r for r in decoding if r.req.sizer is not None]
-            counts = batch_sizes([r.req.p for r in sized], self.tm.step_cost, base,
-                                 len(decoding) + (pre is not None), self.segment_ms)
+            counts = batch_sizes([r.req.p for r in sized], self.tm.step_cost, len(decoding) * self.tm.min_rows,
+                                 len(decoding), self.segment_ms)
             for r, n in zip(sized, counts):
                 r.req.choose(n)
             for r in decoding:

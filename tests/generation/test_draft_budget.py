@@ -5,7 +5,17 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from generation_service.draft_budget import DraftSizer, StepCost, acceptance_estimates, best_size, keep_best, subtree
+from generation_service.draft_budget import (
+    DraftSizer,
+    SharedCalibration,
+    StepCost,
+    acceptance_estimates,
+    best_size,
+    keep_best,
+    node_depths,
+    subtree,
+    suffix_bucket,
+)
 from ragcore.draft_tree import SOURCES
 
 DS, CTX, LEARNED = (SOURCES.index(s) for s in ("datastore", "context", "learned"))
@@ -187,3 +197,66 @@ def test_a_curve_where_nothing_pays_never_drafts():
     sizer = DraftSizer(StepCost([1, 2, 64], [10, 20, 640]))
     assert not sizer.drafting_pays
     assert step(sizer, chain([1.0] * 8, CTX), 8) == 0
+
+
+# ------------------------------------------------------------------------------------ pooled calibration
+
+def test_node_depths_match_walking_up():
+    rng = np.random.default_rng(5)
+    for _ in range(30):
+        n = int(rng.integers(0, 25))
+        parents = np.array([int(rng.integers(-1, i)) for i in range(n)], np.int32)
+        brute = []
+        for i in range(n):  # brute force: count the steps to the root
+            d, j = 1, int(parents[i])
+            while j >= 0:
+                d, j = d + 1, int(parents[j])
+            brute.append(d)
+        assert node_depths(parents).tolist() == brute
+
+
+def pooled_step(shared: SharedCalibration, tree, accepted: int, suffix: int = 12) -> int:
+    """One draft -> verify cycle of a fresh request (its own sizer) on a chain; the first `accepted` nodes are
+    accepted. Returns nodes verified."""
+    return step(DraftSizer(StepCost(*ZEN5_BF16), shared=shared), tree, accepted, suffix=suffix)
+
+
+@pytest.mark.parametrize("case, hits, expect_shallow, expect_deep", [
+    # A source right at depth 1-2 and wrong below: the deep cells fall, the shallow ones stay (Not one alpha).
+    ("right near the root only", 2, (0.9, 1.01), (0.0, 0.2)),
+    ("right all the way down", 8, (0.9, 1.01), (0.9, 1.01)),
+    ("always wrong", 0, (0.0, 0.2), (0.0, 0.2)),
+])
+def test_pooled_calibration_learns_per_depth(case, hits, expect_shallow, expect_deep):
+    shared = SharedCalibration()
+    for _ in range(40):  # forty requests of one step each: no request lives long enough to learn alone
+        pooled_step(shared, chain([1.0] * 8, CTX), hits)
+    alpha = shared.alpha[CTX, suffix_bucket(12)]  # [depth buckets]: 1 | 2 | 3-4 | 5+
+    assert expect_shallow[0] <= alpha[0] < expect_shallow[1], (case, alpha)
+    assert expect_deep[0] <= alpha[-1] < expect_deep[1], (case, alpha)
+    assert np.all(shared.alpha[DS] == 1.0)  # Not touched: no datastore node was verified
+
+
+def test_a_new_request_starts_from_the_pooled_calibration():
+    shared = SharedCalibration()
+    sure = chain([1.0] * 8, CTX)
+    for _ in range(40):  # earlier requests: the context's 1-token matches are always wrong
+        pooled_step(shared, sure, 0, suffix=1)
+    assert pooled_step(shared, sure, 0, suffix=1) == 0  # the next request does not verify them; Not 8
+    assert step(DraftSizer(StepCost(*ZEN5_BF16)), sure, 0, suffix=1) == 8  # a sizer without the pool does
+    assert pooled_step(shared, sure, 8, suffix=12) == 8  # long matches are other cells: Not penalized
+
+
+def test_a_pooled_cell_that_stopped_being_tested_recovers():
+    shared = SharedCalibration()
+    sure = chain([1.0] * 8, CTX)
+    for _ in range(40):
+        pooled_step(shared, sure, 0, suffix=1)
+    low = shared.alpha[CTX, 0].max()
+    other = chain([1.0], DS)
+    verified = []
+    for _ in range(3000):  # other requests' trees only: the starved cells drift back toward 1 ...
+        pooled_step(shared, other, 1, suffix=12)
+    verified.append(pooled_step(shared, sure, 8, suffix=1))  # ... until they are tested again
+    assert shared.alpha[CTX, 0].max() > low
+    assert verified == [8]  # Not 0 forever

@@ -8,6 +8,7 @@ so a difference is allowed only at a near-tie (first_divergence), and the test c
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -23,6 +24,7 @@ from generation_service.model import forward_batch, new_cache
 from generation_service.sampling import SamplingParams
 from generation_service.server import Job
 from generation_service.speculative import decode, first_divergence, prefill
+from ragcore.draft_tree import SOURCES, DraftTree
 from ragcore.errors import ResourceExhausted
 from tests.generation.test_lossless import AdversarialDrafter, chat, encode, humaneval_prompts
 
@@ -196,3 +198,47 @@ def test_cancellation_frees_the_slot(tm32):
         assert not engine.running
     finally:
         engine.stop()
+
+
+class _WeakChains:
+    """In-process drafter: a 6-node chain every step, each node with a 3 % acceptance estimate."""
+
+    name, remote, default_source = "weak", False, SOURCES.index("context")
+
+    @property
+    def local(self):
+        return self
+
+    def propose(self, context_ids, max_nodes):
+        n = min(6, max_nodes)
+        source_p = np.zeros((n, len(SOURCES)), np.float32)
+        source_p[:, self.default_source] = 0.03
+        return DraftTree(np.arange(n, dtype=np.int32) + 11, np.arange(-1, n - 1, dtype=np.int32),
+                         source_p=source_p, context_matched_suffix=12)
+
+
+def test_a_prefill_chunk_does_not_make_weak_nodes_pay(tm32):
+    """Two requests decode while a long prompt prefills in chunks beside them. On this (AVX2-like) curve a 3 % node
+    never pays against two AR rows; counted against a pass that also carries 48 prefill rows it would (the pass's
+    tokens per ms look tiny), and every prefill pass grew their trees."""
+    tm = dataclasses.replace(tm32, step_cost=StepCost([1, 2, 4, 8, 16, 32, 64], [68, 100, 120, 136, 167, 176, 230]))
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    drafters: dict[int, object] = {}
+    engine = _engine(tm, drafters)
+    try:
+        weak = [_job(encode(tm, t), params, "pld") for t in humaneval_prompts(2)]
+        for job in weak:
+            drafters[id(job)] = _WeakChains()
+            engine.submit(job)
+        for job in weak:  # both decode before the long prompt arrives
+            assert not isinstance(job.chunks.get(timeout=120), BaseException)
+        long = _job(np.random.default_rng(0).integers(100, 5000, 5 * PREFILL), SamplingParams(max_new_tokens=2))
+        engine.submit(long)
+        results = [_collect(j) for j in weak]
+        _collect(long)
+    finally:
+        engine.stop()
+    assert engine.peak_batch == 3  # the prefill really ran beside them
+    for _, finish, stats in results:
+        assert finish == "length"
+        assert stats.draft_tokens_proposed == 0  # Not 6 per request per prefill pass

@@ -43,6 +43,7 @@ from generation_service.lean_llama import Segment, capacity_for
 from generation_service.model import TargetModel, new_cache
 from generation_service.sampling import Sampler, SamplingParams
 from generation_service.tree_attention import dfs_order, gather_kv, prune_depth, tree_children
+from ragcore.draft_tree import DraftTree
 
 log = logging.getLogger(__name__)
 _EMPTY = np.zeros(0, np.int32)
@@ -120,17 +121,43 @@ class TreeRequest:
         """Ask the drafter for this step's tree (an RPC for remote drafters: safe to run beside other requests'
         fetches); a failing drafter makes this step AR and the request degraded, never failed. allow_remote=False:
         only the drafter's in-process part (the engine's DraftGate)."""
+        source = self.draft_source(allow_remote)
+        if source is None:
+            return
+        t = time.perf_counter()
+        try:
+            tree = source.propose(self.draft_context(), self.budget)
+        except Exception as e:  # take_draft: a failed draft is an AR step
+            tree = e
+        self.take_draft(source, tree, (time.perf_counter() - t) * 1e3)
+
+    def draft_source(self, allow_remote: bool = True) -> Drafter | None:
+        """Who drafts this step (None: nobody, an AR step). The first half of fetch_draft: the engine asks the
+        remote sources of a whole pass in one call and hands each request its tree (take_draft)."""
         self._tree, self.p = None, np.zeros(0)
         source = self.drafter if self.budget > 0 and self.remaining > 1 else None
         if source is not None and getattr(source, "remote", False) and (
                 not allow_remote or (self.sizer is not None and not self.sizer.query_remote())):
             source = source.local  # a remote source that keeps being useless is skipped for a while
             self.stats.skipped_drafts += 1
-        if source is None:
+        return source
+
+    def draft_context(self) -> np.ndarray:
+        """int32 [T]: prompt + output so far, what the drafter drafts from."""
+        return self.context[:self.n_ctx]
+
+    def take_draft(self, source: Drafter, tree: DraftTree | BaseException, ms: float) -> None:
+        """The tree `source` proposed (or the exception it raised, `ms` after it was asked): checked, cut to the
+        budget and to what can still be emitted, estimated."""
+        self.stats.draft_ms += ms
+        if isinstance(tree, DraftUnavailable):
+            degrade(self.stats, str(tree))
             return
-        t = time.perf_counter()
+        if isinstance(tree, BaseException):  # a drafter bug must not fail the request; AR is always correct
+            log.error("drafter %s failed", getattr(source, "name", source), exc_info=tree)
+            degrade(self.stats, f"drafter error: {type(tree).__name__}: {tree}")
+            return
         try:
-            tree = source.propose(self.context[:self.n_ctx], self.budget)
             # The first `budget` nodes of a tree with parents[i] < i are again such a tree.
             b = self.budget
             tokens, parents, scores = tree.tokens[:b], tree.parents[:b], tree.scores[:b]
@@ -146,10 +173,9 @@ class TreeRequest:
                                              tree.matched_suffix, tree.context_matched_suffix)
         except DraftUnavailable as e:
             degrade(self.stats, str(e))
-        except Exception as e:  # a drafter bug must not fail the request; AR is always correct
-            log.exception("drafter %s failed", getattr(source, "name", source))
+        except Exception as e:  # a tree we cannot use is an AR step, as a drafter failure is
+            log.exception("draft from %s unusable", getattr(source, "name", source))
             degrade(self.stats, f"drafter error: {type(e).__name__}: {e}")
-        self.stats.draft_ms += (time.perf_counter() - t) * 1e3
 
     def choose(self, n: int | None = None) -> None:
         """Keep n nodes of the fetched tree (the best by estimate, plus their ancestors); None = as many as pay

@@ -95,6 +95,20 @@ def measure_segment_ms(tm: TargetModel, reps: int = 5, slab: KVSlab | None = Non
     return max(0.0, (many - one) / 3)
 
 
+def _draft_together(group: list[tuple[TreeRequest, object]]) -> None:
+    """One propose_batch call for requests whose sources share a batch_key; each request takes its own tree."""
+    sources = [source for _, source in group]
+    t = time.perf_counter()
+    try:
+        trees = type(sources[0]).propose_batch(sources, [req.draft_context() for req, _ in group],
+                                               [req.budget for req, _ in group])
+    except Exception as e:  # every item becomes an AR step
+        trees = [e] * len(group)
+    ms = (time.perf_counter() - t) * 1e3
+    for (req, source), tree in zip(group, trees):
+        req.take_draft(source, tree, ms)
+
+
 @dataclass(eq=False)  # identity: a request is itself, whatever its fields hold
 class _Running:
     job: object  # server.Job
@@ -143,7 +157,7 @@ class Engine:
                 self.slab = KVSlab(len(lean.layers), lean.kv_heads, lean.head_dim, self.max_batch, cap, lean.dtype,
                                    lean.device)
         self._in_slab: list[_Running] = []
-        self.draft_pool = ThreadPoolExecutor(max_workers=self.max_batch, thread_name_prefix="draft")
+        self.draft_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="draft")  # one call per retrieval client
         self.learner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learn")
         self.model_thread = model_thread or ModelThread("generation-engine")
         # Before the first job can arrive (the server reports SERVING after this returns).
@@ -261,10 +275,7 @@ class Engine:
         # Alone, a request decides for itself (its sizer); in a batch the gate measures whether remote drafts pay.
         gated = len(decoding) > 1 and any(getattr(r.req.drafter, "remote", False) for r in decoding)
         remote = self.gate.remote(len(decoding)) if gated else True
-        asked = [self.draft_pool.submit(r.req.fetch_draft, remote) for r in decoding if r.req.drafter is not None]
-        wait(asked)
-        for f in asked:
-            f.result()  # fetch_draft turns drafter failures into AR steps; anything else is a bug
+        self._fetch_drafts([r.req for r in decoding], remote)
         pre = prefilling.req.prefill_segment() if prefilling is not None else None
         if len(decoding) == 1:
             decoding[0].req.choose()  # alone: exactly the solo decision
@@ -296,6 +307,29 @@ class Engine:
             step = prefilling.req.prefilled(logits[-1])
             if step is not None:
                 self._feed(prefilling, step)
+
+    def _fetch_drafts(self, reqs: list[TreeRequest], allow_remote: bool) -> None:
+        """Every decoding request's draft for this pass. Remote sources that can be asked together (one retrieval
+        client) get one call for all of them on a helper thread, while the in-process drafts run here: one RPC's
+        overhead per pass instead of one per request (8 drafts: 1.4 ms instead of 4.8 on 2 cores)."""
+        batches: dict[object, list[tuple[TreeRequest, object]]] = {}
+        alone: list[tuple[TreeRequest, object]] = []
+        for req in reqs:
+            source = req.draft_source(allow_remote) if req.drafter is not None else None
+            if source is not None:
+                key = getattr(source, "batch_key", None)
+                (alone if key is None else batches.setdefault(key, [])).append((req, source))
+        asked = [self.draft_pool.submit(_draft_together, group) for group in batches.values()]
+        for req, source in alone:
+            t = time.perf_counter()
+            try:
+                tree = source.propose(req.draft_context(), req.budget)
+            except Exception as e:  # take_draft makes it an AR step
+                tree = e
+            req.take_draft(source, tree, (time.perf_counter() - t) * 1e3)
+        wait(asked)
+        for f in asked:
+            f.result()  # drafting failures are AR steps already; anything else is a bug
 
     def _exclusive_step(self, run: _Running) -> None:
         try:

@@ -113,11 +113,18 @@ class StopRedisAt:
     def __getattr__(self, name):
         return getattr(self.store, name)
 
-    def lookup(self, ctx, max_nodes=64):
+    def _count(self) -> None:
         self.calls += 1
         if self.calls == self.k:
             self.server.stop()
+
+    def lookup(self, ctx, max_nodes=64):
+        self._count()
         return self.store.lookup(ctx, max_nodes)
+
+    def lookup_batch(self, contexts, max_nodes=64):  # DraftBatch: the worker asks a pass's drafts in one call
+        self._count()
+        return self.store.lookup_batch(contexts, max_nodes)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from tests.integration.conftest import PROMPTS, start_generation
 
 
 class RecordingDraftService(draft_pb2_grpc.DraftServiceServicer):
-    """Answers empty drafts and records the time each Draft call had left."""
+    """Answers empty drafts and records the time each Draft / DraftBatch call had left."""
 
     def __init__(self) -> None:
         self.remaining: list[float | None] = []
@@ -28,6 +28,11 @@ class RecordingDraftService(draft_pb2_grpc.DraftServiceServicer):
         with self.lock:
             self.remaining.append(context.time_remaining())
         return draft_pb2.DraftResponse()
+
+    def DraftBatch(self, request, context):  # the engine asks a pass's drafts in one call
+        with self.lock:
+            self.remaining.append(context.time_remaining())
+        return draft_pb2.DraftBatchResponse(responses=[draft_pb2.DraftResponse() for _ in request.requests])
 
     def Info(self, request, context):
         return draft_pb2.DatastoreInfo(vocab_size=1 << 16, sources=["context", "datastore", "merged"])

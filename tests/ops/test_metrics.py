@@ -124,8 +124,8 @@ def test_generation_metrics(tm, datastore):
     assert delta("ragserve_generation_e2e_request_seconds_count", decoding="rest") == 2
     assert delta("ragserve_generation_draft_tokens_proposed_total", decoding="rest") == (
         unary.stats.draft_tokens_proposed + final.draft_tokens_proposed)
-    # The worker's own Draft calls, timed on its side of the wire (at most one per step).
-    drafts = delta("ragserve_generation_retrieval_rpc_seconds_count", method="Draft", grpc_code="OK")
+    # The worker's own draft calls (one DraftBatch per pass), timed on its side of the wire (at most one per step).
+    drafts = delta("ragserve_generation_retrieval_rpc_seconds_count", method="DraftBatch", grpc_code="OK")
     assert 1 <= drafts <= steps, drafts
 
 

@@ -45,7 +45,7 @@ def topology(datastore, tmp_path_factory):
 def _draft_calls(proc: launcher.Proc) -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=10).read().decode()
     return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-               if s.name == "grpc_server_handled_total" and s.labels.get("grpc_method") == "Draft")
+               if s.name == "grpc_server_handled_total" and s.labels.get("grpc_method") in ("Draft", "DraftBatch"))
 
 
 def _generate(client: GenerationClient, prompt: str, mode: str):

@@ -18,8 +18,8 @@ FLAG_HELP = {
     "host": "address the gRPC port binds to (0.0.0.0 = every interface)",
     "port": "gRPC port (0 = a free port)",
     "model": "local Hugging Face model directory (\"\" = SmolLM2-135M-Instruct, prepared on first use)",
-    "dtype": "auto (the fastest measured here) | bf16 | fp32 | q4_1 (the GGUF's exact 4-bit weights, lean forward "
-             "only, never auto)",
+    "dtype": "auto (the fastest measured here; q4_1 among them when the model has its Q4_1 GGUF) | bf16 | fp32 | "
+             "q4_1 (the GGUF's exact 4-bit weights, lean forward only)",
     "forward": "auto (lean for Llama-family models, else transformers) | lean | hf",
     "calibration": "start-up cost measurement: auto (cached per machine) | force (measure again) | off",
     "device": "auto | cpu | cuda",
@@ -72,7 +72,8 @@ class GenerationConfig(config_util.ShellConfig):
     # Local Hugging Face model directory; "" = the default SmolLM2-135M-Instruct (prepared on first use).
     model: str = ""
     # auto = the fastest on this machine, measured at start (calibrate.py; cached in RAGSERVE_HOME) | bf16 | fp32 |
-    # q4_1 (the GGUF's 4-bit weights, exactly; fp32 activations; never chosen by auto: outputs differ from fp32)
+    # q4_1 (the GGUF's 4-bit weights, exactly; fp32 activations; a candidate of auto only for a model whose directory
+    # has its Q4_1 GGUF, the default model's included: calibrate.auto_formats)
     dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     threads: int = 0  # torch intra-op threads; 0 = the fastest measured count

@@ -7,11 +7,13 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 
 from generation_service.calibrate import (
     Calibration,
     CostCurve,
     ModelThread,
+    auto_formats,
     cache_path,
     calibrated_model,
     candidate_threads,
@@ -20,6 +22,7 @@ from generation_service.calibrate import (
     robust_curve,
     save_cache,
 )
+from generation_service.q4_kernel import kernel
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 # Measured tables (ms per pass by rows, 2 threads, prefill of 200 tokens; docs/ARCHITECTURE.md and calibrate.py's
@@ -68,15 +71,37 @@ def test_choice_weighs_batched_passes(case, curves, expected, not_expected):
         assert fp32.objective() == fp32.expected_ms_per_token()
 
 
-def test_q4_1_is_chosen_only_when_asked_for():
-    # q4_1 decodes fastest here but changes outputs vs fp32: auto must not pick it, --dtype q4_1 must.
-    q4 = CostCurve("q4_1", 2, ROWS, (9.0, 10.0, 13.0, 25.0, 48.0, 80.0, 150.0), 300)
-    chosen, warnings = choose(ZEN5 + [q4], "auto", 0)
-    assert chosen.dtype == "bf16" and warnings == []  # Not q4_1, and no nagging about it
-    chosen, warnings = choose(ZEN5 + [q4], "q4_1", 0)
+Q4_FAST = CostCurve("q4_1", 2, ROWS, (9.0, 10.0, 13.0, 25.0, 48.0, 80.0, 150.0), 300)
+Q4_SLOW = CostCurve("q4_1", 2, ROWS, (60.0, 70.0, 90.0, 120.0, 200.0, 300.0, 500.0), 900)  # no kernels, say
+
+
+@pytest.mark.parametrize("case, curves, auto_formats, expected, not_expected", [
+    # A model without its Q4_1 GGUF (or a machine without the kernels): auto never serves q4_1, measured or not.
+    ("not the model's own weights", ZEN5 + [Q4_FAST], (), "bf16", "q4_1"),
+    # The model ships as Q4_1 (the default model): its own weights compete, and win where they are fastest.
+    ("the model's own weights, fastest", ZEN5 + [Q4_FAST], ("q4_1",), "q4_1", "bf16"),
+    ("the model's own weights, slower here", ZEN5 + [Q4_SLOW], ("q4_1",), "bf16", "q4_1"),
+])
+def test_auto_considers_q4_1_only_for_the_models_own_weights(case, curves, auto_formats, expected, not_expected):
+    chosen, warnings = choose(curves, "auto", 0, auto_formats)
+    assert chosen.dtype == expected and chosen.dtype != not_expected, case
+    assert warnings == [], case  # Not nagging about a format auto may not pick
+
+
+def test_q4_1_is_chosen_when_asked_for():
+    chosen, warnings = choose(ZEN5 + [Q4_FAST], "q4_1", 0)
     assert (chosen.dtype, chosen.threads) == ("q4_1", 2) and warnings == []
     with pytest.raises(ValueError, match="no measured candidate"):
         choose(ZEN5, "q4_1", 0)
+
+
+def test_auto_formats_need_the_gguf_and_the_cpu(tmp_path):
+    from ragcore.model_files import default_model_dir
+
+    assert auto_formats(tmp_path, torch.device("cpu")) == ()  # no GGUF in a plain HF directory: Not q4_1
+    assert auto_formats(default_model_dir(), torch.device("cuda")) == ()  # a CPU kernel
+    want = ("q4_1",) if kernel() is not None else ()
+    assert auto_formats(default_model_dir(), torch.device("cpu")) == want  # the default model ships as Q4_1
 
 
 def test_a_measurably_bad_user_choice_is_warned_about():

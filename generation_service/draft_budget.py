@@ -134,12 +134,13 @@ def best_size(p_desc: np.ndarray, cost: StepCost) -> int:
 
 
 def batch_sizes(p: Sequence[np.ndarray], cost: StepCost, base_rows: int, segments: int,
-                segment_ms: float = 0.0) -> list[int]:
+                segment_ms: float = 0.0, base_tokens: int | None = None) -> list[int]:
     """Draft nodes to verify per sequence of a batched pass, for the most tokens per ms over the whole batch.
 
     p[i]: sequence i's node acceptance estimates; base_rows: rows the pass carries anyway (each decoding sequence's
-    last token and pad rows, prefill chunks); segments: sequences in the pass, each adding segment_ms (its own
-    attention and bookkeeping). Expected tokens = decoding sequences + the sum of p over the chosen nodes; the
+    last token and pad rows, other requests' AR rows); segments: sequences in the pass, each adding segment_ms (its
+    own attention and bookkeeping); base_tokens: tokens the pass emits without any node (default: one per p[i]).
+    Expected tokens = base_tokens + the sum of p over the chosen nodes; the
     nodes are taken best first across all sequences, so a confident tree of one request outbids a weak one of
     another, and the more rows the batch already has the fewer extra nodes pay. One sequence alone gives
     best_size's answer (up to tree_ms).
@@ -153,7 +154,8 @@ def batch_sizes(p: Sequence[np.ndarray], cost: StepCost, base_rows: int, segment
     order = np.argsort(-allp, kind="stable")
     k = np.arange(allp.shape[0] + 1)
     fixed = segments * segment_ms + cost.tree_ms * len(p)
-    rate = (len(p) + np.concatenate(([0.0], np.cumsum(allp[order])))) / (cost.pass_ms(base_rows + k) + fixed)
+    base = len(p) if base_tokens is None else base_tokens
+    rate = (base + np.concatenate(([0.0], np.cumsum(allp[order])))) / (cost.pass_ms(base_rows + k) + fixed)
     best = int(np.argmax(rate))
     for i in owner[order[:best]].tolist():
         counts[i] += 1

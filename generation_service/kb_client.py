@@ -115,6 +115,13 @@ class SearchFuture:
     def done(self) -> bool:
         return self._future is None or self._future.done()
 
+    def add_done_callback(self, fn) -> None:
+        """fn(self) once the reply (or the failure) is there; at once if it is (engine/effects.py Wait)."""
+        if self._future is None:
+            fn(self)
+        else:
+            self._future.add_done_callback(lambda _f: fn(self))
+
     def cancel(self) -> None:
         if self._future is not None:
             self._future.cancel()

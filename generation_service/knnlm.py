@@ -52,6 +52,16 @@ import grpc
 import numpy as np
 import torch
 
+from generation_service.engine.effects import (
+    Effects,
+    Emit,
+    Wait,
+    ar_pass,
+    call,
+    prefill_passes,
+    run_inline,
+    run_solo,
+)
 from generation_service.engine.steps import check_prompt
 from generation_service.kb_client import KBClient, KBUnavailable, parse_search
 from generation_service.model import TargetModel, cache_length, new_cache
@@ -62,12 +72,9 @@ from generation_service.speculative import (
     SpeculationStats,
     StreamChunk,
     cut_emitted,
-    prefill,
     stream_tokenizer,
     text_chunks,
-    verify_tree,
 )
-from generation_service.tree_attention import gather_kv
 from ragcore.errors import InvalidArgument, Unavailable
 from ragcore.knn_store import KnnDatastore, open_datastore
 from ragcore.model_files import tokenizer_identity
@@ -85,7 +92,6 @@ MAX_STRIDE = 64
 # each cost more than a wrong first guess does.
 KNN_GAMMA_MAX = 0.8
 KNN_OS3 = OS3Config(gamma_max=KNN_GAMMA_MAX, s_init=4, overlap="round")  # async: the whole next round overlaps
-_EMPTY = np.zeros(0, np.int32)
 
 
 @dataclass(frozen=True)
@@ -340,8 +346,9 @@ class KnnSearchClient:
 
 
 class PendingSearch:
-    """A verification Search in flight (kb_client.SearchFuture on one replica). result() waits; if that replica
-    failed it retries once synchronously through KBClient.call, which fails over to the other replicas."""
+    """A verification Search in flight (kb_client.SearchFuture on one replica). Once done(), settled() gives the
+    hits, or None if that replica failed: then retry() asks again through KBClient.call, which fails over to the
+    other replicas (a blocking call: a Call effect in the loop)."""
 
     def __init__(self, client: KnnSearchClient, future, queries: np.ndarray, k: int, retriever: str, ef_search: int):
         self.client, self.future, self.queries = client, future, queries
@@ -351,16 +358,23 @@ class PendingSearch:
     def done(self) -> bool:
         return self.future.done()
 
-    def result(self) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Wait for the hits; `finished_at` is then the perf_counter time they arrived."""
+    def add_done_callback(self, fn) -> None:
+        self.future.add_done_callback(lambda _f: fn(self))
+
+    def settled(self) -> list[tuple[np.ndarray, np.ndarray]] | None:
+        """Once done(): the hits (`finished_at` = the perf_counter time they arrived), None if the replica failed."""
         try:
             reply = self.future.result()
-            self.finished_at = self.future.finished_at or time.perf_counter()
         except KBUnavailable:
-            hits = self.client.search(self.queries, self.k, self.retriever, self.ef_search)
-            self.finished_at = time.perf_counter()
-            return hits
+            return None
+        self.finished_at = self.future.finished_at or time.perf_counter()
         return self.client.hits(reply, len(self.queries))
+
+    def retry(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The same Search again, failing over to the other replicas (blocking)."""
+        hits = self.client.search(self.queries, self.k, self.retriever, self.ef_search)
+        self.finished_at = time.perf_counter()
+        return hits
 
 
 @dataclass
@@ -409,15 +423,16 @@ class KnnBackend:
 
 
 def true_distributions(backend: KnnBackend, queries: np.ndarray, logits: Sequence[torch.Tensor], opts: KnnLmOptions,
-                       stats: KnnLmStats) -> tuple[list[torch.Tensor], list[np.ndarray]]:
-    """One batched Search for B queries [B, D] -> (p float64 [V] per query, retrieved entry ids per query).
+                       stats: KnnLmStats) -> Effects:
+    """One batched Search (a Call) for B queries [B, D] -> (p float64 [V] per query, retrieved entry ids per
+    query).
 
     A failed Search raises KnnRetrievalError (the request fails with UNAVAILABLE). It does not fall back to p_LM:
     unlike a missing draft, which only costs speed, a token decided without its neighbours is a different
     model's answer, and the client asked for the kNN-LM's.
     """
     t0 = time.perf_counter()
-    hits = backend.client.search(queries, opts.k, opts.retriever, opts.ef_search)
+    hits = yield call(backend.client.search, queries, opts.k, opts.retriever, opts.ef_search)
     out = hit_distributions(backend, hits, logits, opts, stats)
     stats.retrieval_ms += (time.perf_counter() - t0) * 1e3
     return out
@@ -454,21 +469,28 @@ def _output_layer_input(tm: TargetModel):
             tm.lean.hidden_sink = None
 
 
-def lm_prefill(tm: TargetModel, kv, prompt: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+def lm_prefill_passes(tm: TargetModel, kv, prompt: np.ndarray) -> Effects:
     """prompt: int [P] -> (logits [V] of the last position, its final hidden state float32 [D]); kv holds P rows."""
-    with _output_layer_input(tm) as box:
-        logits = prefill(tm, kv, torch.from_numpy(prompt.astype(np.int64)).to(tm.device))
-    return logits, box[-1][0, -1].float().cpu().numpy()
+    logits, hidden = yield from prefill_passes(tm, kv, torch.from_numpy(prompt.astype(np.int64)).to(tm.device),
+                                               hidden=True)
+    return logits, hidden.float().cpu().numpy()
+
+
+def lm_step_passes(tm: TargetModel, kv, token: int) -> Effects:
+    """One single-token pass (the AR step the other decoding modes use, pad rows included) -> (logits [V],
+    hidden float32 [D]); kv grows by one row."""
+    logits, hidden = yield from ar_pass(tm, kv, token, hidden=True)
+    return logits, hidden.float().cpu().numpy()
+
+
+def lm_prefill(tm: TargetModel, kv, prompt: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+    """lm_prefill_passes alone."""
+    return run_inline(tm, lm_prefill_passes(tm, kv, prompt))
 
 
 def lm_step(tm: TargetModel, kv, token: int) -> tuple[torch.Tensor, np.ndarray]:
-    """One single-token pass (the AR step the other decoding modes use, pad rows included) -> (logits [V],
-    hidden float32 [D]); kv grows by one row."""
-    past = cache_length(kv)
-    with _output_layer_input(tm) as box:
-        logits = verify_tree(tm, kv, token, _EMPTY, _EMPTY)  # [q, V], row 0 = the token
-    gather_kv(kv, past, [])  # drop the pad rows
-    return logits[0], box[-1][0, 0].float().cpu().numpy()
+    """lm_step_passes alone."""
+    return run_inline(tm, lm_step_passes(tm, kv, token))
 
 
 def _truncate(kv, length: int) -> None:
@@ -487,25 +509,64 @@ def _check_prompt(tm: TargetModel, prompt_ids, params: SamplingParams) -> np.nda
     return check_prompt(tm, prompt_ids, params).astype(np.int64)
 
 
+@dataclass
+class KnnStreamChunk(StreamChunk):
+    knnlm: KnnLmStats | None = None  # final chunk only
+
+
+class KnnRequest:
+    """One kNN-LM request (the baseline, or RaLMSpec-style speculation when opts.speculate) as a decoding loop over
+    effects (engine/effects.py): run alone by decode / generate_stream, or beside other requests by the engine.
+
+        req = KnnRequest(tm, prompt_ids, params, opts, backend)   # InvalidArgument for a bad request
+        for tokens, finish in run_solo(tm, req.effects()): ...
+        chunk = req.final_chunk(finish, ids, text, n_tokens, total_ms)
+    """
+
+    chunk = KnnStreamChunk  # its text chunks
+
+    def __init__(self, tm: TargetModel, prompt_ids, params: SamplingParams, opts: KnnLmOptions, backend: KnnBackend,
+                 *, stats: KnnLmStats | None = None, os3: OS3Config | None = None,
+                 is_cancelled: Callable[[], bool] | None = None):
+        self.prompt = _check_prompt(tm, prompt_ids, params)
+        backend.check(opts)
+        self.tm, self.params, self.opts, self.backend, self.os3 = tm, params, opts, backend, os3
+        self.stats = stats if stats is not None else KnnLmStats()
+        self.stats.mode, self.stats.retriever, self.stats.k = opts.mode, opts.retriever, opts.k
+        self.cancelled = is_cancelled or (lambda: False)
+
+    def effects(self) -> Effects:
+        """The loop: effects, Emit(new output tokens, finish reason); the last Emit carries the reason."""
+        tm, stats = self.tm, self.stats
+        if self.cancelled():
+            yield Emit([], FINISH_CANCELLED)
+            return
+        t0 = time.perf_counter()
+        kv = new_cache(tm)
+        logits, hidden = yield from lm_prefill_passes(tm, kv, self.prompt)
+        stats.prefill_ms = (time.perf_counter() - t0) * 1e3
+        eos = frozenset() if self.params.ignore_eos else tm.eos_token_ids
+        loop = _speculative if self.opts.speculate else _baseline
+        yield from loop(tm, kv, logits, hidden, self.params.max_new_tokens, eos, self.opts, self.backend, stats,
+                        self.cancelled, self.os3)
+
+    def final_chunk(self, finish: str, ids: list[int], text: str, n_tokens: int, total_ms: float) -> KnnStreamChunk:
+        knn = self.stats
+        stats = SpeculationStats(
+            decoding="knnlm", forward_steps=knn.tokens if not self.opts.speculate else knn.tokens + knn.wasted_passes,
+            verify_ms=knn.generation_ms, prefill_ms=knn.prefill_ms,  # retrieval and speculation: knnlm stats
+            total_ms=total_ms, draft_tokens_proposed=knn.speculated, draft_tokens_accepted=knn.correct)
+        return KnnStreamChunk(ids, text, finish_reason=finish, stats=stats, prompt_tokens=len(self.prompt),
+                              completion_tokens=n_tokens, knnlm=knn)
+
+
 def decode(tm: TargetModel, prompt_ids, params: SamplingParams, opts: KnnLmOptions, backend: KnnBackend, *,
            stats: KnnLmStats | None = None, os3: OS3Config | None = None,
            is_cancelled: Callable[[], bool] | None = None) -> Iterator[tuple[list[int], str | None]]:
-    """Token-level kNN-LM generation: yields (new output tokens, finish reason); the last item has the reason."""
-    prompt = _check_prompt(tm, prompt_ids, params)
-    backend.check(opts)
-    stats = stats if stats is not None else KnnLmStats()
-    stats.mode, stats.retriever, stats.k = opts.mode, opts.retriever, opts.k
-    eos = frozenset() if params.ignore_eos else tm.eos_token_ids
-    cancelled = is_cancelled or (lambda: False)
-    if cancelled():
-        yield [], FINISH_CANCELLED
-        return
-    t0 = time.perf_counter()
-    kv = new_cache(tm)
-    logits, hidden = lm_prefill(tm, kv, prompt)
-    stats.prefill_ms = (time.perf_counter() - t0) * 1e3
-    loop = _speculative if opts.speculate else _baseline
-    yield from loop(tm, kv, logits, hidden, params.max_new_tokens, eos, opts, backend, stats, cancelled, os3)
+    """Token-level kNN-LM generation alone: yields (new output tokens, finish reason); the last item has the
+    reason."""
+    req = KnnRequest(tm, prompt_ids, params, opts, backend, stats=stats, os3=os3, is_cancelled=is_cancelled)
+    yield from run_solo(tm, req.effects())
 
 
 def _baseline(tm, kv, logits, hidden, max_new, eos, opts, backend, stats, cancelled, _os3):
@@ -513,18 +574,18 @@ def _baseline(tm, kv, logits, hidden, max_new, eos, opts, backend, stats, cancel
     n_out = 0
     while True:
         if cancelled():
-            yield [], FINISH_CANCELLED
+            yield Emit([], FINISH_CANCELLED)
             return
-        (p,), _ = true_distributions(backend, hidden[None, :], [logits], opts, stats)
+        (p,), _ = yield from true_distributions(backend, hidden[None, :], [logits], opts, stats)
         token = next_token(p)
         out, finish = cut_emitted([token], max_new - n_out, eos)
         n_out += len(out)
         stats.tokens = n_out
-        yield out, finish
+        yield Emit(out, finish)
         if finish:
             return
         t = time.perf_counter()
-        logits, hidden = lm_step(tm, kv, token)
+        logits, hidden = yield from lm_step_passes(tm, kv, token)
         stats.generation_ms += (time.perf_counter() - t) * 1e3
 
 
@@ -584,7 +645,7 @@ def _speculative(tm, kv, logits, hidden, max_new, eos, opts, backend, stats, can
         if cancelled():
             if inflight:
                 inflight.search.future.cancel()
-            yield [], FINISH_CANCELLED
+            yield Emit([], FINISH_CANCELLED)
             return
         if not steps:
             stride = sched.next_stride() if sched is not None else opts.stride
@@ -595,7 +656,7 @@ def _speculative(tm, kv, logits, hidden, max_new, eos, opts, backend, stats, can
                and not (inflight and inflight.search.done())):
             t = time.perf_counter()
             if head is None:
-                head = lm_step(tm, kv, last_token)
+                head = yield from lm_step_passes(tm, kv, last_token)
                 stats.generation_ms += (time.perf_counter() - t) * 1e3
                 passes += 1
             q_logits, q = head
@@ -620,7 +681,11 @@ def _speculative(tm, kv, logits, hidden, max_new, eos, opts, backend, stats, can
         # 3. Settle the round in flight.
         rnd, inflight = inflight, None
         t = time.perf_counter()
-        hits = rnd.search.result()
+        if not rnd.search.done():
+            yield Wait(rnd.search)
+        hits = rnd.search.settled()
+        if hits is None:  # that replica failed: once more, failing over
+            hits = yield call(rnd.search.retry)
         t_hits = time.perf_counter()
         log.debug("round of %d: sent %.3f, search %.3f s, settled after %.3f s; %d steps built meanwhile",
                   len(rnd.steps), rnd.sent, rnd.search.finished_at - rnd.sent, t_hits - rnd.sent, len(steps))
@@ -660,7 +725,7 @@ def _speculative(tm, kv, logits, hidden, max_new, eos, opts, backend, stats, can
         out, finish = cut_emitted(emitted, max_new - n_out, eos)
         n_out += len(out)
         stats.tokens = n_out
-        yield out, finish
+        yield Emit(out, finish)
         if finish:
             return
 
@@ -678,26 +743,15 @@ def generate_tokens(tm: TargetModel, prompt_ids, params: SamplingParams, opts: K
 # ------------------------------------------------------------------------------------------- text level
 
 
-@dataclass
-class KnnStreamChunk(StreamChunk):
-    knnlm: KnnLmStats | None = None  # final chunk only
-
-
 def generate_stream(tm: TargetModel, prompt_ids, params: SamplingParams, opts: KnnLmOptions, backend: KnnBackend, *,
                     is_cancelled: Callable[[], bool] | None = None, tokenizer="model") -> Iterator[KnnStreamChunk]:
     """Stream chunks like speculative.generate_stream; the final chunk carries SpeculationStats and KnnLmStats."""
     t0 = time.perf_counter()
     tok = stream_tokenizer(tm, tokenizer, params)
-    knn = KnnLmStats()
-    steps = decode(tm, prompt_ids, params, opts, backend, stats=knn, is_cancelled=is_cancelled)
-    finish, ids, delta, n_tokens = yield from text_chunks(steps, tok, prompt_ids, params.stop, KnnStreamChunk)
-    stats = SpeculationStats(
-        decoding="knnlm", forward_steps=knn.tokens if not opts.speculate else knn.tokens + knn.wasted_passes,
-        verify_ms=knn.generation_ms, prefill_ms=knn.prefill_ms,  # retrieval and speculation: knnlm stats
-        total_ms=(time.perf_counter() - t0) * 1e3, draft_tokens_proposed=knn.speculated,
-        draft_tokens_accepted=knn.correct)
-    yield KnnStreamChunk(ids, delta, finish_reason=finish, stats=stats, prompt_tokens=len(prompt_ids),
-                         completion_tokens=n_tokens, knnlm=knn)
+    req = KnnRequest(tm, prompt_ids, params, opts, backend, is_cancelled=is_cancelled)
+    finish, ids, delta, n_tokens = yield from text_chunks(run_solo(tm, req.effects()), tok, prompt_ids, params.stop,
+                                                          KnnStreamChunk)
+    yield req.final_chunk(finish, ids, delta, n_tokens, (time.perf_counter() - t0) * 1e3)
 
 
 def options_from_proto(msg, defaults: KnnLmOptions | None = None) -> KnnLmOptions:

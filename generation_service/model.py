@@ -243,6 +243,26 @@ def forward_batch(tm: TargetModel, segments: list[Segment]) -> list[torch.Tensor
     return out
 
 
+def forward_batch_hidden(tm: TargetModel, segments: list[Segment]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """forward_batch, plus per segment the final (normed) hidden rows the output layer reads [q', D], the rows
+    its logits come from (kNN-LM queries)."""
+    box: list[torch.Tensor] = []
+    if tm.lean is not None:
+        tm.lean.hidden_sink = box  # the pass appends its kept rows [1, sum q', D] once
+        try:
+            logits = tm.lean.forward_batch(segments)
+        finally:
+            tm.lean.hidden_sink = None
+        return logits, list(torch.split(box[-1][0], [lg.shape[0] for lg in logits]))
+    # The generic path runs one forward per segment: the output layer's input, captured per segment.
+    handle = tm.model.get_output_embeddings().register_forward_hook(lambda _m, inp, _out: box.append(inp[0]))
+    try:
+        logits = forward_batch(tm, segments)
+    finally:
+        handle.remove()
+    return logits, [b[0] for b in box]
+
+
 def warmup(tm: TargetModel, prompt_len: int = 64, tree_sizes: tuple[int, ...] = (8, 32, 64), rounds: int = 2) -> float:
     """Run prefill, single-token steps and tree passes so one-time kernel set-up (oneDNN/AMX JIT, allocator growth)
     happens before the server reports SERVING. Returns the seconds it took."""

@@ -41,6 +41,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
+from generation_service.engine.effects import Effects, Emit, Wait, ar_pass, call, prefill_passes, run_inline, run_solo
 from generation_service.engine.steps import check_prompt
 from generation_service.kb_client import Hits, KBRequestError, KBUnavailable, SearchFuture, SearchReply
 from generation_service.model import TargetModel, cache_length, new_cache
@@ -54,19 +55,15 @@ from generation_service.speculative import (
     FINISH_STOP,
     SpeculationStats,
     StreamChunk,
-    prefill,
     stream_tokenizer,
     text_chunks,
-    verify_tree,
 )
-from generation_service.tree_attention import gather_kv
 from ragcore.errors import InvalidArgument
 from ragcore.wire import clip
 
 RETRIEVERS = ("edr", "adr", "sr")
 ENCODERS = ("server", "local")
 MAX_PREFETCH = 256
-_EMPTY = np.zeros(0, np.int32)
 
 
 def _int_in(name: str, value, lo: int, hi: int) -> None:
@@ -164,6 +161,11 @@ class RagStats:
         return d
 
 
+@dataclass
+class RagChunk(StreamChunk):
+    rag_stats: RagStats | None = None  # final chunk only
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Model side: one step = k tokens with a given passage; checkpoints for rollback.
 
@@ -171,13 +173,9 @@ class RagStats:
 def decode_one(tm: TargetModel, cache, token: int) -> torch.Tensor:
     """Feed one token (not yet in the cache) -> logits [V] of the next position; the cache grows by one row.
 
-    verify_tree with an empty tree is the AR step of the speculative loop (pad rows in bf16 included), so a RAG
-    step decodes with exactly the kernels every other decode path uses.
+    The AR step of every decoding loop (effects.ar_pass: pad rows in bf16 included), run alone.
     """
-    past = cache_length(cache)
-    logits = verify_tree(tm, cache, token, _EMPTY, _EMPTY)  # [q, V]
-    gather_kv(cache, past, [])
-    return logits[0]
+    return run_inline(tm, ar_pass(tm, cache, token))[0]
 
 
 @dataclass
@@ -228,8 +226,12 @@ class StepRunner:
         self.finish = None
 
     def step(self, doc: int | None, passage: list[int], abort: Callable[[], bool] | None = None) -> bool:
-        """Generate up to `stride` tokens with `passage` (the tokens of doc) prepended. Returns False if `abort`
-        said stop (checked before every forward pass; the caller then restores a checkpoint)."""
+        """step_passes alone (each pass a forward pass of its own)."""
+        return run_inline(self.tm, self.step_passes(doc, passage, abort))
+
+    def step_passes(self, doc: int | None, passage: list[int], abort: Callable[[], bool] | None = None) -> Effects:
+        """Generate up to `stride` tokens with `passage` (the tokens of doc) prepended, as effects. Returns False if
+        `abort` said stop (checked before every forward pass; the caller then restores a checkpoint)."""
         n = min(self.rag.stride, self.params.max_new_tokens - len(self.out))
         t0 = time.perf_counter()
         try:
@@ -241,12 +243,13 @@ class StepRunner:
                                           np.asarray(self.out, np.int64)])  # [P] passage + prompt + output
                     t1 = time.perf_counter()
                     self.cache, self.cache_doc = new_cache(self.tm), doc
-                    logits = prefill(self.tm, self.cache, torch.from_numpy(ids).to(self.tm.device))  # [V]
+                    logits, _ = yield from prefill_passes(self.tm, self.cache,
+                                                          torch.from_numpy(ids).to(self.tm.device))  # [V]
                     self.stats.prefill_ms += (time.perf_counter() - t1) * 1e3
                     self.stats.prefill_tokens += int(ids.shape[0])
                     self.stats.prefills += 1
                 else:
-                    logits = decode_one(self.tm, self.cache, self.out[-1])  # [V]
+                    logits, _ = yield from ar_pass(self.tm, self.cache, self.out[-1])  # [V]
                     self.stats.decode_tokens += 1
                 token = self.sampler.pick(logits)
                 if token in self.eos:
@@ -325,43 +328,80 @@ def passage_budget(prompt_len: int, rag: RagParams) -> int:
     return max(0, min(rag.max_passage_tokens, rag.max_prompt_tokens - prompt_len))
 
 
+class RagRequest:
+    """One RAG request (RaLMSeq, or RaLMSpec when rag.speculate) as a decoding loop over effects
+    (engine/effects.py): run alone by ralm_decode / ralm_stream, or beside other requests by the engine.
+
+        req = RagRequest(tm, prompt_ids, params, rag, retriever)   # InvalidArgument for a bad request
+        for tokens, finish in run_solo(tm, req.effects()): ...
+        chunk = req.final_chunk(finish, ids, text, n_tokens, total_ms)
+    """
+
+    chunk = RagChunk  # its text chunks
+
+    def __init__(self, tm: TargetModel, prompt_ids, params: SamplingParams, rag: RagParams, retriever: Retriever, *,
+                 stats: RagStats | None = None, is_cancelled: Callable[[], bool] | None = None):
+        self.prompt = check_prompt(tm, prompt_ids, params)
+        _check_rag_prompt(tm, self.prompt, params, rag)
+        self.rag, self.retriever = rag, retriever
+        self.stats = stats if stats is not None else RagStats()
+        self.stats.mode, self.stats.retriever = rag.mode, rag.retriever
+        self.runner = StepRunner(tm, self.prompt, params, rag, self.stats)
+        self.cancelled = is_cancelled or (lambda: False)
+
+    def effects(self) -> Effects:
+        """The loop: effects, Emit(newly committed tokens, finish reason); the last Emit carries the reason (stop,
+        length, cancelled). Raises KBUnavailable if retrieval fails with nothing to fall back on."""
+        calls0 = self.retriever.calls
+        try:
+            loop = _speculative if self.rag.speculate else _sequential
+            yield from loop(self.runner, self.retriever, self.rag, self.stats, self.cancelled)
+        finally:
+            self.stats.kb_calls = self.retriever.calls - calls0
+
+    def final_chunk(self, finish: str, ids: list[int], text: str, n_tokens: int, total_ms: float) -> "RagChunk":
+        # Retrieval time is rag_stats.retrieval_ms (a RAG request drafts nothing: draft_ms stays 0).
+        r = self.stats
+        stats = SpeculationStats(decoding=self.rag.mode, prefill_ms=r.prefill_ms, verify_ms=r.generation_ms,
+                                 total_ms=total_ms, forward_steps=r.prefills + r.decode_tokens)
+        return RagChunk(ids, text, finish_reason=finish, stats=stats, prompt_tokens=len(self.prompt),
+                        completion_tokens=n_tokens, rag_stats=r)
+
+
 def ralm_decode(tm: TargetModel, prompt_ids, params: SamplingParams, rag: RagParams, retriever: Retriever, *,
                 stats: RagStats | None = None,
                 is_cancelled: Callable[[], bool] | None = None) -> Iterator[tuple[list[int], str | None]]:
-    """RaLMSeq or RaLMSpec (rag.speculate) at token level: yields (newly committed output tokens, finish reason);
-    the last item carries the finish reason (stop, length, cancelled). Raises KBUnavailable if retrieval fails
-    with nothing to fall back on."""
-    prompt = check_prompt(tm, prompt_ids, params)
-    _check_rag_prompt(tm, prompt, params, rag)
-    stats = stats if stats is not None else RagStats()
-    stats.mode, stats.retriever = rag.mode, rag.retriever
-    runner = StepRunner(tm, prompt, params, rag, stats)
-    cancelled = is_cancelled or (lambda: False)
-    calls0 = retriever.calls
-    try:
-        loop = _speculative if rag.speculate else _sequential
-        yield from loop(runner, retriever, rag, stats, cancelled)
-    finally:
-        stats.kb_calls = retriever.calls - calls0
+    """RaLMSeq or RaLMSpec (rag.speculate) alone, at token level: yields (newly committed output tokens, finish
+    reason); the last item carries the finish reason (stop, length, cancelled). Raises KBUnavailable if retrieval
+    fails with nothing to fall back on."""
+    req = RagRequest(tm, prompt_ids, params, rag, retriever, stats=stats, is_cancelled=is_cancelled)
+    yield from run_solo(tm, req.effects())
+
+
+def _passage(retr: Retriever, doc: int | None, *, sequential: bool = True) -> Effects:
+    """retr.passage(doc): here when the retriever has its text already, else a Call (a GetDocuments round trip)."""
+    if doc is None or retr.has_passage(doc):
+        return retr.passage(doc, sequential=sequential)
+    return (yield call(retr.passage, doc, sequential=sequential))
 
 
 def _sequential(runner: StepRunner, retr: Retriever, rag: RagParams, stats: RagStats,
-                cancelled: Callable[[], bool]) -> Iterator[tuple[list[int], str | None]]:
+                cancelled: Callable[[], bool]) -> Effects:
     prev: int | None = None  # passage of the previous step (a blank query keeps it)
     while runner.finish is None:
         if cancelled():
-            yield [], FINISH_CANCELLED
+            yield Emit([], FINISH_CANCELLED)
             return
         t0 = time.perf_counter()
         q = retr.query(runner.window())
-        doc = prev if q is None else retr.search([q], 1, sequential=True)[0].top1
-        passage = retr.passage(doc)
+        doc = prev if q is None else (yield call(retr.search, [q], 1, sequential=True))[0].top1
+        passage = yield from _passage(retr, doc)
         stats.retrieval_ms += (time.perf_counter() - t0) * 1e3
         stats.retrievals += 1
         start = len(runner.out)
-        runner.step(doc, passage)
+        yield from runner.step_passes(doc, passage)
         prev = doc
-        yield runner.out[start:], runner.finish
+        yield Emit(runner.out[start:], runner.finish)
 
 
 def resolve_true(queries: list[Query | None], hits: list[Hits], prev: int | None) -> list[int | None]:
@@ -389,35 +429,43 @@ def first_mismatch(speculated: list[int | None], true: list[int | None]) -> int 
 
 
 class _Verification:
-    """One round's verification, sync or in flight, parsed once."""
+    """One round's verification, in flight (start) or run as a Call (run), parsed once."""
 
-    def __init__(self, retr: Retriever, queries: list[Query | None], k: int, prev: int | None, *, wait: bool):
-        self.queries, self.prev = queries, prev
+    def __init__(self, retr: Retriever, queries: list[Query | None], k: int, prev: int | None):
+        self.queries, self.prev, self.k = queries, prev, k
         self.asked = [q for q in queries if q is not None]
         self.future = None
         self.reply_hits: list[Hits] | None = None
         self.error = ""
         self.latency_s: float | None = None
         self._true: list[int | None] | None = None
+        self._retr = retr
         if not self.asked:
             self.reply_hits = []
             self.latency_s = 0.0
-        elif wait:
-            t0 = time.perf_counter()
-            try:
-                self.reply_hits = retr.search(self.asked, k, sequential=False)
-            except KBUnavailable as e:
-                self.error = str(e) or "verification failed"
-            self.latency_s = time.perf_counter() - t0
-        else:
-            self.future = retr.search_async(self.asked, k)
-        self._retr = retr
+
+    def start(self) -> "_Verification":
+        """Send it (async verification: the round's last step runs while it is in flight)."""
+        if self.reply_hits is None:
+            self.future = self._retr.search_async(self.asked, self.k)
+        return self
+
+    def run(self) -> Effects:
+        """Sync verification: one blocking search (a Call)."""
+        if self.reply_hits is not None:
+            return
+        t0 = time.perf_counter()
+        try:
+            self.reply_hits = yield call(self._retr.search, self.asked, self.k, sequential=False)
+        except KBUnavailable as e:
+            self.error = str(e) or "verification failed"
+        self.latency_s = time.perf_counter() - t0
 
     def done(self) -> bool:
         return self.future is None or self.future.done()
 
     def settle(self) -> list[int | None] | None:
-        """Wait if needed -> the true passage per step (None on failure, see .error)."""
+        """Once done() -> the true passage per step (None on failure, see .error)."""
         if self._true is not None or self.error:
             return self._true
         if self.reply_hits is None:
@@ -434,7 +482,7 @@ class _Verification:
 
 
 def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: RagStats,
-                 cancelled: Callable[[], bool]) -> Iterator[tuple[list[int], str | None]]:
+                 cancelled: Callable[[], bool]) -> Effects:
     cache = PassageCache(rag.cache_capacity, retr.dim)
     sched = StrideScheduler(OS3Config(window=rag.os3_window, gamma_max=rag.gamma_max, s_init=1,
                                       s_max=rag.s_max, async_verify=rag.async_verify)) if rag.os3 else None
@@ -474,7 +522,7 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
     try:
         while runner.finish is None:
             if cancelled():
-                yield [], FINISH_CANCELLED
+                yield Emit([], FINISH_CANCELLED)
                 return
             drain_prefetch()
             if fallback or len(cache) == 0 or (gate is not None and not gate.speculate()):
@@ -486,12 +534,12 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
                 if q is None:
                     doc = prev
                 else:
-                    hits = retr.search([q], 1, sequential=True)  # KBUnavailable here fails the request
+                    hits = yield call(retr.search, [q], 1, sequential=True)  # KBUnavailable: fails the request
                     cache_hits(hits)  # the top-1 at least: speculation can start at the next step
                     doc = hits[0].top1
                     if k_fetch > 1 and not fallback:
                         pending.append(retr.search_async([q], k_fetch))
-                passage = retr.passage(doc)
+                passage = yield from _passage(retr, doc)
                 r = time.perf_counter() - t0
                 stats.retrieval_ms += r * 1e3
                 stats.sequential_retrieval_ms += r * 1e3
@@ -499,9 +547,9 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
                 stats.strides.append(0)
                 if gate is not None and q is not None:
                     gate.record_sequential(r)
-                runner.step(doc, passage)
+                yield from runner.step_passes(doc, passage)
                 prev = doc
-                yield commit(), runner.finish
+                yield Emit(commit(), runner.finish)
                 continue
 
             s = sched.next_stride() if sched is not None else rag.spec_stride
@@ -528,8 +576,13 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
                 t0 = time.perf_counter()
                 try:
                     q = retr.query(runner.window())
-                    d = prev_spec if q is None else retr.speculate(q, cache)
-                    passage = retr.passage(d, sequential=False)
+                    if q is None:
+                        d = prev_spec
+                    elif retr.dim:  # ranked here against the cached vectors
+                        d = retr.speculate(q, cache)
+                    else:  # ranked by the KB (ScoreCandidates)
+                        d = yield call(retr.speculate, q, cache)
+                    passage = yield from _passage(retr, d, sequential=False)
                 except KBUnavailable as e:
                     failure = f"speculation: {e}"
                     dt = time.perf_counter() - t0
@@ -540,11 +593,11 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
                 queries.append(q)
                 specs.append(d)
                 if rag.async_verify and i == s - 1:
-                    ver = _Verification(retr, queries, k_fetch, prev, wait=False)  # in flight during this step
+                    ver = _Verification(retr, queries, k_fetch, prev).start()  # in flight during this step
                 dt = time.perf_counter() - t0
                 r_round += dt
                 stats.speculation_retrieval_ms += dt * 1e3
-                ok = runner.step(d, passage, abort if ver is not None else None)
+                ok = yield from runner.step_passes(d, passage, abort if ver is not None else None)
                 if ok:
                     step_s.append(time.perf_counter() - t0)
                 prev_spec = d
@@ -555,7 +608,10 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
             if not failure and ckpts:
                 t0 = time.perf_counter()
                 if ver is None:  # sync, or the output ended before the round's last step
-                    ver = _Verification(retr, queries, k_fetch, prev, wait=True)
+                    ver = _Verification(retr, queries, k_fetch, prev)
+                    yield from ver.run()
+                if not ver.done():
+                    yield Wait(ver.future)
                 true = ver.settle()
                 dt = time.perf_counter() - t0
                 r_round += dt
@@ -590,18 +646,18 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
                 stats.wasted_generation_ms += waste * 1e3
                 stats.rollbacks += 1
                 t0 = time.perf_counter()
-                passage = retr.passage(true[m])  # KBUnavailable here fails the request (nothing to fall back on)
+                passage = yield from _passage(retr, true[m])  # KBUnavailable: fails the request (no fallback)
                 dt = time.perf_counter() - t0
                 r_round += dt
                 stats.verification_wait_ms += dt * 1e3
-                runner.step(true[m], passage)  # the passage is known now: not speculative
+                yield from runner.step_passes(true[m], passage)  # the passage is known now: not speculative
             n_committed = len(specs) if m is None else m + 1
             prev = true[n_committed - 1]
             stats.retrieval_ms += r_round * 1e3
             stats.retrievals += n_committed
             if gate is not None:
                 gate.record_round(r_round + waste, n_committed)
-            yield commit(), runner.finish
+            yield Emit(commit(), runner.finish)
     finally:
         for fut in pending:  # the request is over (or failed): nobody will read them
             fut.cancel()
@@ -611,9 +667,6 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
 # Text level.
 
 
-@dataclass
-class RagChunk(StreamChunk):
-    rag_stats: RagStats | None = None  # final chunk only
 
 
 def ralm_stream(tm: TargetModel, prompt_ids, params: SamplingParams, rag: RagParams, retriever: Retriever, *,
@@ -622,12 +675,7 @@ def ralm_stream(tm: TargetModel, prompt_ids, params: SamplingParams, rag: RagPar
     (decoding = ralmseq | ralmspec) and rag_stats. tokenizer: "model" = tm.tokenizer, None = ids only."""
     t0 = time.perf_counter()
     tok = stream_tokenizer(tm, tokenizer, params)
-    rstats = RagStats()
-    steps = ralm_decode(tm, prompt_ids, params, rag, retriever, stats=rstats, is_cancelled=is_cancelled)
-    finish, ids, delta, n_tokens = yield from text_chunks(steps, tok, prompt_ids, params.stop, RagChunk)
-    total = time.perf_counter() - t0
-    # Retrieval time is rag_stats.retrieval_ms (a RAG request drafts nothing: draft_ms stays 0).
-    stats = SpeculationStats(decoding=rag.mode, prefill_ms=rstats.prefill_ms, verify_ms=rstats.generation_ms,
-                             total_ms=total * 1e3, forward_steps=rstats.prefills + rstats.decode_tokens)
-    yield RagChunk(ids, delta, finish_reason=finish, stats=stats, prompt_tokens=len(prompt_ids),
-                   completion_tokens=n_tokens, rag_stats=rstats)
+    req = RagRequest(tm, prompt_ids, params, rag, retriever, is_cancelled=is_cancelled)
+    finish, ids, delta, n_tokens = yield from text_chunks(run_solo(tm, req.effects()), tok, prompt_ids,
+                                                          params.stop, RagChunk)
+    yield req.final_chunk(finish, ids, delta, n_tokens, (time.perf_counter() - t0) * 1e3)

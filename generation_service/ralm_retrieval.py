@@ -45,7 +45,7 @@ class Query:
 
 
 class Retriever(Protocol):
-    """What the RaLM loops need from retrieval. `calls` counts KB round trips."""
+    """What the RaLM loops need from retrieval. `calls` counts this retriever's KB round trips."""
 
     dim: int  # > 0: verification hits carry vectors and the cache is ranked locally
     calls: int
@@ -64,6 +64,9 @@ class Retriever(Protocol):
 
     def passage(self, doc: int | None, *, sequential: bool = True) -> list[int]:
         """Model tokens of the passage prepended for `doc` ([] for None); raises KBUnavailable."""
+
+    def has_passage(self, doc: int) -> bool:
+        """passage(doc) needs no round trip (its text came with a reply, or it was prepended before)."""
 
     def remember(self, reply: SearchReply) -> None:
         """Take note of what a (verification) reply carried, e.g. passage texts."""
@@ -118,12 +121,9 @@ class KBRetriever:
         self._sep = list(tokenizer(PASSAGE_SEPARATOR, add_special_tokens=False)["input_ids"])
         self._tokens: dict[int, list[int]] = {}  # doc -> passage tokens, tokenized when first prepended
         self._texts: dict[int, tuple[str, str]] = {}  # doc -> (title, text) a reply carried, not tokenized yet
-        self._calls0 = kb.calls
+        # This request's round trips (the KBClient is shared by every request, and their calls run side by side).
+        self.calls = 0
         self.encode_s = 0.0  # local query encoding time (part of R)
-
-    @property
-    def calls(self) -> int:
-        return self.kb.calls - self._calls0
 
     def query(self, window: np.ndarray) -> Query | None:
         text = self.tok.decode([int(t) for t in window], skip_special_tokens=True).strip()
@@ -142,6 +142,7 @@ class KBRetriever:
         return {"texts": [q.text for q in queries]}
 
     def search(self, queries: list[Query], k: int, *, sequential: bool) -> list[Hits]:
+        self.calls += 1
         reply = self.kb.search(self.retriever, k, with_vectors=self.dim > 0, with_text=k <= _TEXT_K,
                                ef_search=self.ef, deadline=self.deadline,
                                timeout_s=self.kb_timeout_s if sequential else self.spec_timeout_s,
@@ -150,6 +151,7 @@ class KBRetriever:
         return reply.hits
 
     def search_async(self, queries: list[Query], k: int) -> SearchFuture:
+        self.calls += 1
         return self.kb.search_async(self.retriever, k, with_vectors=self.dim > 0, with_text=k <= _TEXT_K, ef_search=self.ef,
                                     deadline=self.deadline, timeout_s=self.spec_timeout_s, **self._payload(queries))
 
@@ -168,6 +170,7 @@ class KBRetriever:
         if self.dim:
             return cache.top1_local(query.vector)
         ids = cache.ids.copy()
+        self.calls += 1
         cand = self.kb.score_candidates(self.retriever, ids, text=query.text, deadline=self.deadline,
                                         timeout_s=self.spec_timeout_s)
         return cache.top1_from_order(ids, cand.order, cand.scores, unmatched_zero=self.retriever == "sr")
@@ -179,6 +182,9 @@ class KBRetriever:
         ids = self.tok(body, add_special_tokens=False)["input_ids"]
         return list(ids[:self.budget - len(self._sep)]) + self._sep
 
+    def has_passage(self, doc: int) -> bool:
+        return doc in self._tokens or doc in self._texts
+
     def passage(self, doc: int | None, *, sequential: bool = True) -> list[int]:
         if doc is None:
             return []
@@ -186,6 +192,7 @@ class KBRetriever:
         if toks is None:
             known = self._texts.pop(doc, None)
             if known is None:
+                self.calls += 1
                 docs, _ = self.kb.get_documents([doc], deadline=self.deadline,
                                                 timeout_s=self.kb_timeout_s if sequential else self.spec_timeout_s)
                 known = (docs[0].title, docs[0].text)

@@ -16,7 +16,15 @@ from typing import Callable, Iterator
 
 from generation_service.config import GenerationConfig
 from generation_service.kb_client import KBClient
-from generation_service.ralm import MAX_PREFETCH, RagChunk, RagParams, RagStats, passage_budget, ralm_stream
+from generation_service.ralm import (
+    MAX_PREFETCH,
+    RagChunk,
+    RagParams,
+    RagRequest,
+    RagStats,
+    passage_budget,
+    ralm_stream,
+)
 from generation_service.ralm_retrieval import KBRetriever, LocalEncoder
 from generation_service.sampling import SamplingParams
 from proto import generation_pb2
@@ -104,5 +112,13 @@ class RagBackend:
 
     def stream(self, tm, prompt_ids, params: SamplingParams, rag: RagParams, *, deadline: float | None,
                is_cancelled: Callable[[], bool] | None = None) -> Iterator[RagChunk]:
+        """One request alone, as text chunks."""
         retr = self.retriever(tm.tokenizer, len(prompt_ids), rag, deadline)
         return ralm_stream(tm, prompt_ids, params, rag, retr, is_cancelled=is_cancelled)
+
+    def request(self, tm, prompt_ids, params: SamplingParams, rag: RagParams, *, deadline: float | None,
+                is_cancelled: Callable[[], bool] | None = None) -> RagRequest:
+        """One request as the engine steps it (InvalidArgument for a bad one, KBUnavailable if the local encoder
+        cannot be set up)."""
+        retr = self.retriever(tm.tokenizer, len(prompt_ids), rag, deadline)
+        return RagRequest(tm, prompt_ids, params, rag, retr, is_cancelled=is_cancelled)

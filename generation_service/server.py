@@ -154,7 +154,7 @@ class Worker:
         self.rag = rag  # ralm_service.RagBackend when a KB target is configured
         self.engine = Engine(tm, max_batch=cfg.max_batch, prefill_chunk=cfg.prefill_chunk,
                              kv_cache_mb=cfg.kv_cache_mb, queue_size=cfg.queue_size, drafter=self._drafter,
-                             exclusive=self._exclusive, learn=link.learn, model_thread=model_thread)
+                             loop=self._loop_request, learn=link.learn, model_thread=model_thread)
 
     @property
     def model_thread(self) -> ModelThread:
@@ -176,12 +176,13 @@ class Worker:
             return PromptLookupDrafter()
         return self.link.drafter(job.decoding, job.deadline)
 
-    def _exclusive(self, job: Job):
+    def _loop_request(self, job: Job):
+        """A RAG or kNN-LM job as the request the engine steps (ralm.RagRequest, knnlm.KnnRequest)."""
         if job.rag is not None:
-            return self.rag.stream(self.tm, job.prompt_ids, job.params, job.rag, deadline=job.deadline,
-                                   is_cancelled=job.is_cancelled)
-        return knnlm.generate_stream(self.tm, job.prompt_ids, job.params, job.knnlm, self.knn,
-                                     is_cancelled=job.is_cancelled)
+            return self.rag.request(self.tm, job.prompt_ids, job.params, job.rag, deadline=job.deadline,
+                                    is_cancelled=job.is_cancelled)
+        return knnlm.KnnRequest(self.tm, job.prompt_ids, job.params, job.knnlm, self.knn,
+                                is_cancelled=job.is_cancelled)
 
 
 def _opt(request, name: str):

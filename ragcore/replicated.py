@@ -31,6 +31,12 @@ import grpc
 _REQUEST_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION})
 # Our own deadline or cancel: says nothing about the replica's health.
 _CALLER_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
+# Overloaded, not broken: the replica sheds load (a bounded queue). Never marked down; call() backs off and asks
+# again within the call's time (BUSY_BACKOFF_S, doubling up to BUSY_BACKOFF_MAX_S): a worker decoding many RAG
+# requests at once keeps more searches in flight than a knowledge service admits.
+_BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED
+BUSY_BACKOFF_S = 0.005
+BUSY_BACKOFF_MAX_S = 0.2
 
 Failure = Callable[[str, str], Exception]  # (kind: "request" | "unavailable", message) -> exception to raise
 
@@ -123,24 +129,36 @@ class ReplicatedClient:
         msg = f"{replica.target if replica is not None else self.what}: {code.name} {e.details() or ''}".strip()
         if code in _REQUEST_CODES:
             return self._failure("request", msg)
-        if replica is not None and code not in _CALLER_CODES:
+        if replica is not None and code not in _CALLER_CODES and code != _BUSY:
             replica.down_until = time.monotonic() + self.retry_after_s
             self.last_error = msg
         return self._failure("unavailable", msg)
 
     def call(self, method: str, request, *, deadline: float | None = None, timeout_s: float | None = None):
-        """`method` on the first healthy replica, failing over to the next within the deadline."""
-        err: Exception = self._failure("unavailable", "no replica tried")
-        for r in self.healthy():
-            budget = self.budget(deadline, timeout_s)
-            self.calls += 1
-            try:
-                return getattr(r.stub, method)(request, timeout=budget, metadata=self.metadata)
-            except grpc.RpcError as e:
-                err = self.failed(r, e)
-                if e.code() in _REQUEST_CODES:
-                    raise err from None
-        raise err
+        """`method` on the first healthy replica, failing over to the next within the deadline; while every replica
+        that answered was busy (RESOURCE_EXHAUSTED), back off and ask again within the same time."""
+        end = time.monotonic() + self.budget(deadline, timeout_s)
+        pause = BUSY_BACKOFF_S
+        while True:
+            err: Exception = self._failure("unavailable", "no replica tried")
+            busy = False
+            for r in self.healthy():
+                budget = min(self.budget(deadline, timeout_s), end - time.monotonic())
+                if budget <= 0:
+                    raise err
+                self.calls += 1
+                try:
+                    return getattr(r.stub, method)(request, timeout=budget, metadata=self.metadata)
+                except grpc.RpcError as e:
+                    err = self.failed(r, e)
+                    if e.code() in _REQUEST_CODES:
+                        raise err from None
+                    busy = busy or e.code() == _BUSY
+            wait = min(pause, end - time.monotonic() - BUSY_BACKOFF_S)  # the last pause leaves time to ask again
+            if not busy or wait <= 0:
+                raise err
+            time.sleep(wait)
+            pause = min(2 * pause, BUSY_BACKOFF_MAX_S)
 
     def call_future(self, method: str, request, *, deadline: float | None = None,
                     timeout_s: float | None = None) -> tuple[Replica, grpc.Future]:

@@ -97,6 +97,11 @@ class TreeRequest:
         """KV rows this request may need at most (its cache's capacity)."""
         return self.cache.capacity if hasattr(self.cache, "capacity") else 0
 
+    @property
+    def next_prefill_rows(self) -> int:
+        """Rows of the next prefill chunk (0 once prefilled)."""
+        return int(self._prefill[0].ids.shape[0]) if self._prefill else 0
+
     def prefill_segment(self) -> Segment:
         if not self._t_prefill:
             self._t_prefill = time.perf_counter()

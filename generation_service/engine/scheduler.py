@@ -3,35 +3,43 @@
 One loop on the model thread (calibrate.ModelThread). Between passes requests join (admission: at most
 `max_batch` running, their KV caches within `kv_cache_mb`; the rest wait in a bounded queue, beyond it
 RESOURCE_EXHAUSTED) and leave (finished, cancelled, past their deadline: the slot is free at the next pass).
+Two kinds of request share the passes:
+
+    draft-tree modes    ar, pld, rest-ds, rest, crest: a TreeRequest (engine/requests.py) per request
+    RAG and kNN-LM      RaLMSeq/RaLMSpec (ralm.RagRequest), kNN-LM (knnlm.KnnRequest): a decoding loop over
+                        effects (engine/effects.py) stepped by an EffectRun. Its forward passes are Pass effects
+                        that join the shared pass; its blocking retrieval calls are Call effects run on the
+                        retrieval pool while everyone else decodes; it waits on in-flight searches (Wait) without
+                        holding anybody up; the engine sleeps only when every request waits on retrieval.
+
 One step:
 
-    drafts      every decoding request's drafter is asked at once (remote drafts are RPCs, run side by side);
-                in a batch, engine/draft_gate.py decides from measured step rates whether remote drafts pay
+    advance     every RAG / kNN-LM loop runs until it needs rows of the next pass or waits on retrieval
+    drafts      every decoding tree request's drafter is asked at once (remote drafts: one DraftBatch call per
+                retrieval client); in a batch, engine/draft_gate.py decides from measured step rates whether remote
+                drafts pay
     sizes       draft_budget.batch_sizes: the nodes worth verifying across the whole batch, best first, from the
-                calibrated pass cost of the batch's total rows — trees shrink as the batch grows
-    one pass    forward_batch over [last + tree] of every decoding request and one chunk (prefill_chunk tokens)
-                of the oldest request still prefilling, so a long prompt never stalls the others for long
+                calibrated pass cost of the batch's decoding rows — trees shrink as the batch grows
+    one pass    forward_batch over [last + tree] of every decoding tree request, every loop's AR rows, and prefill
+                chunks of the longest-waiting requests up to `prefill_chunk` rows (at least one), so a long prompt
+                (or a RAG request's re-prefill with a new passage) never stalls the others for long
     commit      per request: accept, KV commit, text (TextOutput), stream chunks, finish
 
-Each request's tokens are chosen from its own rows exactly as it would be alone (same sampler, same draws), so a
-batched request's output equals its solo output except where batched kernels round differently at a near-tie
-(top-2 logit gap within a few units in the last place; tests/generation/test_engine.py checks this).
-
-RAG (RaLMSeq/RaLMSpec) and kNN-LM requests keep their own loops (ralm.py, knnlm.py): the engine advances one of
-them by one step between batched passes, round-robin, so they neither block nor are blocked for long; their
-forward passes are not batched with the others yet.
+Each request's tokens are chosen from its own rows exactly as it would be alone (same sampler, same draws, the
+same passes for a loop), so a batched request's output equals its solo output except where batched kernels round
+differently at a near-tie (top-2 logit gap within a few units in the last place; tests/generation/test_engine.py,
+tests/ralm/test_engine.py and tests/knnlm/test_engine.py check this).
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 import torch
@@ -40,11 +48,13 @@ from generation_service import metrics
 from generation_service.calibrate import ModelThread
 from generation_service.draft_budget import SharedCalibration, batch_sizes
 from generation_service.engine.draft_gate import DraftGate
+from generation_service.engine.effects import EffectRun, Emit, Pass, on_done
 from generation_service.engine.requests import TreeRequest
-from generation_service.engine.steps import SpeculationStats, prefill, tree_segment
+from generation_service.engine.steps import SpeculationStats, is_prefill, prefill, tree_segment
 from generation_service.lean_llama import KVSlab, capacity_for
-from generation_service.model import TargetModel, forward_batch, new_cache
-from generation_service.speculative import StreamChunk, TextOutput
+from generation_service.model import TargetModel, forward_batch, forward_batch_hidden, new_cache
+from generation_service.ralm import passage_budget
+from generation_service.speculative import FINISH_CANCELLED, StreamChunk, TextOutput
 from ragcore.errors import ResourceExhausted, ServiceError
 
 log = logging.getLogger(__name__)
@@ -64,9 +74,16 @@ def kv_bytes_per_row(tm: TargetModel) -> int:
 
 
 def job_kv_rows(tm: TargetModel, job) -> int:
-    """KV rows a job reserves while it runs (its cache's capacity; RAG and kNN-LM jobs count their prompt + output
-    + passage room)."""
-    return capacity_for(len(job.prompt_ids), job.params.max_new_tokens, max(job.budget, 0))
+    """KV rows a job reserves while it runs: its cache's capacity. A RAG job's cache holds passage + prompt +
+    output, and RaLMSpec keeps the cache of an earlier passage while it speculates with another (a rollback may go
+    back to it): two. A kNN-LM job's holds prompt + output (+ a pad row)."""
+    n_prompt, n_new = len(job.prompt_ids), job.params.max_new_tokens
+    if job.rag is not None:
+        rows = capacity_for(n_prompt + passage_budget(n_prompt, job.rag), n_new, 0)
+        return 2 * rows if job.rag.speculate else rows
+    if job.knnlm is not None:
+        return capacity_for(n_prompt, n_new, 1)
+    return capacity_for(n_prompt, n_new, max(job.budget, 0))
 
 
 def measure_segment_ms(tm: TargetModel, reps: int = 5, slab: KVSlab | None = None) -> float:
@@ -117,30 +134,42 @@ class _Running:
     t0: float = field(default_factory=time.perf_counter)
     req: TreeRequest | None = None  # draft-tree modes
     out: TextOutput | None = None
-    stream: Iterator[StreamChunk] | None = None  # RAG / kNN-LM: their own loop, one step per turn
+    # RAG / kNN-LM: the request (ralm.RagRequest | knnlm.KnnRequest: final chunk) and its loop being stepped
+    loop_request: object = None
+    loop: EffectRun | None = None
+    waking: object = None  # the future the engine's wake-up is registered on
+    closed: bool = False
     held: list[StreamChunk] = field(default_factory=list)  # unary jobs: chunks merged at the end
     tokens: list[int] = field(default_factory=list)  # output tokens sent so far
+
+    def prefill_rows(self) -> int:
+        """Rows of the prefill chunk this request wants in the next pass (0: none)."""
+        if self.req is not None:
+            return self.req.next_prefill_rows
+        p = self.loop.pending if self.loop is not None else None
+        return p.segment.ids.shape[0] if isinstance(p, Pass) and is_prefill(p.segment) else 0
 
 
 class Engine:
     """The continuous-batching worker: submit() jobs from gRPC threads; everything else runs on the model thread."""
 
     def __init__(self, tm: TargetModel, *, max_batch: int, prefill_chunk: int, kv_cache_mb: int, queue_size: int,
-                 drafter: Callable[[object], object], exclusive: Callable[[object], Iterator[StreamChunk]],
+                 drafter: Callable[[object], object], loop: Callable[[object], object],
                  learn: Callable[[np.ndarray, list[int]], None] | None = None,
                  model_thread: ModelThread | None = None):
-        """drafter(job): the job's Drafter (None = AR); exclusive(job): the chunk stream of a RAG / kNN-LM job;
-        learn(prompt, completion): called (on a helper thread) for finished jobs that asked to learn."""
+        """drafter(job): the job's Drafter (None = AR); loop(job): the request of a RAG / kNN-LM job (an object with
+        effects(), final_chunk() and chunk: ralm.RagRequest, knnlm.KnnRequest); learn(prompt, completion): called
+        (on a helper thread) for finished jobs that asked to learn."""
         self.tm = tm
         self.max_batch = max(1, max_batch)
         self.prefill_chunk = max(1, prefill_chunk)
         self.kv_budget_rows = max(1, int(kv_cache_mb) * (1 << 20) // kv_bytes_per_row(tm))
         self.jobs: "queue.Queue" = queue.Queue(maxsize=queue_size)
-        self._drafter, self._exclusive, self._learn = drafter, exclusive, learn
+        self._drafter, self._loop_request, self._learn = drafter, loop, learn
         self.running: list[_Running] = []
         self._waiting = None  # the next job, held back until the KV budget has room for it
         self._kv_used = 0
-        self._turn = itertools.count()
+        self._wake = threading.Event()  # a loop's retrieval finished, or a job arrived
         self._stop = threading.Event()
         self.segment_ms = 0.0
         self.gate = DraftGate()
@@ -158,6 +187,8 @@ class Engine:
                                    lean.device)
         self._in_slab: list[_Running] = []
         self.draft_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="draft")  # one call per retrieval client
+        # RAG / kNN-LM Calls (blocking RPCs: searches, passages): at most one per request at a time.
+        self.retrieval_pool = ThreadPoolExecutor(max_workers=self.max_batch, thread_name_prefix="retrieval")
         self.learner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learn")
         self.model_thread = model_thread or ModelThread("generation-engine")
         # Before the first job can arrive (the server reports SERVING after this returns).
@@ -174,6 +205,7 @@ class Engine:
             raise ResourceExhausted(f"the request needs {rows} KV cache rows, more than this worker's whole budget "
                                     f"of {self.kv_budget_rows} (kv_cache_mb); shorten the prompt or max_new_tokens")
         self.jobs.put_nowait(job)
+        self._wake.set()
 
     def depth(self) -> int:
         return self.jobs.qsize() + (self._waiting is not None)
@@ -192,6 +224,7 @@ class Engine:
             except Exception:
                 log.warning("engine loop did not end cleanly", exc_info=True)
         self.draft_pool.shutdown(wait=False)
+        self.retrieval_pool.shutdown(wait=False)
         self.learner.shutdown(wait=False)
 
     # -------------------------------------------------------------------------------------- model thread
@@ -236,7 +269,9 @@ class Engine:
         run = _Running(job, rows, metrics.GenerationObserver(job.decoding, job.submitted))
         try:
             if job.rag is not None or job.knnlm is not None:
-                run.stream = self._exclusive(job)
+                run.loop_request = self._loop_request(job)
+                run.loop = EffectRun(run.loop_request.effects())
+                run.out = TextOutput(self.tm.tokenizer, job.prompt_ids, job.params.stop, run.loop_request.chunk)
             else:
                 cache = None
                 if self.slab is not None and rows <= self.slab.capacity and len(self._in_slab) < self.slab.slots:
@@ -254,46 +289,87 @@ class Engine:
         self.running.append(run)
 
     def _step(self) -> None:
+        self._wake.clear()  # a completion from here on makes the wait below return at once
         for run in list(self.running):
-            if run.req is not None and run.job.is_cancelled():
-                self._feed(run, run.req.cancel())
-        exclusive = [r for r in self.running if r.stream is not None]
-        if exclusive:
-            self._exclusive_step(exclusive[next(self._turn) % len(exclusive)])
+            if run.job.is_cancelled():
+                if run.req is not None:
+                    self._feed(run, run.req.cancel())
+                else:
+                    run.loop.close()  # its finally blocks cancel what it has in flight
+                    self._loop_output(run, [], FINISH_CANCELLED)
+        for run in [r for r in self.running if r.loop is not None]:
+            self._advance(run)
         trees = [r for r in self.running if r.req is not None]
-        if trees:
-            try:
-                self._tree_step(trees)
-            except Exception as e:  # a failed pass fails the requests in it; the engine keeps serving
-                for run in trees:
-                    self._fail(run, e)
+        ready = [r for r in self.running if r.loop is not None and isinstance(r.loop.pending, Pass)]
+        if not trees and not ready:  # every request waits on retrieval
+            self._wake.wait(0.05)
+            return
+        try:
+            self._pass(trees, ready)
+        except Exception as e:  # a failed pass fails the requests in it; the engine keeps serving
+            for run in trees + ready:
+                self._fail(run, e)
 
-    def _tree_step(self, trees: list[_Running]) -> None:
+    def _advance(self, run: _Running) -> None:
+        """Step a RAG / kNN-LM loop until it needs the next pass or waits on retrieval (never blocks)."""
+        emitted: list[Emit] = []
+        try:
+            run.loop.advance(self.retrieval_pool.submit, emitted.append)
+        except Exception as e:
+            self._fail(run, e)
+            return
+        for e in emitted:
+            if not run.closed:
+                self._loop_output(run, e.tokens, e.finish)
+        if run.closed:
+            return
+        if run.loop.finished:
+            self._fail(run, RuntimeError("the decode loop ended without a final chunk"))
+        elif run.loop.future is not None and run.waking is not run.loop.future:
+            run.waking = run.loop.future
+            on_done(run.waking, self._wake.set)
+
+    def _pass(self, trees: list[_Running], ready: list[_Running]) -> None:
+        """One batched forward pass: every decoding request's rows (tree requests: the last token + the chosen
+        draft nodes; RAG / kNN-LM loops: their AR step), and prefill chunks of the longest-waiting requests up to
+        prefill_chunk rows (at least one), so a long prompt never stalls the others for long."""
         t0 = time.perf_counter()
         decoding = [r for r in trees if not r.req.prefilling]
-        prefilling = next((r for r in trees if r.req.prefilling), None)
+        loop_rows = [r for r in ready if not r.prefill_rows()]
+        prefills, rows = [], 0
+        for r in sorted((r for r in trees + ready if r.prefill_rows()), key=lambda r: r.t0):
+            if prefills and rows + r.prefill_rows() > self.prefill_chunk:
+                break
+            prefills.append(r)
+            rows += r.prefill_rows()
         # Alone, a request decides for itself (its sizer); in a batch the gate measures whether remote drafts pay.
         gated = len(decoding) > 1 and any(getattr(r.req.drafter, "remote", False) for r in decoding)
         remote = self.gate.remote(len(decoding)) if gated else True
         self._fetch_drafts([r.req for r in decoding], remote)
-        pre = prefilling.req.prefill_segment() if prefilling is not None else None
-        if len(decoding) == 1:
+        if len(decoding) == 1 and not loop_rows:
             decoding[0].req.choose()  # alone: exactly the solo decision
         elif decoding:
-            # Sized as if the pass carried the decoding rows only. A prefill chunk's rows emit no token, so counted
-            # in they make the pass's tokens per ms tiny and any node look worth its row (trees of 64 nodes beside
-            # a 200-row chunk); but the chunk's cost is spent either way, while a node's row costs what it costs
-            # in any pass: it must pay against the decoding rows' own rate.
+            # Sized against the decoding rows only. A prefill chunk's rows emit no token, so counted in they make
+            # the pass's tokens per ms tiny and any node look worth its row (trees of 64 nodes beside a 200-row
+            # chunk); but the chunk's cost is spent either way, while a node's row costs what it costs in any
+            # pass: it must pay against the decoding rows' own rate.
             sized = [r for r in decoding if r.req.sizer is not None]
-            counts = batch_sizes([r.req.p for r in sized], self.tm.step_cost, len(decoding) * self.tm.min_rows,
-                                 len(decoding), self.segment_ms)
+            base = len(decoding) * self.tm.min_rows + sum(r.loop.pending.segment.ids.shape[0] for r in loop_rows)
+            counts = batch_sizes([r.req.p for r in sized], self.tm.step_cost, base, len(decoding) + len(loop_rows),
+                                 self.segment_ms, base_tokens=len(decoding) + len(loop_rows))
             for r, n in zip(sized, counts):
                 r.req.choose(n)
             for r in decoding:
                 if r.req.sizer is None:
                     r.req.choose()
-        segments = [r.req.decode_segment() for r in decoding] + ([pre] if pre is not None else [])
-        logits = forward_batch(self.tm, segments)
+        pre_trees = [r for r in prefills if r.req is not None]
+        loops = loop_rows + [r for r in prefills if r.loop is not None]
+        segments = ([r.req.decode_segment() for r in decoding] + [r.loop.pending.segment for r in loops]
+                    + [r.req.prefill_segment() for r in pre_trees])
+        if any(r.loop.pending.hidden for r in loops):
+            logits, hidden = forward_batch_hidden(self.tm, segments)
+        else:
+            logits, hidden = forward_batch(self.tm, segments), [None] * len(segments)
         self.passes += 1
         self.peak_batch = max(self.peak_batch, len(segments))
         emitted = 0
@@ -301,12 +377,14 @@ class Engine:
             step = r.req.commit(lg)
             emitted += len(step[0])
             self._feed(r, step)
-        if gated and prefilling is None:  # a prefill chunk in the pass would blur the rate
+        for r, lg, h in zip(loops, logits[len(decoding):], hidden[len(decoding):]):
+            r.loop.passed(lg, h)
+        if gated and not prefills and not loop_rows:  # other rows in the pass would blur the rate
             self.gate.record(len(decoding), remote, emitted, (time.perf_counter() - t0) * 1e3)
-        if prefilling is not None:
-            step = prefilling.req.prefilled(logits[-1])
+        for r, lg in zip(pre_trees, logits[len(decoding) + len(loops):]):
+            step = r.req.prefilled(lg)
             if step is not None:
-                self._feed(prefilling, step)
+                self._feed(r, step)
 
     def _fetch_drafts(self, reqs: list[TreeRequest], allow_remote: bool) -> None:
         """Every decoding request's draft for this pass. Remote sources that can be asked together (one retrieval
@@ -331,19 +409,6 @@ class Engine:
         for f in asked:
             f.result()  # drafting failures are AR steps already; anything else is a bug
 
-    def _exclusive_step(self, run: _Running) -> None:
-        try:
-            chunk = next(run.stream)
-        except StopIteration:
-            self._fail(run, RuntimeError("the decode loop ended without a final chunk"))
-            return
-        except Exception as e:
-            self._fail(run, e)
-            return
-        self._send(run, chunk)
-        if chunk.finish_reason is not None:
-            self._close(run, chunk.finish_reason)
-
     # ---------------------------------------------------------------------------------------------- output
 
     def _feed(self, run: _Running, step: tuple[list[int], str | None]) -> None:
@@ -359,6 +424,16 @@ class Engine:
             stats.total_ms = (time.perf_counter() - run.t0) * 1e3
             self._send(run, StreamChunk(ids, delta, finish_reason=finish, stats=stats,
                                         prompt_tokens=len(run.job.prompt_ids), completion_tokens=n))
+            self._close(run, finish)
+
+    def _loop_output(self, run: _Running, tokens: list[int], finish: str | None) -> None:
+        """A RAG / kNN-LM loop's committed tokens (its Emit) -> chunks; the final one from the request's stats."""
+        piece, done = run.out.feed(tokens, finish)
+        if piece is not None:
+            self._send(run, piece)
+        if done is not None:
+            finish, ids, delta, n = run.out.final(done)
+            self._send(run, run.loop_request.final_chunk(finish, ids, delta, n, (time.perf_counter() - run.t0) * 1e3))
             self._close(run, finish)
 
     def _send(self, run: _Running, chunk: StreamChunk) -> None:
@@ -381,6 +456,8 @@ class Engine:
             self.learner.submit(self._learn, run.job.prompt_ids, run.tokens)
 
     def _fail(self, run: _Running, e: BaseException, started: bool = True) -> None:
+        if run.closed:  # it finished before the failure (in the same pass): its reply is out
+            return
         if isinstance(e, ServiceError):  # a dependency failed or refused: the RPC's status line says it
             log.debug("generation stopped: %s: %s", type(e).__name__, e)
         else:
@@ -391,6 +468,7 @@ class Engine:
             self._remove(run)
 
     def _remove(self, run: _Running) -> None:
+        run.closed = True
         if run in self.running:
             self.running.remove(run)
             self._kv_used -= run.kv_rows
@@ -400,8 +478,6 @@ class Engine:
                 self.slab.move(last.req.cache, hole)
                 self._in_slab[hole] = last
             self._in_slab.pop()
-        if run.stream is not None:
-            close = getattr(run.stream, "close", None)
-            if close is not None:
-                close()
+        if run.loop is not None and not run.loop.finished:
+            run.loop.close()  # a stop sequence ended it, or it failed: cancel what it has in flight
 

@@ -79,6 +79,11 @@ def prefill_segments(prompt: torch.Tensor, cache, chunk: int = PREFILL_CHUNK) ->
     return out
 
 
+def is_prefill(seg: Segment) -> bool:
+    """A chunk of prefill_segments (it keeps the logits of its last row only), not a decode pass's rows."""
+    return seg.logits_rows > 0
+
+
 def prefill(tm: TargetModel, cache, prompt: torch.Tensor, is_cancelled=None, chunk: int = PREFILL_CHUNK):
     """prompt: [P] -> logits of the last position [V] (None if cancelled); the cache then holds P rows.
 

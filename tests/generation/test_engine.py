@@ -105,7 +105,7 @@ def _collect(job: Job, timeout_s: float = 600) -> tuple[list[int], str, object]:
 
 def _engine(tm, drafters: dict[int, object], **kw) -> Engine:
     kw = {"max_batch": 8, "prefill_chunk": PREFILL, "kv_cache_mb": 512, "queue_size": 16, **kw}
-    return Engine(tm, drafter=lambda job: drafters.get(id(job)), exclusive=lambda job: iter(()),
+    return Engine(tm, drafter=lambda job: drafters.get(id(job)), loop=lambda job: None,
                   model_thread=ModelThread("test-engine"), **kw)
 
 

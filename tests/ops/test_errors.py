@@ -37,8 +37,12 @@ class RaisingDatastore:
 
     vocab_size = 100
     error: BaseException | None = None
+    busy = 0  # the next `busy` drafts answer RESOURCE_EXHAUSTED (a loaded service shedding calls)
 
     def draft(self, ctx, **kwargs) -> DraftTree:
+        if self.busy > 0:
+            self.busy -= 1
+            raise ResourceExhausted("busy: retry later")
         if self.error is not None:
             raise self.error
         return DraftTree(np.array([7], np.int32), np.array([-1], np.int32))
@@ -179,4 +183,30 @@ def test_a_spent_deadline_makes_no_call(server):
         assert e.value.kind == "unavailable" and "deadline" in str(e.value)
         assert client.calls == 0
     finally:
+        client.close()
+
+
+@pytest.mark.parametrize("case, busy, succeeds", [
+    ("busy for a moment", 2, True),  # Not failed at the first RESOURCE_EXHAUSTED
+    ("busy throughout", 10_000, False),  # fails once its time is spent, Not at once and Not never
+])
+def test_a_busy_replica_is_asked_again_and_not_marked_down(server, case, busy, succeeds):
+    running, ds = server
+    client = ReplicatedClient(running.address, draft_pb2_grpc.DraftServiceStub, failure=Refused, timeout_s=0.3,
+                              what="retrieval service", retry_after_s=60)
+    ds.busy = busy
+    try:
+        t0 = time.perf_counter()
+        if succeeds:
+            assert client.call("Draft", _request()).tokens, case
+            assert client.calls == busy + 1, case
+        else:
+            with pytest.raises(Refused) as e:
+                client.call("Draft", _request())
+            assert e.value.kind == "unavailable" and "RESOURCE_EXHAUSTED" in str(e.value), case
+            assert 0.2 < time.perf_counter() - t0 < 1.5, case  # within its 0.3 s, after backing off
+            assert client.calls > 2, case
+        assert all(r.down_until == 0.0 for r in client.replicas), case  # alive, only loaded: Not marked down
+    finally:
+        ds.busy = 0
         client.close()

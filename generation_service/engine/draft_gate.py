@@ -1,18 +1,22 @@
-"""Whether a batched pass asks the retrieval service for drafts at all: decided by measurement, per batch size.
+"""How a batched pass drafts at all: decided by measurement, per batch size.
 
-A remote draft costs a batch twice. Its rows lengthen the pass, which the draft budget weighs
-(draft_budget.batch_sizes). And the drafting itself: every request's draft is an RPC served by the retrieval
-service, which on a small machine runs on the same cores as the model, and the pass waits for the slowest of them.
-That second cost depends on the deployment (cores, replicas, datastore) and grows with the batch, so it is measured:
-tokens per ms of whole steps (drafting + pass + commit) with remote drafts and without (in-process drafts only),
-an exponential average per bucket of decoding requests (2, 4, 8, 16, ...). The better one is used; the other is
-tried every `explore` steps, so a change in load or acceptance is noticed. Either way every request's output is
-the same: a step without a remote draft verifies a smaller (or empty) tree.
+Drafting costs a batch twice. The nodes' rows lengthen the pass, which the draft budget weighs
+(draft_budget.batch_sizes). And the drafting itself: a remote draft is an RPC served by the retrieval service,
+which on a small machine runs on the same cores as the model, and even in-process drafts cost each request its
+draft, its estimates and its tree layout on the model thread (at 16 requests a few ms against a 40 ms pass, while
+almost no node pays there). Both depend on the deployment and the batch, so they are measured: tokens per ms of
+whole steps (drafting + pass + commit) per arm — `remote` (the drafter as asked), `local` (in-process drafts only)
+and `none` (no drafting: the AR step) — an exponential average per bucket of decoding requests (2, 4, 8, 16, ...).
+The best arm is used; every `explore`-th step of a bucket tries another one in turn, so a change in load or
+acceptance is noticed. Every request's output is the same whatever the arm: only its tree differs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
+
+REMOTE, LOCAL, NONE = "remote", "local", "none"
 
 
 def bucket(n: int) -> int:
@@ -22,26 +26,29 @@ def bucket(n: int) -> int:
 
 @dataclass
 class DraftGate:
-    explore: int = 16  # every explore-th step of a bucket tries the choice that currently looks worse
+    explore: int = 16  # every explore-th step of a bucket tries an arm that currently looks worse
     decay: float = 0.8  # weight of the old average per new step
-    rate: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, remote) -> tokens per ms
+    rate: dict[tuple[int, str], float] = field(default_factory=dict)  # (bucket, arm) -> tokens per ms
     steps: dict[int, int] = field(default_factory=dict)  # steps decided per bucket
 
-    def remote(self, n_decoding: int) -> bool:
-        """Ask for remote drafts in a step with n_decoding requests decoding?"""
+    def choose(self, n_decoding: int, arms: Sequence[str]) -> str:
+        """The arm for a step with n_decoding requests decoding. arms: in order of preference at a tie (drafting
+        first); each is measured once before any is preferred."""
         b = bucket(n_decoding)
         k = self.steps[b] = self.steps.get(b, 0) + 1
-        on, off = self.rate.get((b, True)), self.rate.get((b, False))
-        if on is None or off is None:  # measure both first: with, then without
-            return on is None
-        better = on >= off
-        return (not better) if k % self.explore == 0 else better
+        unmeasured = [a for a in arms if (b, a) not in self.rate]
+        if unmeasured:
+            return unmeasured[0]
+        ranked = sorted(arms, key=lambda a: -self.rate[(b, a)])  # stable: a tie keeps the earlier arm
+        if len(ranked) > 1 and k % self.explore == 0:
+            return ranked[1 + (k // self.explore) % (len(ranked) - 1)]
+        return ranked[0]
 
-    def record(self, n_decoding: int, remote: bool, tokens: int, ms: float) -> None:
-        """A step of n_decoding requests emitted `tokens` in `ms` (drafting, pass and commit)."""
+    def record(self, n_decoding: int, arm: str, tokens: int, ms: float) -> None:
+        """A step of n_decoding requests with `arm` emitted `tokens` in `ms` (drafting, pass and commit)."""
         if ms <= 0:
             return
-        key = (bucket(n_decoding), remote)
+        key = (bucket(n_decoding), arm)
         r = tokens / ms
         old = self.rate.get(key)
         self.rate[key] = r if old is None else self.decay * old + (1 - self.decay) * r

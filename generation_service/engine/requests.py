@@ -147,6 +147,12 @@ class TreeRequest:
             self.stats.skipped_drafts += 1
         return source
 
+    def skip_draft(self) -> None:
+        """No draft this step (the engine's DraftGate found drafting does not pay in this batch): an AR step."""
+        self._tree, self.p = None, np.zeros(0)
+        if getattr(self.drafter, "remote", False):
+            self.stats.skipped_drafts += 1
+
     def draft_context(self) -> np.ndarray:
         """int32 [T]: prompt + output so far, what the drafter drafts from."""
         return self.context[:self.n_ctx]

@@ -16,8 +16,8 @@ One step:
 
     advance     every RAG / kNN-LM loop runs until it needs rows of the next pass or waits on retrieval
     drafts      every decoding tree request's drafter is asked at once (remote drafts: one DraftBatch call per
-                retrieval client); in a batch, engine/draft_gate.py decides from measured step rates whether remote
-                drafts pay
+                retrieval client); in a batch, engine/draft_gate.py decides from measured step rates whether to draft
+                remotely, in process only, or not at all
     sizes       draft_budget.batch_sizes: the nodes worth verifying across the whole batch, best first, from the
                 calibrated pass cost of the batch's decoding rows — trees shrink as the batch grows
     one pass    forward_batch over [last + tree] of every decoding tree request, every loop's AR rows, and prefill
@@ -47,7 +47,7 @@ import torch
 from generation_service import metrics
 from generation_service.calibrate import ModelThread
 from generation_service.draft_budget import SharedCalibration, batch_sizes
-from generation_service.engine.draft_gate import DraftGate
+from generation_service.engine.draft_gate import LOCAL, NONE, REMOTE, DraftGate
 from generation_service.engine.effects import EffectRun, Emit, Pass, on_done
 from generation_service.engine.requests import TreeRequest
 from generation_service.engine.steps import SpeculationStats, is_prefill, prefill, tree_segment
@@ -342,10 +342,17 @@ class Engine:
                 break
             prefills.append(r)
             rows += r.prefill_rows()
-        # Alone, a request decides for itself (its sizer); in a batch the gate measures whether remote drafts pay.
-        gated = len(decoding) > 1 and any(getattr(r.req.drafter, "remote", False) for r in decoding)
-        remote = self.gate.remote(len(decoding)) if gated else True
-        self._fetch_drafts([r.req for r in decoding], remote)
+        # Alone, a request decides for itself (its sizer); in a batch the gate measures how drafting pays.
+        gated = len(decoding) > 1 and any(r.req.drafter is not None for r in decoding)
+        arm = REMOTE
+        if gated:
+            remote = any(getattr(r.req.drafter, "remote", False) for r in decoding)
+            arm = self.gate.choose(len(decoding), (REMOTE, LOCAL, NONE) if remote else (LOCAL, NONE))
+        if arm == NONE:
+            for r in decoding:
+                r.req.skip_draft()
+        else:
+            self._fetch_drafts([r.req for r in decoding], arm == REMOTE)
         if len(decoding) == 1 and not loop_rows:
             decoding[0].req.choose()  # alone: exactly the solo decision
         elif decoding:
@@ -380,7 +387,7 @@ class Engine:
         for r, lg, h in zip(loops, logits[len(decoding):], hidden[len(decoding):]):
             r.loop.passed(lg, h)
         if gated and not prefills and not loop_rows:  # other rows in the pass would blur the rate
-            self.gate.record(len(decoding), remote, emitted, (time.perf_counter() - t0) * 1e3)
+            self.gate.record(len(decoding), arm, emitted, (time.perf_counter() - t0) * 1e3)
         for r, lg in zip(pre_trees, logits[len(decoding) + len(loops):]):
             step = r.req.prefilled(lg)
             if step is not None:

@@ -101,11 +101,13 @@ def test_retrieval_killed_during_load_degrades_and_recovers(topology):
             launcher.restart(proc.name, state=state, timeout_s=300)
         restarted_at = time.monotonic()
         deadline = restarted_at + 300
-        while time.monotonic() < deadline:  # until a reply that started after the restart drafted again
+        # Until replies finished after the restart drafted from the replicas again. In a batch the draft gate
+        # may prefer plain steps for a while (it measures whether drafting pays), so not every reply drafts.
+        while time.monotonic() < deadline:
             with lock:
                 recovered = [r for _, t, r in replies if t > restarted_at and not isinstance(r, grpc.RpcError)
-                             and not r.stats.degraded]
-            if len(recovered) >= 2:
+                             and not r.stats.degraded and r.stats.draft_tokens_proposed > 0]
+            if len(recovered) >= 2 and any(r.stats.draft_tokens_accepted > 0 for r in recovered):
                 break
             time.sleep(0.1)
     finally:
@@ -119,7 +121,8 @@ def test_retrieval_killed_during_load_degrades_and_recovers(topology):
     degraded = [r for _, t, r in replies if r.stats.degraded]
     assert degraded and all(r.stats.degraded_reason for r in degraded)
     assert any(t > killed_at and r.stats.degraded for _, t, r in replies)
-    assert len(recovered) >= 2 and all(r.stats.draft_tokens_accepted > 0 for r in recovered)
+    assert len(recovered) >= 2 and any(r.stats.draft_tokens_accepted > 0 for r in recovered)
+    assert sum(_draft_calls(p) for p in topo.retrieval()) > 0  # the restarted replicas served those drafts
 
 
 def test_sigterm_drains_the_worker(topology):

@@ -12,7 +12,7 @@ DATASTORE := $(RAGSERVE_HOME)/datastores/stdlib
 PROTOS := $(wildcard proto/*.proto)
 STUBS := $(PROTOS:.proto=_pb2.py)
 
-.PHONY: run test lint install stubs model datastore system-packages clean-stubs bench-speculative up down loadtest kb \
+.PHONY: run test lint install stubs model datastore system-packages clean-stubs bench-speculative up down loadtest kb kb-large \
 	calibrate bench-datastores bench-serving bench-concurrency loadtest-8 compose-test docker-engine kernels bench-step
 
 # Debian packages the project uses (redis-server for the CREST Redis backend, python3.11-doc for the docs corpus,
@@ -125,6 +125,15 @@ loadtest-8: datastore
 KB := $(RAGSERVE_HOME)/kb/docs
 kb: install
 	$(PYTHON) -m retrieval_service.knowledge.build --out $(KB) --encoder-dtype bfloat16
+
+# The large KB (issue 19's benchmark asset, never committed): the docs corpus + the Python source by definition +
+# the English manual pages + the C/C++ headers, 50-word passages (~1.04 M). Hours of encoding on 2 cores; every
+# stage resumes where it stopped (KB_LARGE_ARGS e.g. "--omp-threads 2" on an idle machine).
+KB_LARGE := $(RAGSERVE_HOME)/kb/large
+KB_LARGE_ARGS ?=
+kb-large: install
+	$(PYTHON) -m retrieval_service.knowledge.build --out $(KB_LARGE) --code --man --headers --words 50 \
+		--encoder-dtype bfloat16 --float16 $(KB_LARGE_ARGS)
 
 # The docker-compose deployment for real (tests/deploy/compose_e2e.py): a Docker engine (docker/engine.sh: apt-get
 # install + dockerd when missing; not root / no apt -> one loud SKIPPED line, exit 0), base images pulled or built

@@ -219,6 +219,13 @@ def paired_median(pairs: list[tuple[dict, dict]], key: str, invert: bool = False
     return statistics.median(ratios) if ratios else None
 
 
+def kb_facts(kb_dir: Path) -> dict:
+    """What the curve needs to know of a KB: its size and corpus (from its manifest)."""
+    manifest = json.loads((kb_dir / "kb.json").read_text())
+    return {"path": str(kb_dir), "passages": manifest["passages"], "corpus": manifest.get("corpus"),
+            "retrievers": manifest.get("retrievers")}
+
+
 def write_json(path: Path, data: dict) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
@@ -243,8 +250,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kb", type=Path, default=DEFAULT_KB)
     ap.add_argument("--kb-target", default="", help="an external retrieval service (host:port); default: in-process")
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
-    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32", "q4_1"),
+                    help="auto = the worker's calibrated choice on this machine (the serving default)")
+    ap.add_argument("--threads", type=int, default=0, help="model threads; 0 = the calibrated choice")
     ap.add_argument("--retrievers", default="edr,adr,sr")
     ap.add_argument("--configs", default="B,P,S,A,PS,SA,PA,PSA")
     ap.add_argument("--questions", default="faq", choices=("faq", "mtbench"))
@@ -269,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
 
     offline_process()
     sparse.prepare_process()
-    from generation_service.model import load_model, set_threads, warmup
+    from generation_service.model import warmup
 
     load_start = os.getloadavg()
     running = None
@@ -281,8 +289,10 @@ def main(argv: list[str] | None = None) -> None:
         running = build_server(RetrievalConfig(port=0, kb=str(args.kb), kb_retrievers=",".join(retrievers)))
         target = running.address
     kb = KBClient(target, timeout_ms=30_000)
-    set_threads(args.threads)
-    tm = load_model(args.model, dtype=args.dtype, device="cpu")
+    from generation_service.calibrate import calibrated_model
+
+    tm, choice = calibrated_model(args.model, "cpu", args.dtype, args.threads)  # what the server would serve
+    args.dtype, args.threads = choice.curve.dtype, choice.curve.threads
     warmup(tm)
     local = LocalEncoder(LocalEncoder.dtype_of(kb)) if (args.encoder == "local" or args.ranking_questions) else None
 
@@ -300,6 +310,7 @@ def main(argv: list[str] | None = None) -> None:
                   "n_questions": len(questions), "max_new_tokens": args.max_new_tokens, "ignore_eos": True,
                   "encoder": args.encoder, "rag_defaults": RagParams().__dict__},
         "questions": questions,
+        "kb": kb_facts(args.kb) if not args.kb_target else {"target": args.kb_target},
     }
     if args.ranking_questions and local is not None:
         result["cache_ranking_ms"] = cache_ranking(kb, local, questions[:args.ranking_questions])

@@ -92,7 +92,7 @@ class RagParams:
     os3_window: int = 5
     gamma_max: float = 0.6
     s_max: int = 16
-    allow_sequential: bool = True  # OS³ may run sequential steps (s = 0) when speculation does not pay
+    allow_sequential: bool = True  # run sequential steps (s = 0) while speculation does not pay (every config)
 
     def __post_init__(self) -> None:
         if self.retriever not in RETRIEVERS:
@@ -296,6 +296,10 @@ class SpeculationGate:
             return None
         return sum(self.spec) / len(self.spec) < sum(self.seq) / len(self.seq)
 
+    def cache_wanted(self) -> bool:
+        """Will the next step (probably) speculate? Asked after this step's speculate() said no."""
+        return self.pays() is not False or self.since_probe >= self.probe
+
     def speculate(self) -> bool:
         verdict = self.pays()
         if verdict is None or verdict:
@@ -486,7 +490,9 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
     cache = PassageCache(rag.cache_capacity, retr.dim)
     sched = StrideScheduler(OS3Config(window=rag.os3_window, gamma_max=rag.gamma_max, s_init=1,
                                       s_max=rag.s_max, async_verify=rag.async_verify)) if rag.os3 else None
-    gate = SpeculationGate(rag.os3_window) if rag.os3 and rag.allow_sequential else None
+    # Any speculative config, with or without OS³, falls back to sequential steps where speculation does not pay:
+    # with a fixed stride a wrong guess costs as much as with OS³, and cheap retrieval leaves nothing to win.
+    gate = SpeculationGate(rag.os3_window) if rag.allow_sequential else None
     k_fetch = max(1, rag.prefetch)
     prev: int | None = None  # true passage of the last committed step
     committed = 0
@@ -537,7 +543,9 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
                     hits = yield call(retr.search, [q], 1, sequential=True)  # KBUnavailable: fails the request
                     cache_hits(hits)  # the top-1 at least: speculation can start at the next step
                     doc = hits[0].top1
-                    if k_fetch > 1 and not fallback:
+                    # The background top-k_fetch fill is a second KB search: only worth it when speculation may
+                    # read the cache soon (the gate speculates, or probes at the next step).
+                    if k_fetch > 1 and not fallback and (gate is None or gate.cache_wanted()):
                         pending.append(retr.search_async([q], k_fetch))
                 passage = yield from _passage(retr, doc)
                 r = time.perf_counter() - t0

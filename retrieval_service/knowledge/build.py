@@ -54,17 +54,37 @@ def read_passages_jsonl(path: Path) -> Iterable[P.Passage]:
                 yield P.Passage(rec.get("key") or f"jsonl:{n}", rec.get("title", ""), rec["text"])
 
 
+def is_prefix(passages: Path, parent: Path, parent_offsets: Path, n: int) -> bool:
+    """Are `passages` (n records) byte for byte the first n records of `parent`?"""
+    if not parent.is_file() or not parent_offsets.is_file():
+        return False
+    offsets = np.load(parent_offsets, mmap_mode="r")
+    size = passages.stat().st_size
+    if len(offsets) <= n or int(offsets[n]) != size:
+        return False
+    with open(passages, "rb") as a, open(parent, "rb") as b:
+        while size > 0:
+            step = min(size, 1 << 20)
+            if a.read(step) != b.read(step):
+                return False
+            size -= step
+    return True
+
+
 def build_kb(out: str | Path, passages: Iterable[P.Passage] | None = None, *,
              retrievers: Sequence[str] = RETRIEVERS, corpus: dict | None = None, limit: int | None = None,
-             rst: bool = True, site: bool = True, words: int = P.DEFAULT_WORDS, workers: int = 2,
+             rst: bool = True, site: bool = True, code: bool = False, man: bool = False, headers: bool = False,
+             words: int = P.DEFAULT_WORDS, workers: int = 2,
              dtype: str = "float32", encoder_dtype: str = "float32", batch_size: int = 64, chunk: int = 4096,
              hnsw_m: int = 32, hnsw_ef_construction: int = 200, threads: int = 2, omp_threads: int = 1,
-             jvm_heap: str = "", force: bool = False,
+             jvm_heap: str = "", force: bool = False, embeddings_from: str | Path | None = None,
              encoder: Encoder | None = None, progress: bool = True) -> dict:
     """Build (or finish building) a KB in `out`; returns the manifest.
 
     passages: an explicit corpus (tests, --passages-jsonl); None = extract docstrings (+ reST) offline.
     corpus: a description of `passages` for the resume check (same description -> passages are reused).
+    embeddings_from: a KB (built or still encoding) whose passages begin with this one's: its rows are copied
+    instead of encoded (a 100 K / 300 K KB from the large one's prefix).
     """
     out = Path(out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
@@ -75,6 +95,9 @@ def build_kb(out: str | Path, passages: Iterable[P.Passage] | None = None, *,
     old = json.loads(manifest_path.read_text()) if manifest_path.is_file() and not force else {}
     corpus_desc = corpus or ({"source": "docs", "limit": limit, "rst": rst and P.RST_ROOT.is_dir(), "site": site,
                               "words": words} if passages is None else {"source": "given", "limit": limit})
+    extra = {"code": code, "man": man and P.MAN_ROOT.is_dir(), "headers": headers}
+    if passages is None and any(extra.values()):  # absent when off, so a docs KB built before still resumes
+        corpus_desc.update(extra)
     manifest = {"version": FORMAT_VERSION, "corpus": corpus_desc, "retrievers": [], "build": {}}
 
     # 1. Passages --------------------------------------------------------------------------------------
@@ -87,7 +110,7 @@ def build_kb(out: str | Path, passages: Iterable[P.Passage] | None = None, *,
     else:
         t0 = time.perf_counter()
         if passages is None:
-            docs = P.iter_documents(rst=rst, site=site, workers=workers)
+            docs = P.iter_documents(rst=rst, site=site, workers=workers, code=code, man=man, headers=headers)
             passages = P.iter_passages(docs, words=words, limit=limit)
         elif limit is not None:
             passages = (p for i, p in zip(range(limit), passages))
@@ -120,9 +143,16 @@ def build_kb(out: str | Path, passages: Iterable[P.Passage] | None = None, *,
         else:
             t0 = time.perf_counter()
             enc = encoder or Encoder(threads=omp_threads, cache_size=0, dtype=encoder_dtype)
+            reuse = None
+            if embeddings_from is not None:
+                parent = Path(embeddings_from).expanduser()
+                if not is_prefix(out / P.PASSAGES_FILE, parent / P.PASSAGES_FILE, parent / P.OFFSETS_FILE, n):
+                    raise ValueError(f"embeddings_from: the passages of {parent} do not begin with these {n}")
+                reuse = dense.prefix_rows(parent / DENSE_DIR, encoder=enc.name, encoder_dtype=encoder_dtype,
+                                          dtype=dtype, dim=enc.dim)
             with tqdm(total=n, desc="encode", unit=" psg", smoothing=0.05, disable=not progress) as bar:
                 dense.encode_passages(lambda a, b: store.iter_range(a, b), n, dense_dir, enc, fingerprint=fp,
-                                      dtype=dtype, chunk=chunk, batch_size=batch_size, progress=bar)
+                                      dtype=dtype, chunk=chunk, batch_size=batch_size, progress=bar, reuse=reuse)
             manifest["build"]["edr"] = {"encode_seconds": time.perf_counter() - t0}
         manifest["build"].setdefault("edr", {})["bytes"] = _dir_bytes(dense_dir / dense.EMBEDDINGS_FILE)
         manifest["build"]["edr"]["dtype"] = dtype
@@ -203,6 +233,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--limit-passages", type=int, default=None, help="stop the corpus after N passages")
     ap.add_argument("--no-rst", action="store_true", help="skip the python3.11-doc reST sources")
     ap.add_argument("--no-site", action="store_true", help="docstrings of the standard library only")
+    ap.add_argument("--code", action="store_true", help="add the Python source (stdlib + site-packages), by definition")
+    ap.add_argument("--man", action="store_true", help="add the English manual pages of /usr/share/man")
+    ap.add_argument("--headers", action="store_true", help="add the C/C++ headers of /usr/include and site-packages")
     ap.add_argument("--passages-jsonl", default="", help="use this corpus ({title, text} per line) instead")
     ap.add_argument("--retrievers", default="edr,adr,sr", help="comma list of edr, adr, sr")
     ap.add_argument("--words", type=int, default=P.DEFAULT_WORDS, help="words per passage")
@@ -219,6 +252,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workers", type=int, default=2, help="processes parsing source files")
     ap.add_argument("--jvm-heap", default="", help="Anserini indexer -Xmx, e.g. 4g")
     ap.add_argument("--force", action="store_true", help="rebuild everything")
+    ap.add_argument("--embeddings-from", default=None,
+                    help="a KB (built or still encoding) whose passages begin with these: copy its rows, do not encode")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = ap.parse_args(argv)
     retrievers = [r.strip() for r in args.retrievers.split(",") if r.strip()]
@@ -234,12 +269,13 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     try:
         manifest = build_kb(args.out, passages, retrievers=retrievers, corpus=corpus, limit=args.limit_passages,
-                            rst=not args.no_rst, site=not args.no_site, words=args.words, workers=args.workers,
+                            rst=not args.no_rst, site=not args.no_site, code=args.code, man=args.man,
+                            headers=args.headers, words=args.words, workers=args.workers,
                             dtype="float16" if args.float16 else "float32",
                             encoder_dtype=args.encoder_dtype, batch_size=args.batch_size,
                             chunk=args.chunk, hnsw_m=args.hnsw_m, hnsw_ef_construction=args.hnsw_ef_construction,
                             threads=args.threads, omp_threads=args.omp_threads, jvm_heap=args.jvm_heap,
-                            force=args.force,
+                            force=args.force, embeddings_from=args.embeddings_from,
                             progress=not args.no_progress)
     except ValueError as e:
         ap.error(str(e))

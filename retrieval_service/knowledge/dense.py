@@ -107,11 +107,12 @@ def build_hnsw(vectors: np.ndarray, metric: str = "ip", m: int = 32, ef_construc
 
 def encode_passages(records: Callable[[int, int], Iterator[dict]], n: int, out_dir: Path, encoder: Encoder, *,
                     fingerprint: str, dtype: str = "float32", chunk: int = 4096, batch_size: int = 64,
-                    progress=None) -> Path:
+                    progress=None, reuse: Callable[[int, int], np.ndarray | None] | None = None) -> Path:
     """Encode passages [0, n) into out_dir/embeddings.npy ([n, dim], float32 or float16).
 
     Work is cut into chunks written atomically to out_dir/chunks/; a rerun skips finished chunks (same
     passages fingerprint, encoder and dtype), then the chunks are assembled into one memory-mappable .npy.
+    reuse(start, stop): rows another KB already encoded for these very passages (prefix_rows), or None.
     """
     if dtype not in ("float32", "float16"):
         raise ValueError(f"dtype: {dtype!r} is not float32 or float16")
@@ -134,8 +135,10 @@ def encode_passages(records: Callable[[int, int], Iterator[dict]], n: int, out_d
                     continue
             except ValueError:
                 pass  # torn or foreign file: encode again
-        texts = [passage_input(r["title"], r["text"]) for r in records(start, stop)]
-        vecs = encoder.encode(texts, batch_size=batch_size).astype(dtype)  # [stop-start, dim]
+        vecs = reuse(start, stop) if reuse is not None else None
+        if vecs is None:
+            texts = [passage_input(r["title"], r["text"]) for r in records(start, stop)]
+            vecs = encoder.encode(texts, batch_size=batch_size).astype(dtype)  # [stop-start, dim]
         tmp = path.with_suffix(".tmp.npy")
         np.save(tmp, vecs)
         os.replace(tmp, path)
@@ -153,6 +156,44 @@ def encode_passages(records: Callable[[int, int], Iterator[dict]], n: int, out_d
                                                                               "dim", "dtype", "n")}))
     shutil.rmtree(chunks)
     return final
+
+
+def prefix_rows(parent_dense: Path, *, encoder: str, encoder_dtype: str, dtype: str,
+                dim: int) -> Callable[[int, int], np.ndarray | None]:
+    """Rows [start, stop) of another KB's embeddings (finished, or the chunks of a build still encoding), if it
+    used the same encoder settings; the caller has checked that its passages begin with ours."""
+    want = {"encoder": encoder, "encoder_dtype": encoder_dtype, "dtype": dtype, "dim": dim}
+
+    def same(meta_path: Path) -> bool:
+        meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+        return {k: meta.get(k, "float32" if k == "encoder_dtype" else None) for k in want} == want
+
+    def rows(start: int, stop: int) -> np.ndarray | None:
+        final = parent_dense / EMBEDDINGS_FILE
+        if final.is_file() and same(parent_dense / META_FILE):
+            arr = np.load(final, mmap_mode="r")
+            return np.array(arr[start:stop]) if stop <= len(arr) else None
+        chunks = parent_dense / "chunks"
+        if not same(chunks / META_FILE):
+            return None
+        parts = []
+        for path in sorted(chunks.glob("*-*.npy")):  # names: start-stop, zero-padded
+            try:
+                a, b = (int(x) for x in path.name[:-4].split("-"))
+            except ValueError:
+                continue  # a .tmp being written
+            if b <= start or a >= stop:
+                continue
+            parts.append((a, b, path))
+        out = np.empty((stop - start, dim), dtype=dtype)
+        covered = 0
+        for a, b, path in parts:
+            lo, hi = max(a, start), min(b, stop)
+            out[lo - start:hi - start] = np.load(path, mmap_mode="r")[lo - a:hi - a]
+            covered += hi - lo
+        return out if covered == stop - start else None
+
+    return rows
 
 
 def _atomic_write_text(path: Path, text: str) -> None:

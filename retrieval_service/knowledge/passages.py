@@ -3,7 +3,11 @@
 Sources (all offline): docstrings of the standard library and of the installed site-packages (parsed with
 `ast`, never imported), and the Debian `python3.11-doc` reST sources when installed. A document is a module
 (title = dotted module name, sections = one per documented object) or a reST page (title = its first
-heading, sections = paragraphs). Sections are packed greedily into blocks of at most `words` words; a longer
+heading, sections = paragraphs). The large KB adds real text that is on every Debian machine with Python:
+the Python source itself (`code`: one section per def/class, so a passage is a few definitions), the English
+manual pages (`man`: one section per paragraph, roff reduced to its words) and the C headers of
+/usr/include and of the site-packages (`headers`: one section per blank-line-separated block, comments
+included). Sections are packed greedily into blocks of at most `words` words; a longer
 section is cut into `words`-word windows, as DPR cuts Wikipedia articles.
 
 Doc ids are row numbers in the passage file, stable for the same sources (files are read in sorted order,
@@ -37,6 +41,9 @@ RST_ROOT = Path("/usr/share/doc/python3.11/html/_sources")
 DEFAULT_WORDS = 100
 # Shorter leftovers are glued to the previous block: a 3-word passage is noise for both retrievers.
 MIN_WORDS = 12
+MAN_ROOT = Path("/usr/share/man")
+INCLUDE_ROOT = Path("/usr/include")
+SOURCES = ("rst", "docstrings", "code", "man", "headers")
 # Directories whose docstrings are tests, caches or copies of other packages.
 _SKIP_DIRS = frozenset({"__pycache__", "test", "tests", "_vendor", "vendored", "site-packages",
                         "idle_test", "node_modules", "dist-packages"})
@@ -175,6 +182,111 @@ def _module_document(args: tuple[str, str]) -> Document | None:
     return Document(f"py:{name}", name, tuple(sections))
 
 
+_DEF = re.compile(r"^[ \t]*(?:@|async[ \t]+def[ \t]|def[ \t]|class[ \t])", re.M)
+
+
+def code_sections(source: str) -> list[str]:
+    """Python source -> one section per definition (decorators included), module-level code in between.
+
+    code_sections("x = 1\ndef f():\n    return x\n") -> ["x = 1", "def f():\n    return x"]
+    """
+    starts = [m.start() for m in _DEF.finditer(source)]
+    is_start = set(starts)
+    cuts = [0]
+    for a in starts:
+        head = source[cuts[-1]:a].strip()
+        # Decorator lines start their definition: the def below them does not cut again.
+        if cuts[-1] in is_start and head and all(ln.strip().startswith("@") for ln in head.splitlines()):
+            continue
+        if a != cuts[-1]:
+            cuts.append(a)
+    cuts.append(len(source))
+    return [source[a:b].strip() for a, b in zip(cuts, cuts[1:]) if source[a:b].strip()]
+
+
+def _code_document(args: tuple[str, str]) -> Document | None:
+    root, path = Path(args[0]), Path(args[1])
+    try:
+        source = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    sections = code_sections(source)
+    if not sections:
+        return None
+    name = module_name(root, path)
+    return Document(f"code:{name}", f"{name} (source)", tuple(sections))
+
+
+# ----------------------------------------------------------------------------------------- man / headers
+
+_ROFF_ESCAPE = re.compile(r"\\(?:f(?:\[[^\]]*\]|\(..|.)|\(..|\*(?:\(..|\[[^\]]*\]|.)|\[[^\]]*\]|s[-+]?\d+|[&e|^%0 ~.'`c,/])")
+
+
+def man_document(text: str, key: str, title: str) -> Document | None:
+    """A roff manual page -> paragraphs of its words (requests dropped, a macro's arguments kept)."""
+    paragraphs: list[str] = []
+    current: list[str] = []
+    for raw in text.splitlines():
+        if raw.startswith(("'", '.\\"', "'\\\"")):
+            continue
+        if raw.startswith("."):
+            macro, _, rest = raw[1:].partition(" ")
+            if macro in ("SH", "SS", "PP", "P", "LP", "TP", "IP", "sp", "br") and current:
+                paragraphs.append(" ".join(current))
+                current = []
+            if macro not in ("B", "I", "BR", "IR", "RB", "RI", "BI", "IB", "SH", "SS", "IP", "Nm", "Nd", "Sh"):
+                continue
+            raw = rest.replace('"', " ")
+        line = _ROFF_ESCAPE.sub("", raw.replace("\\-", "-")).replace("\\", "").strip()
+        if line:
+            current.append(line)
+    if current:
+        paragraphs.append(" ".join(current))
+    return Document(key, title, tuple(paragraphs)) if paragraphs else None
+
+
+def _man_document(path_s: str) -> Document | None:
+    import gzip
+
+    path = Path(path_s)
+    try:
+        raw = gzip.open(path).read() if path.suffix == ".gz" else path.read_bytes()
+    except (OSError, EOFError):
+        return None
+    name = path.name[:-3] if path.suffix == ".gz" else path.name
+    page, _, section = name.rpartition(".")
+    return man_document(raw.decode("utf-8", errors="replace"), f"man:{name}", f"{page}({section})")
+
+
+def iter_man_pages(root: Path = MAN_ROOT) -> Iterator[str]:
+    """English pages only (man1..man8, not the translations), sorted; symlinked aliases skipped."""
+    for sub in sorted(root.glob("man[1-8]")):
+        for path in sorted(sub.iterdir()):
+            if path.is_file() and not path.is_symlink():
+                yield str(path)
+
+
+def _header_document(args: tuple[str, str]) -> Document | None:
+    root, path = Path(args[0]), Path(args[1])
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    blocks = tuple(b.strip() for b in re.split(r"\n\s*\n", text) if b.strip())
+    rel = path.relative_to(root).as_posix()
+    return Document(f"h:{rel}", f"<{rel}>", blocks) if blocks else None
+
+
+def iter_headers(roots: Sequence[Path]) -> Iterator[tuple[str, str]]:
+    """C/C++ headers under each root, sorted (site-packages ship theirs: torch's C++ API, numpy's C API)."""
+    for root in roots:
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
+            for f in sorted(filenames):
+                if f.endswith((".h", ".hpp", ".cuh")):
+                    yield str(root), os.path.join(dirpath, f)
+
+
 # ------------------------------------------------------------------------------------------------ reST
 
 _UNDERLINE = re.compile(r"^\s*([=\-~^\"'`#*+.:_])\1{2,}\s*$")
@@ -251,23 +363,37 @@ def default_roots(site: bool = True) -> list[Path]:
     return roots
 
 
-def iter_documents(*, rst: bool = True, site: bool = True, roots: Sequence[Path] | None = None,
-                   workers: int = 1, rst_root: Path = RST_ROOT) -> Iterator[Document]:
-    """reST pages first (prose), then module docstrings root by root, each in sorted order."""
-    if rst and rst_root.is_dir():
-        yield from iter_rst_documents(rst_root)
-    jobs = ((str(root), str(path)) for root in (roots or default_roots(site)) for path in iter_py_files(root))
+def _mapped(fn, jobs: Iterable, workers: int) -> Iterator[Document]:
     if workers <= 1:
-        for job in jobs:
-            doc = _module_document(job)
-            if doc is not None:
-                yield doc
+        docs = map(fn, jobs)
+        yield from (d for d in docs if d is not None)
         return
     with ProcessPoolExecutor(workers) as pool:
         # map keeps the input order, so ids stay stable whatever the worker count.
-        for doc in pool.map(_module_document, jobs, chunksize=32):
-            if doc is not None:
-                yield doc
+        yield from (d for d in pool.map(fn, jobs, chunksize=32) if d is not None)
+
+
+def iter_documents(*, rst: bool = True, site: bool = True, roots: Sequence[Path] | None = None,
+                   workers: int = 1, rst_root: Path = RST_ROOT, code: bool = False, man: bool = False,
+                   headers: bool = False, man_root: Path = MAN_ROOT,
+                   include_root: Path = INCLUDE_ROOT) -> Iterator[Document]:
+    """reST pages first (prose), then module docstrings root by root, each in sorted order; then, when asked,
+    the Python source, the manual pages and the C headers (so the docs KB is a prefix of the large one)."""
+    if rst and rst_root.is_dir():
+        yield from iter_rst_documents(rst_root)
+    roots = list(roots or default_roots(site))
+
+    def py_jobs():
+        return ((str(root), str(path)) for root in roots for path in iter_py_files(root))
+
+    yield from _mapped(_module_document, py_jobs(), workers)
+    if code:
+        yield from _mapped(_code_document, py_jobs(), workers)
+    if man and man_root.is_dir():
+        yield from _mapped(_man_document, iter_man_pages(man_root), workers)
+    if headers:
+        header_roots = [r for r in (include_root, *roots[1:]) if r.is_dir()]  # roots[0]: the stdlib, no headers
+        yield from _mapped(_header_document, iter_headers(header_roots), workers)
 
 
 # ---------------------------------------------------------------------------------------------- storage

@@ -176,3 +176,58 @@ def test_float16_embeddings_search_like_float32(tmp_path, kb_config, encoder, ed
     cs = kb16.score_candidates("edr", got.hits[0].ids, text=texts[0])
     assert np.array_equal(cs.scores, got.hits[0].scores)  # re-scoring reads the same float16 values
     kb16.close()
+
+
+class _CountingEncoder:
+    """The real encoder, counting the passages it is asked to encode."""
+
+    def __init__(self, encoder):
+        self.inner, self.texts = encoder, 0
+        self.name, self.dim, self.dtype = encoder.name, encoder.dim, encoder.dtype
+
+    def encode(self, texts, batch_size=64):
+        self.texts += len(texts)
+        return self.inner.encode(texts, batch_size)
+
+
+def test_prefix_kb_copies_the_parent_rows(tmp_path, encoder):
+    corpus = tiny_corpus()[:14]
+    build_kb(tmp_path / "big", corpus, retrievers=("edr",), corpus={"source": "p"}, chunk=4, encoder=encoder,
+             progress=False)
+    parent = np.load(tmp_path / "big" / "dense" / "embeddings.npy")
+    counting = _CountingEncoder(encoder)
+    build_kb(tmp_path / "small", corpus, retrievers=("edr",), corpus={"source": "p"}, limit=9, chunk=4,
+             encoder=counting, embeddings_from=tmp_path / "big", progress=False)
+    small = np.load(tmp_path / "small" / "dense" / "embeddings.npy")
+    assert counting.texts == 0  # Not encoded again
+    assert np.array_equal(small, parent[:9])
+    # Passages that are not the parent's prefix are refused, not silently paired with foreign vectors.
+    with pytest.raises(ValueError, match="embeddings_from"):
+        build_kb(tmp_path / "other", corpus[1:], retrievers=("edr",), corpus={"source": "q"}, limit=5,
+                 encoder=counting, embeddings_from=tmp_path / "big", progress=False)
+
+
+def test_prefix_rows_from_a_parent_still_encoding(tmp_path, encoder):
+    """The parent's finished chunks serve the prefix; rows no chunk covers yet are encoded."""
+    from retrieval_service.knowledge import dense
+    from retrieval_service.knowledge.passages import PassageStore, write_passages
+
+    parent = tmp_path / "parent"
+    n, fp = write_passages(parent, tiny_corpus()[:12])
+    store = PassageStore(parent)
+    with pytest.raises(KeyboardInterrupt):
+        class Dies(_CountingEncoder):
+            def encode(self, texts, batch_size=64):
+                if self.texts >= 8:
+                    raise KeyboardInterrupt  # chunks [0, 4) and [4, 8) are on disk
+                return super().encode(texts, batch_size)
+
+        dense.encode_passages(store.iter_range, n, parent / "dense", Dies(encoder), fingerprint=fp, chunk=4)
+    rows = dense.prefix_rows(parent / "dense", encoder=encoder.name, encoder_dtype=encoder.dtype, dtype="float32",
+                             dim=encoder.dim)
+    ref = encoder.encode([f"{r['title']}\n{r['text']}" for r in store.iter_range(0, 12)])
+    np.testing.assert_allclose(rows(2, 7), ref[2:7], atol=1e-5)
+    assert rows(6, 10) is None  # [8, 10) not encoded yet
+    other = dense.prefix_rows(parent / "dense", encoder=encoder.name, encoder_dtype=encoder.dtype,
+                              dtype="float16", dim=encoder.dim)
+    assert other(0, 4) is None  # other storage dtype: not the same vectors

@@ -97,3 +97,57 @@ def test_passage_store_refuses_mismatched_offsets(tmp_path):
     np.save(tmp_path / P.OFFSETS_FILE, np.array([0, 3], dtype=np.int64))
     with pytest.raises(ValueError, match="offsets do not match"):
         P.PassageStore(tmp_path)
+
+
+@pytest.mark.parametrize("source, expected", [
+    # One section per definition; module-level code between definitions is its own section.
+    ("x = 1\ndef f():\n    return x\n", ["x = 1", "def f():\n    return x"]),
+    # A decorator starts its definition: the def below it does not cut again.
+    ("@dec\ndef f():\n    pass\n", ["@dec\ndef f():\n    pass"]),  # Not ["@dec", "def f(): ..."]
+    # Methods are definitions too; the class line keeps what precedes its first method.
+    ("class A:\n    n = 1\n    async def g(self):\n        pass\n",
+     ["class A:\n    n = 1", "async def g(self):\n        pass"]),
+    # A name that merely starts with "def" is not a definition.
+    ("default = 1\nclassic = 2\n", ["default = 1\nclassic = 2"]),
+    ("", []),
+])
+def test_code_sections(source, expected):
+    assert P.code_sections(source) == expected
+
+
+@given(st.lists(st.sampled_from(["x = 1", "def f():", "    return 2", "@d", "class C:", "", "# c"]), max_size=20))
+@settings(max_examples=200, deadline=None)
+def test_code_sections_keep_every_line(lines):
+    source = "\n".join(lines)
+    assert " ".join(P.code_sections(source)).split() == source.split()
+
+
+@pytest.mark.parametrize("roff, expected, not_expected", [
+    # Requests are dropped, font escapes removed, \- is a dash; a section heading starts a paragraph.
+    ('.TH LS 1\n.SH NAME\nls \\- list\n.SH DESCRIPTION\n\\fB\\-a\\fR, \\fB\\-\\-all\\fR\ndo not ignore\n',
+     ("NAME ls - list", "DESCRIPTION -a, --all do not ignore"), "TH"),
+    # Comments vanish; a macro's arguments are text.
+    ('.\\" a comment\n.B bold words\nplain\n', ("bold words plain",), "comment"),
+])
+def test_man_document(roff, expected, not_expected):
+    doc = P.man_document(roff, "man:x.1", "x(1)")
+    assert doc.sections == expected
+    assert not_expected not in " ".join(doc.sections)
+
+
+def test_extra_sources_follow_the_docs_corpus(tmp_path):
+    """The docs corpus is a prefix of the large one: rst, docstrings, then code, man pages, headers."""
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "m.py").write_text('"""Doc of m."""\ndef f(a):\n    """F doc."""\n    return a + 1\n')
+    man = tmp_path / "man" / "man1"
+    man.mkdir(parents=True)
+    (man / "tool.1").write_text(".SH NAME\ntool - does things\n")
+    inc = tmp_path / "include"
+    inc.mkdir()
+    (inc / "x.h").write_text("/* a header */\nint x(void);\n\nint y(void);\n")
+    kw = dict(rst=False, roots=[lib], man_root=tmp_path / "man", include_root=inc)
+    docs = [d.key for d in P.iter_documents(**kw)]
+    large = [d.key for d in P.iter_documents(code=True, man=True, headers=True, **kw)]
+    assert docs == ["py:m"] and large[:1] == docs
+    assert large == ["py:m", "code:m", "man:tool.1", "h:x.h"]

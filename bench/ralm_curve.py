@@ -1,0 +1,109 @@
+"""RaLMSpec's speed-up against the baseline's retrieval share, over knowledge-base sizes (issue 19).
+
+Each point is one `python -m bench.ralm` run on one KB (one JSON each, e.g. the 100 K / 300 K prefixes of the
+large KB and the whole of it, `make kb-large` + `build --limit-passages N --embeddings-from`). This merges them:
+per KB size x retriever, B's retrieval share R / (R + G) and every config's speed-up (ratio of mean latencies and
+the median of per-question ratios), identical-output counts; the targets; a PNG of speed-up vs B's retrieval
+share.
+
+    python -m bench.ralm_curve bench/results/ralm-100k.json bench/results/ralm-300k.json \\
+        bench/results/ralm-1m.json --json bench/results/ralm-curve.json --png bench/results/ralm-curve.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+PSA_TARGET = 1.75  # PSA with edr where B's retrieval share >= 0.5
+SHARE_FOR_TARGET = 0.5
+NEVER_SLOWER = 0.98  # every config at every KB size
+
+
+def points(runs: list[dict]) -> list[dict]:
+    """bench.ralm results -> one point per (KB size, retriever, config), sorted by size."""
+    out = []
+    for run in runs:
+        n = (run.get("kb") or {}).get("passages")
+        for retriever, configs in (run.get("retrievers") or {}).items():
+            base = configs.get("B")
+            if not base:
+                continue
+            b_share = base["retrieval_s"] / base["latency_s"] if base["latency_s"] else 0.0
+            for config, v in configs.items():
+                out.append({"passages": n, "retriever": retriever, "config": config, "b_r_share": b_share,
+                            "speedup": v.get("speedup"), "speedup_paired_median": v.get("speedup_paired_median"),
+                            "identical": v["identical"], "n": v["n"], "latency_s": v["latency_s"],
+                            "retrieval_s": v["retrieval_s"], "generation_s": v["generation_s"],
+                            "speculation_accuracy": v.get("speculation_accuracy"),
+                            "sequential_rounds": v.get("sequential_rounds")})
+    return sorted(out, key=lambda p: (p["passages"] or 0, p["retriever"], p["config"]))
+
+
+def targets(pts: list[dict]) -> dict:
+    """The issue's targets over the points; a target with no point to judge is None, not met."""
+    spec = [p for p in pts if p["config"] != "B"]
+    psa = [p for p in spec if p["config"] == "PSA" and p["retriever"] == "edr" and p["b_r_share"] >= SHARE_FOR_TARGET]
+    worst = min(spec, key=lambda p: p["speedup"] or 0.0, default=None)
+    return {
+        "psa_edr_at_share_0.5": {"target": PSA_TARGET, "points": [(p["passages"], p["speedup"]) for p in psa],
+                                 "met": bool(psa) and all(p["speedup"] >= PSA_TARGET for p in psa) if psa else None},
+        "never_slower": {"target": NEVER_SLOWER,
+                         "worst": None if worst is None else {k: worst[k] for k in
+                                                              ("passages", "retriever", "config", "speedup")},
+                         "met": None if worst is None else worst["speedup"] >= NEVER_SLOWER},
+        "identical": {"met": all(p["identical"] == p["n"] for p in pts) if pts else None,
+                      "outputs": sum(p["n"] for p in spec), "identical": sum(p["identical"] for p in spec)},
+    }
+
+
+def plot(pts: list[dict], path: Path) -> None:
+    import matplotlib  # heavy; only when a plot is written
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for config in sorted({p["config"] for p in pts} - {"B"}):
+        for retriever, marker in (("edr", "o"), ("adr", "s"), ("sr", "^")):
+            xs = [(p["b_r_share"], p["speedup"]) for p in pts if p["config"] == config and p["retriever"] == retriever]
+            if xs:
+                ax.plot(*zip(*sorted(xs)), marker=marker, label=f"{config} {retriever}", lw=1)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.axhline(NEVER_SLOWER, color="r", lw=0.8, ls=":")
+    ax.set_xlabel("retrieval share of RaLMSeq (B) latency")
+    ax.set_ylabel("speed-up vs B")
+    ax.legend(fontsize=6, ncol=3)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.ralm_curve", description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", type=Path, help="bench.ralm JSON files, one per KB size")
+    ap.add_argument("--json", type=Path, required=True, help="the merged curve (written atomically)")
+    ap.add_argument("--png", type=Path, default=None, help="speed-up vs retrieval share plot")
+    args = ap.parse_args(argv)
+    runs = [json.loads(p.read_text()) for p in args.runs]
+    pts = points(runs)
+    result = {"sources": [str(p) for p in args.runs], "points": pts, "targets": targets(pts),
+              "machines": [r.get("machine") for r in runs], "setups": [r.get("setup") for r in runs]}
+    tmp = args.json.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, args.json)
+    if args.png:
+        plot(pts, args.png)
+    for p in pts:
+        print(f"{p['passages'] or 0:>8} {p['retriever']:3} {p['config']:4} B R-share {p['b_r_share']:.2f} "
+              f"speed-up {p['speedup'] or 0:.2f} (median {p['speedup_paired_median'] or 0:.2f}) "
+              f"identical {p['identical']}/{p['n']}")
+    print(json.dumps(result["targets"], indent=1))
+
+
+if __name__ == "__main__":
+    main()

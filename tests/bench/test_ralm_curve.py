@@ -1,0 +1,31 @@
+"""The RaLMSpec curve's targets: judged per point, None where nothing can be judged."""
+
+import pytest
+
+from bench.ralm_curve import points, targets
+
+
+def run(passages, retriever, b, **configs):
+    """A bench.ralm result with B's (R, G) and each config's latency; identical unless latency is negative."""
+    def cfg(lat, r=0.0):
+        return {"latency_s": abs(lat), "retrieval_s": r, "generation_s": abs(lat) - r, "identical": 2 if lat > 0 else 1,
+                "n": 2, "speedup": (b[0] + b[1]) / abs(lat)}
+    return {"kb": {"passages": passages},
+            "retrievers": {retriever: {"B": cfg(b[0] + b[1], b[0]), **{c: cfg(v) for c, v in configs.items()}}}}
+
+
+@pytest.mark.parametrize("runs, psa_met, never_slower_met, identical_met", [
+    # Retrieval-bound (share 0.6): PSA 2x meets 1.75; P at 0.99 is not slower than 0.98.
+    ([run(1_000_000, "edr", (6.0, 4.0), PSA=5.0, P=10.1)], True, True, True),
+    # Same share, PSA only 1.5x: missed. (Not judged "met" because another KB size is fine.)
+    ([run(1_000_000, "edr", (6.0, 4.0), PSA=6.6), run(100_000, "edr", (1.0, 9.0), PSA=9.9)], False, True, True),
+    # Cheap retrieval only: the PSA target has no point to judge (None, not True); A at 0.90 is slower.
+    ([run(100_000, "edr", (1.0, 9.0), PSA=9.9, A=11.1)], None, False, True),
+    # A differing output anywhere fails identity.
+    ([run(100_000, "sr", (1.0, 9.0), PSA=-10.0)], None, True, False),
+])
+def test_targets(runs, psa_met, never_slower_met, identical_met):
+    t = targets(points(runs))
+    assert t["psa_edr_at_share_0.5"]["met"] is psa_met
+    assert t["never_slower"]["met"] is never_slower_met
+    assert t["identical"]["met"] is identical_met

@@ -15,10 +15,11 @@ RaLMSpec, rounds of s speculative steps:
     settle       find the first step whose speculated passage is not the KB's top-1, restore the checkpoint
                  taken before it (KV cache, tokens, random stream), generate that step with the true passage;
                  add the hits (top-`prefetch` of every query) to the cache
-    OS³          picks s from the measured speculation accuracy and step/verification latencies (os3.py), and,
-                 beyond the paper, may pick s = 0 (a plain sequential step) when speculation costs more than
-                 it saves (`SpeculationGate`): here generation dominates a step and a wrong guess throws
-                 generation away, so speculation only pays where retrieval is slow.
+    OS³          picks s from the measured speculation accuracy and step/verification latencies (os3.py)
+    gate         beyond the paper, every round is one of sequential (s = 0) / sync / async, whichever costs
+                 least per committed step as measured in this request (ralm_gate.py): where retrieval is cheap
+                 a wrong guess throws away more generation than speculation saves, and where the KB shares the
+                 model's cores an async verification slows the step it overlaps.
     sequential   a step of RaLMSpec without speculation (the first one, s = 0, after a KB failure) waits only for
                  RaLMSeq's own top-1 Search; its top-`prefetch` cache fill is a Search future that runs while
                  the step generates and is cached at a later step when it has arrived.
@@ -34,7 +35,6 @@ if that fails too the request fails with KBUnavailable (UNAVAILABLE), never with
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator
 
@@ -47,6 +47,7 @@ from generation_service.kb_client import Hits, KBRequestError, KBUnavailable, Se
 from generation_service.model import TargetModel, cache_length, new_cache
 from generation_service.os3 import OS3Config, StrideScheduler
 from generation_service.ralm_cache import PassageCache
+from generation_service.ralm_gate import ASYNC, SEQUENTIAL, SYNC, RoundGate
 from generation_service.ralm_retrieval import Query, Retriever
 from generation_service.sampling import Sampler, SamplingParams
 from generation_service.speculative import (
@@ -92,7 +93,9 @@ class RagParams:
     os3_window: int = 5
     gamma_max: float = 0.6
     s_max: int = 16
-    allow_sequential: bool = True  # run sequential steps (s = 0) while speculation does not pay (every config)
+    # Each round's kind (sequential s = 0 / sync / async) by measured cost (ralm_gate.py); False = every round
+    # as configured (tests of the mechanics pin it).
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.retriever not in RETRIEVERS:
@@ -111,7 +114,7 @@ class RagParams:
         _int_in("s_max", self.s_max, 1, 64)
         if not (isinstance(self.gamma_max, (int, float)) and 0.0 <= self.gamma_max <= 1.0):
             raise InvalidArgument("rag.gamma_max", f"must lie in [0, 1], got {self.gamma_max!r}")
-        for name in ("speculate", "os3", "async_verify", "reuse_kv", "allow_sequential"):
+        for name in ("speculate", "os3", "async_verify", "reuse_kv", "adaptive"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgument(f"rag.{name}", f"must be a bool, got {getattr(self, name)!r}")
 
@@ -187,6 +190,7 @@ class Checkpoint:
     rng_state: dict
     draws: int
     generation_ms: float  # stats.generation_ms then (to measure the generation a rollback throws away)
+    prefill_ms: float  # stats.prefill_ms then (the part of it that was prefill)
 
 
 class StepRunner:
@@ -212,7 +216,8 @@ class StepRunner:
     def checkpoint(self) -> Checkpoint:
         rng = self.sampler._rng.bit_generator
         return Checkpoint(len(self.out), self.cache, cache_length(self.cache) if self.cache is not None else 0,
-                          self.cache_doc, rng.state, self.sampler.draws, self.stats.generation_ms)
+                          self.cache_doc, rng.state, self.sampler.draws, self.stats.generation_ms,
+                          self.stats.prefill_ms)
 
     def restore(self, ck: Checkpoint) -> None:
         del self.out[ck.n_out:]
@@ -261,56 +266,6 @@ class StepRunner:
             return True
         finally:
             self.stats.generation_ms += (time.perf_counter() - t0) * 1e3
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# OS³ extended with stride 0.
-
-
-class SpeculationGate:
-    """Decides whether to speculate at all (OS³'s s = 0 extension).
-
-    Speculation only changes the retrieval part of a step: the committed generation is the same work either way
-    (same passages, same KV reuse). Per committed step it costs
-        spec = (critical-path retrieval of a round + generation thrown away in it) / steps the round committed
-    against seq = critical-path retrieval of a sequential step. Windowed means of measurements; while
-    sequential wins, a speculative round is still tried every `probe` steps (doubling while it keeps losing) so
-    the estimates follow the request.
-    """
-
-    def __init__(self, window: int = 5, probe: int = 4):
-        self.seq: deque[float] = deque(maxlen=window)
-        self.spec: deque[float] = deque(maxlen=window)
-        self.probe0 = probe
-        self.probe = probe
-        self.since_probe = 0
-
-    def record_sequential(self, retrieval_s: float) -> None:
-        self.seq.append(retrieval_s)
-
-    def record_round(self, overhead_s: float, committed_steps: int) -> None:
-        self.spec.append(overhead_s / max(1, committed_steps))
-
-    def pays(self) -> bool | None:
-        if not self.seq or not self.spec:
-            return None
-        return sum(self.spec) / len(self.spec) < sum(self.seq) / len(self.seq)
-
-    def cache_wanted(self) -> bool:
-        """Will the next step (probably) speculate? Asked after this step's speculate() said no."""
-        return self.pays() is not False or self.since_probe >= self.probe
-
-    def speculate(self) -> bool:
-        verdict = self.pays()
-        if verdict is None or verdict:
-            self.probe, self.since_probe = self.probe0, 0
-            return True
-        self.since_probe += 1
-        if self.since_probe > self.probe:
-            self.since_probe = 0
-            self.probe *= 2
-            return True
-        return False
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -490,9 +445,12 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
     cache = PassageCache(rag.cache_capacity, retr.dim)
     sched = StrideScheduler(OS3Config(window=rag.os3_window, gamma_max=rag.gamma_max, s_init=1,
                                       s_max=rag.s_max, async_verify=rag.async_verify)) if rag.os3 else None
-    # Any speculative config, with or without OS³, falls back to sequential steps where speculation does not pay:
-    # with a fixed stride a wrong guess costs as much as with OS³, and cheap retrieval leaves nothing to win.
-    gate = SpeculationGate(rag.os3_window) if rag.allow_sequential else None
+    # Every speculative config, with or without OS³, measures its kinds of round and runs the cheapest
+    # (ralm_gate.py): sequential steps where retrieval is too cheap to hide, sync verification where a search
+    # beside the step slows it more than the overlap saves.
+    configured = ASYNC if rag.async_verify else SYNC
+    gate = RoundGate(([ASYNC] if rag.async_verify else []) + [SYNC, SEQUENTIAL] if rag.adaptive else [configured],
+                     window=rag.os3_window)
     k_fetch = max(1, rag.prefetch)
     prev: int | None = None  # true passage of the last committed step
     committed = 0
@@ -531,7 +489,9 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
                 yield Emit([], FINISH_CANCELLED)
                 return
             drain_prefetch()
-            if fallback or len(cache) == 0 or (gate is not None and not gate.speculate()):
+            arm = SEQUENTIAL if fallback or len(cache) == 0 else gate.choose()
+            t_round, prefill_before = time.perf_counter(), stats.prefill_ms
+            if arm == SEQUENTIAL:
                 # A sequential step: on the critical path exactly RaLMSeq's retrieval (top-1 with its text), so a
                 # step the gate runs sequentially costs what B's step costs. The cache fill (top-k_fetch) is a
                 # Search future that runs while the step generates and lands in the cache at a later step.
@@ -545,7 +505,7 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
                     doc = hits[0].top1
                     # The background top-k_fetch fill is a second KB search: only worth it when speculation may
                     # read the cache soon (the gate speculates, or probes at the next step).
-                    if k_fetch > 1 and not fallback and (gate is None or gate.cache_wanted()):
+                    if k_fetch > 1 and not fallback and gate.cache_wanted():
                         pending.append(retr.search_async([q], k_fetch))
                 passage = yield from _passage(retr, doc)
                 r = time.perf_counter() - t0
@@ -553,9 +513,9 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
                 stats.sequential_retrieval_ms += r * 1e3
                 stats.retrievals += 1
                 stats.strides.append(0)
-                if gate is not None and q is not None:
-                    gate.record_sequential(r)
                 yield from runner.step_passes(doc, passage)
+                if q is not None and not fallback:
+                    gate.record(SEQUENTIAL, time.perf_counter() - t_round - (stats.prefill_ms - prefill_before) / 1e3)
                 prev = doc
                 yield Emit(commit(), runner.finish)
                 continue
@@ -600,7 +560,7 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
                 ckpts.append(ck)
                 queries.append(q)
                 specs.append(d)
-                if rag.async_verify and i == s - 1:
+                if arm == ASYNC and i == s - 1:
                     ver = _Verification(retr, queries, k_fetch, prev).start()  # in flight during this step
                 dt = time.perf_counter() - t0
                 r_round += dt
@@ -647,8 +607,10 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
                 sched.record_latency(speculation_s=sum(step_s) / len(step_s) if step_s else None,
                                      verification_s=ver.latency_s)
             waste = 0.0
+            wasted_prefill_ms = 0.0
             if m is not None:
                 g_before = stats.generation_ms
+                wasted_prefill_ms = stats.prefill_ms - ckpts[m].prefill_ms
                 runner.restore(ckpts[m])
                 waste = (g_before - ckpts[m].generation_ms) / 1e3  # s
                 stats.wasted_generation_ms += waste * 1e3
@@ -663,8 +625,8 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
             prev = true[n_committed - 1]
             stats.retrieval_ms += r_round * 1e3
             stats.retrievals += n_committed
-            if gate is not None:
-                gate.record_round(r_round + waste, n_committed)
+            committed_prefill_s = (stats.prefill_ms - prefill_before - wasted_prefill_ms) / 1e3
+            gate.record(arm, (time.perf_counter() - t_round - committed_prefill_s) / n_committed)
             yield Emit(commit(), runner.finish)
     finally:
         for fut in pending:  # the request is over (or failed): nobody will read them

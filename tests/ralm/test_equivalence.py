@@ -12,11 +12,12 @@ pytestmark = pytest.mark.model
 STRIDE = 2  # k = 2 in tests: twice the retrieval rounds per generated token (rollback, OS³, async all happen)
 
 CONFIGS = {  # name -> RagParams overrides (speculation on)
-    "S3-sync": dict(os3=False, prefetch=0, async_verify=False),
-    "S3-async": dict(os3=False, prefetch=0, async_verify=True),
+    "S3-sync": dict(os3=False, prefetch=0, async_verify=False, adaptive=False),
+    "S3-async": dict(os3=False, prefetch=0, async_verify=True, adaptive=False),
     "PS-sync": dict(os3=True, prefetch=20, async_verify=False),
     "PSA": dict(os3=True, prefetch=20, async_verify=True),
-    "PA-256": dict(os3=False, prefetch=256, async_verify=True, spec_stride=4),
+    "PA-256": dict(os3=False, prefetch=256, async_verify=True, spec_stride=4, adaptive=False),
+    "A-adaptive": dict(os3=False, prefetch=0, async_verify=True),
 }
 
 

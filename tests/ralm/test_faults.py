@@ -19,7 +19,7 @@ STRIDE = 2
 def test_slow_kb_during_speculation_falls_back_to_sequential(tm, kb_client, prompts, reference, async_verify):
     want = reference("edr", 0, STRIDE)
     # Speculative calls (ScoreCandidates, verification) get 0.1 ms: every one of them misses its deadline.
-    rag = RagParams(retriever="edr", stride=STRIDE, os3=False, async_verify=async_verify)
+    rag = RagParams(retriever="edr", stride=STRIDE, os3=False, async_verify=async_verify, adaptive=False)
     got, st = run_rag(tm, kb_client, prompts[0], rag, spec_timeout_s=1e-4)
     assert got == want  # Not a shorter output or one written with the unverified guess
     assert st.fallback and "DEADLINE_EXCEEDED" in st.fallback_reason

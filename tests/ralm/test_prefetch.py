@@ -1,4 +1,4 @@
-"""Sequential steps inside RaLMSpec (the first step, and every step the SpeculationGate runs as s = 0) put only
+"""Sequential steps inside RaLMSpec (the first step, and every round the RoundGate runs as s = 0) put only
 RaLMSeq's retrieval on the critical path -- one top-1 Search -- and fill the cache with a Search future that
 runs while the step generates. Output stays RaLMSeq's; the prefetched hits still reach the cache."""
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from generation_service.ralm import RagParams, SpeculationGate
+from generation_service.ralm import RagParams
 from generation_service.ralm_retrieval import KBRetriever, Query
 from tests.ralm.conftest import run_rag
 
@@ -87,42 +87,6 @@ def test_psa_with_prefetch_equals_ralmseq_when_the_gate_goes_sequential(tm, kb_c
     assert got == want
     assert 0 in st.strides and any(s > 0 for s in st.strides)  # both kinds of step ran
     assert not st.fallback
-
-
-@pytest.mark.parametrize("seq,spec,want", [
-    ([0.03], [0.30], False),        # speculation costs 10x a sequential step: go sequential
-    ([0.03], [0.01], True),         # cheap speculation: speculate
-    ([], [0.30], True),             # nothing measured sequentially yet: keep speculating (no verdict)
-])
-def test_gate_verdicts(seq, spec, want):
-    gate = SpeculationGate(window=5, probe=4)
-    for r in seq:
-        gate.record_sequential(r)
-    for r in spec:
-        gate.record_round(r, 1)
-    assert gate.speculate() is want
-
-
-def test_gate_probes_speculation_while_sequential_wins():
-    gate = SpeculationGate(window=5, probe=2)
-    gate.record_sequential(0.03)
-    gate.record_round(0.30, 1)
-    picks = [gate.speculate() for _ in range(9)]
-    # sequential twice, then a probe; the interval doubles while speculation keeps losing (no new measurements)
-    assert picks == [False, False, True, False, False, False, False, True, False]  # Not a probe every 2 steps
-
-
-def test_gate_wants_the_cache_filled_only_before_speculation():
-    gate = SpeculationGate(window=5, probe=2)
-    assert gate.cache_wanted()  # no verdict yet: the next step may speculate
-    gate.record_sequential(0.03)
-    gate.record_round(0.30, 1)
-    wanted = []
-    for _ in range(5):
-        if not gate.speculate():
-            wanted.append(gate.cache_wanted())
-    # sequential, sequential (the probe is next: fill), [probe], sequential x2 of the doubled interval
-    assert wanted == [False, True, False, False]  # Not a fill for every sequential step
 
 
 def test_reply_texts_are_tokenized_only_when_prepended(tm, kb_client, prompts):

@@ -74,7 +74,8 @@ def expected_rollbacks(wrong: set[int], steps: int, s: int) -> int:
 @pytest.mark.parametrize("wrong", [{0}, {2}, {1, 3}, {0, 1, 2, 3, 4, 5, 6, 7}])
 def test_constructed_mismatches_roll_back_sync(tm, kb_client, prompts, reference, wrong):
     want = reference("edr", 0, STRIDE)
-    rag = RagParams(retriever="edr", stride=STRIDE, os3=False, spec_stride=3, async_verify=False, prefetch=20)
+    rag = RagParams(retriever="edr", stride=STRIDE, os3=False, spec_stride=3, async_verify=False, prefetch=20,
+                    adaptive=False)
     box = {}
     got, st = run_rag(tm, kb_client, prompts[0], rag, wrap=lambda r: box.setdefault("s", Saboteur(r, wrong)))
     assert got == want  # Not the continuation of a wrong passage
@@ -86,7 +87,8 @@ def test_constructed_mismatches_roll_back_sync(tm, kb_client, prompts, reference
 @pytest.mark.parametrize("wrong", [{0}, {1, 2}])
 def test_constructed_mismatches_roll_back_async(tm, kb_client, prompts, reference, wrong):
     want = reference("edr", 0, STRIDE)
-    rag = RagParams(retriever="edr", stride=STRIDE, os3=False, spec_stride=2, async_verify=True, prefetch=20)
+    rag = RagParams(retriever="edr", stride=STRIDE, os3=False, spec_stride=2, async_verify=True, prefetch=20,
+                    adaptive=False)
     got, st = run_rag(tm, kb_client, prompts[0], rag, wrap=lambda r: Saboteur(r, wrong))
     assert got == want
     assert st.rollbacks >= 1

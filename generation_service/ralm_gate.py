@@ -1,0 +1,73 @@
+"""Which kind of RaLMSpec round pays for this request: measured, not assumed (issue 19: never slower than RaLMSeq).
+
+Arms: `sequential` (one step with RaLMSeq's own search, s = 0), `sync` (s speculative steps, then one batched
+verification) and `async` (the verification runs during the round's last step). What each costs depends on the
+deployment: where the KB runs (on the model's cores, a verification in flight slows the step it overlaps), how
+slow its search is, how often the cache guesses right. So each arm is timed whole, per committed step:
+
+    cost = (wall time of the round - prefill time of the committed steps) / committed steps
+
+The committed prefills (a new passage means a new prompt prefill) are the same work whichever arm ran — the
+committed passages are RaLMSeq's — and they vary tenfold between steps, so they are taken out; everything an arm
+changes stays in: retrieval on the critical path, generation thrown away by rollbacks, a step slowed by a
+search running beside it.
+
+The cheapest arm by windowed mean is used. Arms not measured yet are tried first, in the order given; while one
+arm wins, another is probed every `probe` rounds, the interval doubling while the winner stays the same, so a
+request notices when its costs change (the KB gets busy, the cache starts guessing right) without paying for
+many losing probes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Sequence
+
+SEQUENTIAL, SYNC, ASYNC = "sequential", "sync", "async"
+ARMS = (ASYNC, SYNC, SEQUENTIAL)
+
+
+class RoundGate:
+    def __init__(self, arms: Sequence[str], window: int = 5, probe: int = 4):
+        if not arms or any(a not in ARMS for a in arms) or len(set(arms)) != len(arms):
+            raise ValueError(f"arms: {list(arms)!r} must be distinct names from {ARMS}")
+        self.arms = tuple(arms)
+        self.costs: dict[str, deque[float]] = {a: deque(maxlen=window) for a in self.arms}
+        self.probe0 = self.probe = probe
+        self.since_probe = 0
+        self.best: str | None = None
+        self.probes = 0  # probes run (rotates through the losing arms)
+
+    def record(self, arm: str, seconds_per_step: float) -> None:
+        if arm in self.costs:
+            self.costs[arm].append(seconds_per_step)
+
+    def mean(self, arm: str) -> float | None:
+        xs = self.costs[arm]
+        return sum(xs) / len(xs) if xs else None
+
+    def _winner(self) -> str | None:
+        if any(not self.costs[a] for a in self.arms):
+            return None
+        return min(self.arms, key=lambda a: self.mean(a))  # ties: the earlier arm
+
+    def choose(self) -> str:
+        unmeasured = [a for a in self.arms if not self.costs[a]]
+        if unmeasured:
+            return unmeasured[0]
+        best = self._winner()
+        if best != self.best:
+            self.best, self.probe, self.since_probe = best, self.probe0, 0
+        self.since_probe += 1
+        if len(self.arms) > 1 and self.since_probe > self.probe:
+            self.since_probe = 0
+            self.probe *= 2
+            others = [a for a in self.arms if a != best]
+            self.probes += 1
+            return others[(self.probes - 1) % len(others)]
+        return best
+
+    def cache_wanted(self) -> bool:
+        """Will the next round (probably) read the speculation cache? Asked during a sequential step."""
+        winner = self._winner()
+        return winner is None or winner != SEQUENTIAL or self.since_probe >= self.probe

@@ -1,0 +1,63 @@
+"""RoundGate: the cheapest measured kind of round, probes of the others at doubling intervals."""
+
+import pytest
+
+from generation_service.ralm_gate import ASYNC, SEQUENTIAL, SYNC, RoundGate
+
+
+def measured(arms, costs, probe=4):
+    gate = RoundGate(arms, window=5, probe=probe)
+    for arm, c in costs.items():
+        gate.record(arm, c)
+    return gate
+
+
+@pytest.mark.parametrize("arms, costs, want", [
+    # Speculation costs 10x a sequential step per committed step: sequential.
+    ((SYNC, SEQUENTIAL), {SEQUENTIAL: 0.03, SYNC: 0.30}, SEQUENTIAL),
+    # Cheap speculation: sync.
+    ((SYNC, SEQUENTIAL), {SEQUENTIAL: 0.03, SYNC: 0.01}, SYNC),
+    # async slowed by the search beside its step: sync, Not async.
+    ((ASYNC, SYNC, SEQUENTIAL), {SEQUENTIAL: 0.05, SYNC: 0.02, ASYNC: 0.03}, SYNC),
+    # An arm not measured yet is tried before any verdict, in the given order.
+    ((ASYNC, SYNC, SEQUENTIAL), {SEQUENTIAL: 0.01}, ASYNC),
+    ((ASYNC, SYNC, SEQUENTIAL), {SEQUENTIAL: 0.01, ASYNC: 0.5}, SYNC),
+    # One arm only: always it.
+    ((SYNC,), {}, SYNC),
+])
+def test_choice(arms, costs, want):
+    assert measured(arms, costs).choose() == want
+
+
+def test_probes_double_while_the_winner_holds_and_rotate_over_the_losers():
+    gate = measured((ASYNC, SYNC, SEQUENTIAL), {SEQUENTIAL: 0.01, SYNC: 0.2, ASYNC: 0.3}, probe=2)
+    picks = [gate.choose() for _ in range(12)]
+    # 2 winners, a probe (async), 4 winners, a probe (sync), then the interval is 8
+    assert picks == [SEQUENTIAL, SEQUENTIAL, ASYNC, SEQUENTIAL, SEQUENTIAL, SEQUENTIAL, SEQUENTIAL, SYNC,
+                     SEQUENTIAL, SEQUENTIAL, SEQUENTIAL, SEQUENTIAL]  # Not a probe every 2 rounds
+
+
+def test_a_new_winner_resets_the_probe_interval():
+    gate = measured((SYNC, SEQUENTIAL), {SEQUENTIAL: 0.01, SYNC: 0.2}, probe=1)
+    assert [gate.choose() for _ in range(3)] == [SEQUENTIAL, SYNC, SEQUENTIAL]  # interval now 2
+    for _ in range(5):
+        gate.record(SYNC, 0.001)  # the cache started guessing right: speculation wins now
+    assert [gate.choose() for _ in range(3)] == [SYNC, SEQUENTIAL, SYNC]  # probed after 1 again, Not after 2
+
+
+def test_cache_wanted_only_before_speculation():
+    gate = RoundGate((SYNC, SEQUENTIAL), window=5, probe=2)
+    assert gate.cache_wanted()  # no verdict yet
+    gate.record(SEQUENTIAL, 0.03)
+    gate.record(SYNC, 0.30)
+    wanted = []
+    for _ in range(5):
+        if gate.choose() == SEQUENTIAL:
+            wanted.append(gate.cache_wanted())
+    assert wanted == [False, True, False, False]  # a fill only before the probe, Not every sequential step
+
+
+@pytest.mark.parametrize("arms", [(), ("sync", "sync"), ("speculate",)])
+def test_bad_arms(arms):
+    with pytest.raises(ValueError, match="arms"):
+        RoundGate(arms)

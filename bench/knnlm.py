@@ -257,8 +257,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lam", default="auto", help="λ, or auto = the perplexity run's dev-set choice")
     ap.add_argument("--temperature", default="auto", help="T, or auto = the perplexity run's dev-set choice")
     ap.add_argument("--os3-gamma-max", type=float, default=KNN_OS3.gamma_max)
-    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
-    ap.add_argument("--threads", type=int, default=1, help="torch threads of the worker side")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32", "q4_1"),
+                    help="auto = the worker's calibrated choice on this machine (the serving default)")
+    ap.add_argument("--threads", type=int, default=0, help="model threads of the worker side; 0 = calibrated")
     ap.add_argument("--omp-threads", type=int, default=1, help="faiss threads of the retrieval service")
     ap.add_argument("--ppl-tokens", type=int, default=2048, help="held-out tokens for perplexity (0 = skip)")
     ap.add_argument("--ppl-window", type=int, default=256)
@@ -278,14 +279,14 @@ def main(argv: list[str] | None = None) -> None:
 
     from threadpoolctl import threadpool_info
 
-    from generation_service.model import load_model, set_threads
+    from generation_service.calibrate import calibrated_model
 
     t_start = time.time()
     ds = open_datastore(args.datastore)
     held = load_held_out(args.datastore)
     prompts = [d[: args.prompt_tokens].astype(np.int64) for d in held if len(d) >= args.prompt_tokens][: args.limit]
-    set_threads(args.threads)  # also caps numpy's BLAS threads
-    tm = load_model("", dtype=args.dtype, device="cpu")
+    tm, choice = calibrated_model("", "cpu", args.dtype, args.threads)  # what the server would serve
+    args.dtype, args.threads = choice.curve.dtype, choice.curve.threads
     result: dict = {
         "command": "python -m bench.knnlm " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},

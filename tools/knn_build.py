@@ -479,8 +479,8 @@ def main(argv: list[str] | None = None) -> None:
                                              "states, values = next tokens) over the docs corpus.")
     ap.add_argument("--out", default=str(DEFAULT_DIR))
     ap.add_argument("--model", default="", help="local HF model directory ('' = default SmolLM2-135M-Instruct)")
-    ap.add_argument("--model-dtype", default="bf16", choices=("bf16", "fp32"),
-                    help="build with the dtype the worker serves with")
+    ap.add_argument("--model-dtype", default="auto", choices=("auto", "bf16", "fp32", "q4_1"),
+                    help="build with the format the worker serves with (auto = its calibrated choice here)")
     ap.add_argument("--dtype", default="float16", choices=KEY_DTYPES, help="stored key dtype")
     ap.add_argument("--sources", default="rst", help=f"comma list of {SOURCES}")
     ap.add_argument("--max-entries", type=int, default=1_000_000, help="0 = the whole corpus")
@@ -511,8 +511,15 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.threads:
         faiss.omp_set_num_threads(args.threads)
-    set_threads(args.threads)
-    tm = load_model(args.model, dtype=args.model_dtype)
+    if args.model_dtype == "auto":
+        from generation_service.calibrate import calibrated_model
+
+        tm, _ = calibrated_model(args.model, "cpu", "auto", args.threads)
+        if args.threads:
+            set_threads(args.threads)
+    else:
+        set_threads(args.threads)
+        tm = load_model(args.model, dtype=args.model_dtype)
     sources = tuple(s.strip() for s in args.sources.split(",") if s.strip())
     docs, held = corpus_documents(tm.tokenizer, sources, args.held_out_every, args.max_entries)
     log.info("%d documents (%d entries) in the datastore, %d held out", len(docs),

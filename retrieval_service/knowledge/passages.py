@@ -169,17 +169,22 @@ def iter_py_files(root: Path, skip_dirs: frozenset[str] = _SKIP_DIRS) -> Iterato
                 yield Path(dirpath) / f
 
 
-def _module_document(args: tuple[str, str]) -> Document | None:
+def _python_document(args: tuple[str, str], sections_of=docstring_sections, prefix: str = "py",
+                     suffix: str = "") -> Document | None:
     root, path = Path(args[0]), Path(args[1])
     try:
         source = path.read_text(encoding="utf-8", errors="replace")
     except OSError:
         return None
-    sections = docstring_sections(source)
+    sections = sections_of(source)
     if not sections:
         return None
     name = module_name(root, path)
-    return Document(f"py:{name}", name, tuple(sections))
+    return Document(f"{prefix}:{name}", name + suffix, tuple(sections))
+
+
+def _module_document(args: tuple[str, str]) -> Document | None:
+    return _python_document(args)
 
 
 _DEF = re.compile(r"^[ \t]*(?:@|async[ \t]+def[ \t]|def[ \t]|class[ \t])", re.M)
@@ -205,16 +210,7 @@ def code_sections(source: str) -> list[str]:
 
 
 def _code_document(args: tuple[str, str]) -> Document | None:
-    root, path = Path(args[0]), Path(args[1])
-    try:
-        source = path.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return None
-    sections = code_sections(source)
-    if not sections:
-        return None
-    name = module_name(root, path)
-    return Document(f"code:{name}", f"{name} (source)", tuple(sections))
+    return _python_document(args, code_sections, "code", " (source)")
 
 
 # ----------------------------------------------------------------------------------------- man / headers

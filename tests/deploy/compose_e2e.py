@@ -247,6 +247,11 @@ def handled(metrics: dict, method: str) -> float:
                if name == "grpc_server_handled_total" and dict(labels).get("grpc_method") == method)
 
 
+def drafts(metrics: dict) -> float:
+    """Draft calls a retrieval replica answered: the worker asks a pass's drafts in one DraftBatch."""
+    return handled(metrics, "Draft") + handled(metrics, "DraftBatch")
+
+
 # ------------------------------------------------------------------------------------------------- checks
 
 def check_stack(stack: Stack, report: Report) -> dict:
@@ -326,7 +331,7 @@ def check_stack(stack: Stack, report: Report) -> dict:
         gen_metrics = scrape(stack.port("generation", 9100))
         ret_metrics = scrape(stack.port("retrieval", 9100))
         report.check("metrics scraped",
-                     handled(gen_metrics, "Generate") >= 2 and handled(ret_metrics, "Draft") >= 1
+                     handled(gen_metrics, "Generate") >= 2 and drafts(ret_metrics) >= 1
                      and any(n == "ragserve_generation_tokens_total" for n, _ in gen_metrics),
                      f"generation Generate={handled(gen_metrics, 'Generate'):.0f} "
                      f"GenerateStream={handled(gen_metrics, 'GenerateStream'):.0f}; "
@@ -364,7 +369,7 @@ def check_kill_mid_stream(stack: Stack, report: Report, conn: dict) -> None:
     n = 192
     reference = client.generate(LONG_PROMPT, decoding="ar", max_new_tokens=n, ignore_eos=True,
                                 timeout=RPC_TIMEOUT_S * 2)
-    drafts0 = {c: handled(scrape(a), "Draft") for c, a in metrics_addr.items()}
+    drafts0 = {c: drafts(scrape(a)) for c, a in metrics_addr.items()}
     got: list[int] = []
     last: list = []
     err: list = []
@@ -386,13 +391,13 @@ def check_kill_mid_stream(stack: Stack, report: Report, conn: dict) -> None:
     t = threading.Thread(target=consume, daemon=True)
     t.start()
     first_tokens.wait(timeout=RPC_TIMEOUT_S)
-    drafts1 = {c: handled(scrape(a), "Draft") for c, a in metrics_addr.items()}
+    drafts1 = {c: drafts(scrape(a)) for c, a in metrics_addr.items()}
     serving = max(replicas, key=lambda c: drafts1[c] - drafts0[c])  # the replica the worker is drafting from
     other = next(c for c in replicas if c != serving)
     at = len(got)
     run(["docker", "kill", serving])
     t.join(timeout=RPC_TIMEOUT_S * 2)
-    drafts_other = handled(scrape(metrics_addr[other]), "Draft") - drafts1[other]
+    drafts_other = drafts(scrape(metrics_addr[other])) - drafts1[other]
     stats = last[0].stats if last else None
     identical = got == list(reference.token_ids)
     report.check("kill the drafting retrieval replica mid-stream: stream completes, output identical",

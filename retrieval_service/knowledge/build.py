@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import time
 from pathlib import Path
@@ -214,6 +215,11 @@ def build_kb(out: str | Path, passages: Iterable[P.Passage] | None = None, *,
         manifest["build"].setdefault("sr", {})["bytes"] = _dir_bytes(index_dir)
         manifest["retrievers"].append("sr")
         _write_json(manifest_path, manifest)
+    # Peak resident memory of the build (this process; the Anserini JVM is a child), over resumed runs too.
+    peak = {who: getattr(resource.getrusage(flag), "ru_maxrss") / 1024 for who, flag in
+            (("python_mb", resource.RUSAGE_SELF), ("children_mb", resource.RUSAGE_CHILDREN))}
+    before = old.get("peak_rss", {}) if old.get("fingerprint") == fp else {}
+    manifest["peak_rss"] = {k: round(max(v, before.get(k, 0.0)), 1) for k, v in peak.items()}
     # Indexes built by an earlier run for the same passages stay usable even if not asked for this time.
     for name in old.get("retrievers", []):
         if name not in manifest["retrievers"] and old.get("fingerprint") == fp:

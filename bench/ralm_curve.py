@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> None:
     runs = [json.loads(p.read_text()) for p in args.runs]
     pts = points(runs)
     result = {"sources": [str(p) for p in args.runs], "points": pts, "targets": targets(pts),
-              "machines": [r.get("machine") for r in runs], "setups": [r.get("setup") for r in runs]}
+              "runs": [{"command": r.get("command"), "machine": r.get("machine"), "setup": r.get("setup"),
+                       "kb": r.get("kb")} for r in runs]}
     tmp = args.json.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
     os.replace(tmp, args.json)

@@ -145,6 +145,33 @@ def ralm(name: str, d: dict) -> str:
         "\n\n" + _source(name, d)
 
 
+def ralm_curve(name: str, d: dict) -> str:
+    order = ["P", "S", "A", "PS", "SA", "PA", "PSA"]
+    cells: dict = {}
+    for p in d["points"]:
+        key = (p["passages"] or 0, p["retriever"])
+        row = cells.setdefault(key, {"share": p["b_r_share"], "ident": [0, 0]})
+        if p["config"] != "B":
+            row[p["config"]] = p["speedup"]
+            row["ident"][0] += p["identical"]
+            row["ident"][1] += p["n"]
+    rows = [[f"{n:,}", ret, _f(c["share"])] + [_f(c.get(x)) + "×" if c.get(x) else "–" for x in order]
+            + [f"{c['ident'][0]}/{c['ident'][1]}"] for (n, ret), c in sorted(cells.items())]
+    t = d["targets"]
+    psa, never = t["psa_edr_at_share_0.5"], t["never_slower"]
+    verdict = lambda met: "**met**" if met else ("not measured" if met is None else "**not met**")
+    worst = never.get("worst") or {}
+    lines = [f"- PSA ≥ {psa['target']}× with edr where B's retrieval share ≥ 0.5: {verdict(psa['met'])}",
+             f"- every config ≥ {never['target']}× B at every KB size: {verdict(never['met'])}"
+             + (f" (worst {worst['config']} {worst['retriever']} at {worst['passages'] or 0:,} passages: "
+                f"{worst['speedup']:.2f}×)" if worst else ""),
+             f"- identical outputs: {t['identical']['identical']}/{t['identical']['outputs']}"]
+    cmds = "; ".join(f"`{s.get('command', '')}`" for s in d.get("runs", []) if s.get("command"))
+    return _table(["KB passages", "retriever", "B: R share", *order, "identical"], rows) + "\n\n" + \
+        "\n".join(lines) + "\n\n" + f"_Source: `bench/results/{name}` (merged from {', '.join(d['sources'])})._" + \
+        (f" Runs: {cmds}" if cmds else "")
+
+
 _KNN_ORDER = ("base", "s1", "s2", "s4", "s8", "s16", "os3")
 
 
@@ -252,6 +279,7 @@ TABLES: dict[str, tuple[list[str], Callable[[str, dict], str]]] = {
     "crest": (["crest-humaneval.json", "crest-mtbench.json"], crest),
     "kb": (["kb.json"], kb),
     "ralm": (["ralm.json"], ralm),
+    "ralm-curve": (["ralm-curve.json"], ralm_curve),
     "knnlm": (["knnlm.json"], knnlm),
     "load": (["load.json"], load),
 }

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from generation_service.calibrate import calibrated_model
 from generation_service.model import load_model, set_threads
 from ragcore.knn_store import (
     DEFAULT_DIR,
@@ -512,8 +513,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         faiss.omp_set_num_threads(args.threads)
     if args.model_dtype == "auto":
-        from generation_service.calibrate import calibrated_model
-
         tm, _ = calibrated_model(args.model, "cpu", "auto", args.threads)
         if args.threads:
             set_threads(args.threads)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import gzip
 import hashlib
 import json
 import mmap
@@ -242,8 +243,6 @@ def man_document(text: str, key: str, title: str) -> Document | None:
 
 
 def _man_document(path_s: str) -> Document | None:
-    import gzip
-
     path = Path(path_s)
     try:
         raw = gzip.open(path).read() if path.suffix == ".gz" else path.read_bytes()

@@ -37,6 +37,7 @@ from tqdm import tqdm
 from generation_service.kb_client import KBClient
 from generation_service.ralm import RagParams, RagStats, passage_budget, ralm_decode
 from generation_service.ralm_cache import PassageCache
+from generation_service.ralm_gate import SharedRoundCosts
 from generation_service.ralm_retrieval import KBRetriever, LocalEncoder
 from generation_service.sampling import SamplingParams
 from ragcore.process import offline_process
@@ -85,13 +86,14 @@ def rag_params(config: str, retriever: str, encoder: str) -> RagParams:
 
 
 def run_one(tm, kb: KBClient, prompt: np.ndarray, params: SamplingParams, rag: RagParams,
-            local: LocalEncoder | None) -> tuple[list[int], float, RagStats]:
+            local: LocalEncoder | None, round_costs: SharedRoundCosts | None = None
+            ) -> tuple[list[int], float, RagStats]:
     retr = KBRetriever(kb, rag.retriever, tm.tokenizer, passage_budget(len(prompt), rag),
                        encoder=local if rag.encoder == "local" else None, ef_search=rag.ef_search)
     stats = RagStats()
     out: list[int] = []
     t0 = time.perf_counter()
-    for tokens, _ in ralm_decode(tm, prompt, params, rag, retr, stats=stats):
+    for tokens, _ in ralm_decode(tm, prompt, params, rag, retr, stats=stats, round_costs=round_costs):
         out += tokens
     return out, time.perf_counter() - t0, stats
 
@@ -326,6 +328,7 @@ def main(argv: list[str] | None = None) -> None:
         write_json(args.json, result)
 
     rows: list[dict] = []
+    round_costs = SharedRoundCosts()
     measure_start = time.monotonic()
     bar = tqdm(total=len(prompts) * len(retrievers) * len(configs), desc="ralm", unit="req")
     for qi, prompt in enumerate(prompts):
@@ -338,7 +341,8 @@ def main(argv: list[str] | None = None) -> None:
             order = configs[qi % len(configs):] + configs[:qi % len(configs)]  # rotate: no config always first
             outs = {}
             for c in order:
-                toks, lat, st = run_one(tm, kb, prompt, params, rag_params(c, r, args.encoder), local)
+                # As in a worker: a config's requests pool their measured round costs (RagBackend.round_costs).
+                toks, lat, st = run_one(tm, kb, prompt, params, rag_params(c, r, args.encoder), local, round_costs)
                 outs[c] = toks
                 d = {k.removesuffix("_ms") + "_s" if k.endswith("_ms") else k: v / 1e3 if k.endswith("_ms") else v
                      for k, v in st.as_dict().items()}  # this benchmark's JSON keeps seconds

@@ -47,7 +47,7 @@ from generation_service.kb_client import Hits, KBRequestError, KBUnavailable, Se
 from generation_service.model import TargetModel, cache_length, new_cache
 from generation_service.os3 import OS3Config, StrideScheduler
 from generation_service.ralm_cache import PassageCache
-from generation_service.ralm_gate import ASYNC, SEQUENTIAL, SYNC, RoundGate
+from generation_service.ralm_gate import ASYNC, SEQUENTIAL, SYNC, RoundGate, SharedRoundCosts
 from generation_service.ralm_retrieval import Query, Retriever
 from generation_service.sampling import Sampler, SamplingParams
 from generation_service.speculative import (
@@ -121,6 +121,12 @@ class RagParams:
     @property
     def mode(self) -> str:
         return "ralmspec" if self.speculate else "ralmseq"
+
+    @property
+    def round_key(self) -> tuple:
+        """What shapes a round's cost besides the request: the key its costs are pooled under in a worker."""
+        return (self.retriever, self.stride, self.os3, self.spec_stride, self.async_verify, self.prefetch > 1,
+                self.encoder, self.ef_search)
 
 
 @dataclass
@@ -299,8 +305,10 @@ class RagRequest:
     chunk = RagChunk  # its text chunks
 
     def __init__(self, tm: TargetModel, prompt_ids, params: SamplingParams, rag: RagParams, retriever: Retriever, *,
-                 stats: RagStats | None = None, is_cancelled: Callable[[], bool] | None = None):
+                 stats: RagStats | None = None, is_cancelled: Callable[[], bool] | None = None,
+                 round_costs: SharedRoundCosts | None = None):
         self.prompt = check_prompt(tm, prompt_ids, params)
+        self.round_costs = round_costs  # the worker's pooled round costs (RaLMSpec), if it keeps them
         _check_rag_prompt(tm, self.prompt, params, rag)
         self.rag, self.retriever = rag, retriever
         self.stats = stats if stats is not None else RagStats()
@@ -313,8 +321,11 @@ class RagRequest:
         length, cancelled). Raises KBUnavailable if retrieval fails with nothing to fall back on."""
         calls0 = self.retriever.calls
         try:
-            loop = _speculative if self.rag.speculate else _sequential
-            yield from loop(self.runner, self.retriever, self.rag, self.stats, self.cancelled)
+            if self.rag.speculate:
+                yield from _speculative(self.runner, self.retriever, self.rag, self.stats, self.cancelled,
+                                        self.round_costs)
+            else:
+                yield from _sequential(self.runner, self.retriever, self.rag, self.stats, self.cancelled)
         finally:
             self.stats.kb_calls = self.retriever.calls - calls0
 
@@ -328,12 +339,13 @@ class RagRequest:
 
 
 def ralm_decode(tm: TargetModel, prompt_ids, params: SamplingParams, rag: RagParams, retriever: Retriever, *,
-                stats: RagStats | None = None,
-                is_cancelled: Callable[[], bool] | None = None) -> Iterator[tuple[list[int], str | None]]:
+                stats: RagStats | None = None, is_cancelled: Callable[[], bool] | None = None,
+                round_costs: SharedRoundCosts | None = None) -> Iterator[tuple[list[int], str | None]]:
     """RaLMSeq or RaLMSpec (rag.speculate) alone, at token level: yields (newly committed output tokens, finish
     reason); the last item carries the finish reason (stop, length, cancelled). Raises KBUnavailable if retrieval
     fails with nothing to fall back on."""
-    req = RagRequest(tm, prompt_ids, params, rag, retriever, stats=stats, is_cancelled=is_cancelled)
+    req = RagRequest(tm, prompt_ids, params, rag, retriever, stats=stats, is_cancelled=is_cancelled,
+                     round_costs=round_costs)
     yield from run_solo(tm, req.effects())
 
 
@@ -441,7 +453,7 @@ class _Verification:
 
 
 def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: RagStats,
-                 cancelled: Callable[[], bool]) -> Effects:
+                 cancelled: Callable[[], bool], round_costs: SharedRoundCosts | None = None) -> Effects:
     cache = PassageCache(rag.cache_capacity, retr.dim)
     sched = StrideScheduler(OS3Config(window=rag.os3_window, gamma_max=rag.gamma_max, s_init=1,
                                       s_max=rag.s_max, async_verify=rag.async_verify)) if rag.os3 else None
@@ -450,7 +462,7 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
     # beside the step slows it more than the overlap saves.
     configured = ASYNC if rag.async_verify else SYNC
     gate = RoundGate(([ASYNC] if rag.async_verify else []) + [SYNC, SEQUENTIAL] if rag.adaptive else [configured],
-                     window=rag.os3_window)
+                     window=rag.os3_window, shared=round_costs, key=rag.round_key)
     k_fetch = max(1, rag.prefetch)
     prev: int | None = None  # true passage of the last committed step
     committed = 0
@@ -520,7 +532,9 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
                 yield Emit(commit(), runner.finish)
                 continue
 
-            s = sched.next_stride() if sched is not None else rag.spec_stride
+            # A round that only measures an arm (not measured yet, or a probe of a losing one) speculates one step:
+            # with a fixed stride a wrong guess would otherwise throw away up to spec_stride steps to learn it.
+            s = sched.next_stride() if sched is not None else (1 if gate.exploring else rag.spec_stride)
             stats.strides.append(s)
             ckpts: list[Checkpoint] = []
             queries: list[Query | None] = []
@@ -640,12 +654,13 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
 
 
 def ralm_stream(tm: TargetModel, prompt_ids, params: SamplingParams, rag: RagParams, retriever: Retriever, *,
-                is_cancelled: Callable[[], bool] | None = None, tokenizer="model") -> Iterator[RagChunk]:
+                is_cancelled: Callable[[], bool] | None = None, tokenizer="model",
+                round_costs: SharedRoundCosts | None = None) -> Iterator[RagChunk]:
     """Stream committed output (about one chunk per step or round); the final chunk has finish_reason, stats
     (decoding = ralmseq | ralmspec) and rag_stats. tokenizer: "model" = tm.tokenizer, None = ids only."""
     t0 = time.perf_counter()
     tok = stream_tokenizer(tm, tokenizer, params)
-    req = RagRequest(tm, prompt_ids, params, rag, retriever, is_cancelled=is_cancelled)
+    req = RagRequest(tm, prompt_ids, params, rag, retriever, is_cancelled=is_cancelled, round_costs=round_costs)
     finish, ids, delta, n_tokens = yield from text_chunks(run_solo(tm, req.effects()), tok, prompt_ids,
                                                           params.stop, RagChunk)
     yield req.final_chunk(finish, ids, delta, n_tokens, (time.perf_counter() - t0) * 1e3)

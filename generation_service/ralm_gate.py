@@ -20,15 +20,38 @@ many losing probes.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
-from typing import Sequence
+from typing import Hashable, Sequence
 
 SEQUENTIAL, SYNC, ASYNC = "sequential", "sync", "async"
 ARMS = (ASYNC, SYNC, SEQUENTIAL)
 
 
+class SharedRoundCosts:
+    """A worker's costs per arm, pooled over its requests (exponential average per key: retriever and the
+    settings that shape a round). A new request starts from them instead of paying to measure every arm again:
+    with 16-32 rounds per request and a wrong guess costing a re-prefill, exploring is most of what speculation
+    loses where retrieval is cheap."""
+
+    def __init__(self, decay: float = 0.8):
+        self.decay = decay
+        self._mean: dict[tuple[Hashable, str], float] = {}
+        self._lock = threading.Lock()  # requests of a worker may run on other threads (solo streams)
+
+    def prior(self, key: Hashable, arm: str) -> float | None:
+        with self._lock:
+            return self._mean.get((key, arm))
+
+    def add(self, key: Hashable, arm: str, cost: float) -> None:
+        with self._lock:
+            old = self._mean.get((key, arm))
+            self._mean[(key, arm)] = cost if old is None else self.decay * old + (1 - self.decay) * cost
+
+
 class RoundGate:
-    def __init__(self, arms: Sequence[str], window: int = 5, probe: int = 4):
+    def __init__(self, arms: Sequence[str], window: int = 5, probe: int = 4,
+                 shared: SharedRoundCosts | None = None, key: Hashable = None):
         if not arms or any(a not in ARMS for a in arms) or len(set(arms)) != len(arms):
             raise ValueError(f"arms: {list(arms)!r} must be distinct names from {ARMS}")
         self.arms = tuple(arms)
@@ -37,10 +60,19 @@ class RoundGate:
         self.since_probe = 0
         self.best: str | None = None
         self.probes = 0  # probes run (rotates through the losing arms)
+        self.exploring = False  # the last choice only measures: an arm not measured yet, or a probe
+        self.shared, self.key = shared, key
+        if shared is not None:
+            for a in self.arms:  # one pseudo-measurement each: this request's own ones soon outweigh it
+                p = shared.prior(key, a)
+                if p is not None:
+                    self.costs[a].append(p)
 
     def record(self, arm: str, seconds_per_step: float) -> None:
         if arm in self.costs:
             self.costs[arm].append(seconds_per_step)
+            if self.shared is not None:
+                self.shared.add(self.key, arm, seconds_per_step)
 
     def mean(self, arm: str) -> float | None:
         xs = self.costs[arm]
@@ -53,6 +85,7 @@ class RoundGate:
 
     def choose(self) -> str:
         unmeasured = [a for a in self.arms if not self.costs[a]]
+        self.exploring = bool(unmeasured) and len(self.arms) > 1  # one arm: nothing to choose, nothing to learn
         if unmeasured:
             return unmeasured[0]
         best = self._winner()
@@ -64,6 +97,7 @@ class RoundGate:
             self.probe *= 2
             others = [a for a in self.arms if a != best]
             self.probes += 1
+            self.exploring = True
             return others[(self.probes - 1) % len(others)]
         return best
 

@@ -25,6 +25,7 @@ from generation_service.ralm import (
     passage_budget,
     ralm_stream,
 )
+from generation_service.ralm_gate import SharedRoundCosts
 from generation_service.ralm_retrieval import KBRetriever, LocalEncoder
 from generation_service.sampling import SamplingParams
 from proto import generation_pb2
@@ -85,6 +86,7 @@ class RagBackend:
     def __init__(self, kb: KBClient, cfg: GenerationConfig):
         self.kb, self.cfg = kb, cfg
         self._encoder: LocalEncoder | None = None
+        self.round_costs = SharedRoundCosts()  # RaLMSpec's measured round costs, pooled over this worker's requests
 
     @classmethod
     def open(cls, cfg: GenerationConfig) -> "RagBackend | None":
@@ -114,11 +116,11 @@ class RagBackend:
                is_cancelled: Callable[[], bool] | None = None) -> Iterator[RagChunk]:
         """One request alone, as text chunks."""
         retr = self.retriever(tm.tokenizer, len(prompt_ids), rag, deadline)
-        return ralm_stream(tm, prompt_ids, params, rag, retr, is_cancelled=is_cancelled)
+        return ralm_stream(tm, prompt_ids, params, rag, retr, is_cancelled=is_cancelled, round_costs=self.round_costs)
 
     def request(self, tm, prompt_ids, params: SamplingParams, rag: RagParams, *, deadline: float | None,
                 is_cancelled: Callable[[], bool] | None = None) -> RagRequest:
         """One request as the engine steps it (InvalidArgument for a bad one, KBUnavailable if the local encoder
         cannot be set up)."""
         retr = self.retriever(tm.tokenizer, len(prompt_ids), rag, deadline)
-        return RagRequest(tm, prompt_ids, params, rag, retr, is_cancelled=is_cancelled)
+        return RagRequest(tm, prompt_ids, params, rag, retr, is_cancelled=is_cancelled, round_costs=self.round_costs)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from generation_service.ralm_gate import ASYNC, SEQUENTIAL, SYNC, RoundGate
+from generation_service.ralm_gate import ASYNC, SEQUENTIAL, SYNC, RoundGate, SharedRoundCosts
 
 
 def measured(arms, costs, probe=4):
@@ -61,3 +61,30 @@ def test_cache_wanted_only_before_speculation():
 def test_bad_arms(arms):
     with pytest.raises(ValueError, match="arms"):
         RoundGate(arms)
+
+
+def test_exploring_marks_measuring_rounds_only():
+    gate = RoundGate((SYNC, SEQUENTIAL), window=5, probe=1)
+    gate.record(SEQUENTIAL, 0.01)
+    seen = []
+    for _ in range(4):
+        arm = gate.choose()
+        seen.append((arm, gate.exploring))
+        if arm == SYNC:
+            gate.record(SYNC, 0.2)
+    # sync not measured yet, then the winner, a probe of sync, the winner again
+    assert seen == [(SYNC, True), (SEQUENTIAL, False), (SYNC, True), (SEQUENTIAL, False)]
+
+
+def test_a_new_request_starts_from_the_workers_pooled_costs():
+    shared = SharedRoundCosts(decay=0.5)
+    first = RoundGate((SYNC, SEQUENTIAL), shared=shared, key="edr")
+    assert first.choose() == SYNC and first.exploring  # nothing known yet: measure speculation
+    first.record(SYNC, 0.30)
+    first.record(SEQUENTIAL, 0.03)
+    second = RoundGate((SYNC, SEQUENTIAL), shared=shared, key="edr")
+    assert second.choose() == SEQUENTIAL and not second.exploring  # Not another losing speculative round
+    other = RoundGate((SYNC, SEQUENTIAL), shared=shared, key="sr")
+    assert other.choose() == SYNC  # another key (retriever, round settings) learns for itself
+    second.record(SEQUENTIAL, 0.05)
+    assert shared.prior("edr", SEQUENTIAL) == pytest.approx(0.04)  # pooled: 0.5 * 0.03 + 0.5 * 0.05

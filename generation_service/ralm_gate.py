@@ -13,19 +13,53 @@ changes stays in: retrieval on the critical path, generation thrown away by roll
 search running beside it.
 
 The cheapest arm by windowed mean is used. Arms not measured yet are tried first, in the order given; while one
-arm wins, another is probed every `probe` rounds, the interval doubling while the winner stays the same, so a
-request notices when its costs change (the KB gets busy, the cache starts guessing right) without paying for
-many losing probes.
+arm wins, another is probed every `probe` rounds, the interval doubling (up to MAX_PROBE) while the winner stays
+the same, so costs that change (the KB gets busy, the cache starts guessing right) are noticed without paying for
+many losing probes. In a worker (SharedRoundCosts) requests start from the costs pooled over earlier ones and
+share one probe schedule: with 16-32 rounds per request, measuring every arm in every request was most of what
+speculation lost where retrieval is cheap.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
+from dataclasses import dataclass
 from typing import Hashable, Sequence
 
 SEQUENTIAL, SYNC, ASYNC = "sequential", "sync", "async"
 ARMS = (ASYNC, SYNC, SEQUENTIAL)
+
+
+MAX_PROBE = 64  # rounds between probes at most: costs drift (load, a KB growing), a probe must still come
+
+
+@dataclass
+class ProbeSchedule:
+    """When to try a losing arm: after `probe` rounds of the same winner, the interval doubling up to MAX_PROBE."""
+
+    probe0: int
+    probe: int = 0
+    since: int = 0
+    best: str | None = None
+    probes: int = 0  # probes run (rotates through the losing arms)
+
+    def __post_init__(self) -> None:
+        self.probe = self.probe or self.probe0
+
+    def tick(self, best: str) -> bool:
+        """One round with `best` winning; True = probe this round."""
+        if best != self.best:
+            self.best, self.probe, self.since = best, self.probe0, 0
+        self.since += 1
+        if self.since > self.probe:
+            self.since, self.probe = 0, min(2 * self.probe, MAX_PROBE)
+            self.probes += 1
+            return True
+        return False
+
+    def due(self) -> bool:
+        return self.since >= self.probe
 
 
 class SharedRoundCosts:
@@ -37,7 +71,13 @@ class SharedRoundCosts:
     def __init__(self, decay: float = 0.8):
         self.decay = decay
         self._mean: dict[tuple[Hashable, str], float] = {}
+        self._schedules: dict[Hashable, ProbeSchedule] = {}
         self._lock = threading.Lock()  # requests of a worker may run on other threads (solo streams)
+
+    def schedule(self, key: Hashable, probe0: int) -> ProbeSchedule:
+        """The worker's probe schedule for `key`: probes are spread over its requests, not repeated in each."""
+        with self._lock:
+            return self._schedules.setdefault(key, ProbeSchedule(probe0))
 
     def prior(self, key: Hashable, arm: str) -> float | None:
         with self._lock:
@@ -56,10 +96,7 @@ class RoundGate:
             raise ValueError(f"arms: {list(arms)!r} must be distinct names from {ARMS}")
         self.arms = tuple(arms)
         self.costs: dict[str, deque[float]] = {a: deque(maxlen=window) for a in self.arms}
-        self.probe0 = self.probe = probe
-        self.since_probe = 0
-        self.best: str | None = None
-        self.probes = 0  # probes run (rotates through the losing arms)
+        self.schedule = shared.schedule(key, probe) if shared is not None else ProbeSchedule(probe)
         self.exploring = False  # the last choice only measures: an arm not measured yet, or a probe
         self.shared, self.key = shared, key
         if shared is not None:
@@ -89,19 +126,13 @@ class RoundGate:
         if unmeasured:
             return unmeasured[0]
         best = self._winner()
-        if best != self.best:
-            self.best, self.probe, self.since_probe = best, self.probe0, 0
-        self.since_probe += 1
-        if len(self.arms) > 1 and self.since_probe > self.probe:
-            self.since_probe = 0
-            self.probe *= 2
+        if len(self.arms) > 1 and self.schedule.tick(best):
             others = [a for a in self.arms if a != best]
-            self.probes += 1
             self.exploring = True
-            return others[(self.probes - 1) % len(others)]
+            return others[(self.schedule.probes - 1) % len(others)]
         return best
 
     def cache_wanted(self) -> bool:
         """Will the next round (probably) read the speculation cache? Asked during a sequential step."""
         winner = self._winner()
-        return winner is None or winner != SEQUENTIAL or self.since_probe >= self.probe
+        return winner is None or winner != SEQUENTIAL or self.schedule.due()

@@ -88,3 +88,25 @@ def test_a_new_request_starts_from_the_workers_pooled_costs():
     assert other.choose() == SYNC  # another key (retriever, round settings) learns for itself
     second.record(SEQUENTIAL, 0.05)
     assert shared.prior("edr", SEQUENTIAL) == pytest.approx(0.04)  # pooled: 0.5 * 0.03 + 0.5 * 0.05
+
+
+def test_requests_of_a_worker_share_one_probe_schedule():
+    shared = SharedRoundCosts()
+    shared.add("k", SEQUENTIAL, 0.01)
+    shared.add("k", SYNC, 0.2)
+    picks = []
+    for _ in range(4):  # four short requests of 3 rounds each
+        gate = RoundGate((SYNC, SEQUENTIAL), probe=2, shared=shared, key="k")
+        picks += [gate.choose() for _ in range(3)]
+    # probes after 2, then 4 more winning rounds across requests; Not a probe in every request
+    assert picks == [SEQUENTIAL, SEQUENTIAL, SYNC, SEQUENTIAL, SEQUENTIAL, SEQUENTIAL, SEQUENTIAL, SYNC,
+                     SEQUENTIAL, SEQUENTIAL, SEQUENTIAL, SEQUENTIAL]
+
+
+def test_probe_interval_is_capped():
+    from generation_service.ralm_gate import MAX_PROBE, ProbeSchedule
+
+    s = ProbeSchedule(4)
+    probes = [i for i in range(2000) if s.tick(SEQUENTIAL)]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert max(gaps) == MAX_PROBE + 1  # Not an interval that grows without bound

@@ -280,7 +280,7 @@ TABLES: dict[str, tuple[list[str], Callable[[str, dict], str]]] = {
     "kb": (["kb.json"], kb),
     "ralm": (["ralm.json"], ralm),
     "ralm-curve": (["ralm-curve.json"], ralm_curve),
-    "knnlm": (["knnlm.json"], knnlm),
+    "knnlm": (["knnlm.json", "knnlm-q4_1.json"], knnlm),
     "load": (["load.json"], load),
 }
 

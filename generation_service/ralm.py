@@ -17,12 +17,14 @@ RaLMSpec, rounds of s speculative steps:
                  add the hits (top-`prefetch` of every query) to the cache
     OS³          picks s from the measured speculation accuracy and step/verification latencies (os3.py)
     gate         beyond the paper, every round is one of sequential (s = 0) / sync / async, whichever costs
-                 least per committed step as measured in this request (ralm_gate.py): where retrieval is cheap
+                 least per committed step as measured (ralm_gate.py; pooled over a worker's requests, which
+                 also share one probe schedule): where retrieval is cheap
                  a wrong guess throws away more generation than speculation saves, and where the KB shares the
                  model's cores an async verification slows the step it overlaps.
     sequential   a step of RaLMSpec without speculation (the first one, s = 0, after a KB failure) waits only for
-                 RaLMSeq's own top-1 Search; its top-`prefetch` cache fill is a Search future that runs while
-                 the step generates and is cached at a later step when it has arrived.
+                 RaLMSeq's own top-1 Search; its top-`prefetch` cache fill (only when the next round may
+                 speculate) is a Search future that runs while the step generates and is cached at a later step
+                 when it has arrived.
 Every committed step ran with the passage RaLMSeq would have retrieved and the same model computation (same KV
 reuse decisions, same kernels), so the output is identical; only committed tokens are ever emitted. If the KB
 fails during speculation the unverified steps are dropped and the request continues with sequential retrieval;

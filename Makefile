@@ -13,7 +13,8 @@ PROTOS := $(wildcard proto/*.proto)
 STUBS := $(PROTOS:.proto=_pb2.py)
 
 .PHONY: run test lint install stubs model datastore system-packages clean-stubs bench-speculative up down loadtest kb kb-large \
-	calibrate bench-datastores bench-serving bench-concurrency loadtest-8 compose-test docker-engine kernels bench-step
+	calibrate bench-datastores bench-serving bench-concurrency loadtest-8 compose-test docker-engine kernels bench-step \
+	kb-large-prefixes bench-ralm-curve
 
 # Debian packages the project uses (redis-server for the CREST Redis backend, python3.11-doc for the docs corpus,
 # g++ for the q4_1 block kernel).
@@ -134,6 +135,27 @@ KB_LARGE_ARGS ?=
 kb-large: install
 	$(PYTHON) -m retrieval_service.knowledge.build --out $(KB_LARGE) --code --man --headers --words 50 \
 		--encoder-dtype bfloat16 --float16 $(KB_LARGE_ARGS)
+
+# Prefix KBs of the large one for RaLMSpec's curve over KB sizes ($(KB_LARGE)-N for N in KB_SIZES): the first N
+# passages with their rows copied from the large KB (encoded, or the chunks of a build still running; rows not
+# encoded yet are encoded here), each with its own exact, HNSW and BM25 index.
+KB_SIZES ?= 100000 300000 1000000
+kb-large-prefixes: install
+	set -e; for n in $(KB_SIZES); do \
+		$(PYTHON) -m retrieval_service.knowledge.build --out $(KB_LARGE)-$$n --limit-passages $$n --code --man \
+			--headers --words 50 --encoder-dtype bfloat16 --float16 --embeddings-from $(KB_LARGE) $(KB_LARGE_ARGS); \
+	done
+
+# RaLMSpec over KB sizes (issue 19): bench.ralm on every prefix KB (B/P/S/A/PS/SA/PA/PSA x edr/adr/sr, the worker's
+# calibrated format), then the curve (speed-up vs B's retrieval share): bench/results/ralm-N.json, ralm-curve.json/png.
+RALM_CURVE_ARGS ?= --limit 8 --max-new-tokens 64 --ranking-questions 0 --max-minutes 14
+bench-ralm-curve: kb-large-prefixes
+	set -e; for n in $(KB_SIZES); do \
+		$(PYTHON) -m bench.ralm --kb $(KB_LARGE)-$$n --retrievers edr,adr,sr --configs B,P,S,A,PS,SA,PA,PSA \
+			$(RALM_CURVE_ARGS) --json bench/results/ralm-$$n.json; \
+	done
+	$(PYTHON) -m bench.ralm_curve bench/results/ralm-*.json --json bench/results/ralm-curve.json \
+		--png bench/results/ralm-curve.png
 
 # The docker-compose deployment for real (tests/deploy/compose_e2e.py): a Docker engine (docker/engine.sh: apt-get
 # install + dockerd when missing; not root / no apt -> one loud SKIPPED line, exit 0), base images pulled or built

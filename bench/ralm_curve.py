@@ -89,9 +89,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", type=Path, required=True, help="the merged curve (written atomically)")
     ap.add_argument("--png", type=Path, default=None, help="speed-up vs retrieval share plot")
     args = ap.parse_args(argv)
-    runs = [json.loads(p.read_text()) for p in args.runs]
+    # A glob such as bench/results/ralm-*.json also matches the curve itself: keep bench.ralm runs only.
+    pairs = [(p, json.loads(p.read_text())) for p in args.runs if p.resolve() != args.json.resolve()]
+    pairs = [(p, r) for p, r in pairs if "retrievers" in r]
+    sources, runs = [p for p, _ in pairs], [r for _, r in pairs]
     pts = points(runs)
-    result = {"sources": [str(p) for p in args.runs], "points": pts, "targets": targets(pts),
+    result = {"sources": [str(p) for p in sources], "points": pts, "targets": targets(pts),
               "runs": [{"command": r.get("command"), "machine": r.get("machine"), "setup": r.get("setup"),
                        "kb": r.get("kb")} for r in runs]}
     tmp = args.json.with_suffix(".tmp")

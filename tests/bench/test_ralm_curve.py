@@ -29,3 +29,19 @@ def test_targets(runs, psa_met, never_slower_met, identical_met):
     assert t["psa_edr_at_share_0.5"]["met"] is psa_met
     assert t["never_slower"]["met"] is never_slower_met
     assert t["identical"]["met"] is identical_met
+
+
+def test_main_skips_the_curve_and_other_files_a_glob_matches(tmp_path):
+    """`bench.ralm_curve bench/results/ralm-*.json --json bench/results/ralm-curve.json` matches its own output."""
+    import json
+
+    from bench.ralm_curve import main
+
+    (tmp_path / "ralm-100000.json").write_text(json.dumps(run(100_000, "edr", (1.0, 9.0), PSA=9.9)))
+    (tmp_path / "ralm-notes.json").write_text(json.dumps({"comment": "not a bench.ralm run"}))
+    curve = tmp_path / "ralm-curve.json"
+    curve.write_text(json.dumps({"points": [{"passages": 1}]}))  # an older curve
+    main([str(p) for p in sorted(tmp_path.glob("ralm-*.json"))] + ["--json", str(curve)])
+    out = json.loads(curve.read_text())
+    assert out["sources"] == [str(tmp_path / "ralm-100000.json")]
+    assert {p["passages"] for p in out["points"]} == {100_000}  # not 1 (the old curve's point)

@@ -138,21 +138,22 @@ kb-large: install
 
 # Prefix KBs of the large one for RaLMSpec's curve over KB sizes ($(KB_LARGE)-N for N in KB_SIZES): the first N
 # passages with their rows copied from the large KB (encoded, or the chunks of a build still running; rows not
-# encoded yet are encoded here), each with its own exact, HNSW and BM25 index.
-KB_SIZES ?= 100000 300000 1000000
+# encoded yet are encoded here), each with its own exact, HNSW and BM25 index. The largest point is the large KB.
+KB_SIZES ?= 100000 300000
 kb-large-prefixes: install
 	set -e; for n in $(KB_SIZES); do \
 		$(PYTHON) -m retrieval_service.knowledge.build --out $(KB_LARGE)-$$n --limit-passages $$n --code --man \
 			--headers --words 50 --encoder-dtype bfloat16 --float16 --embeddings-from $(KB_LARGE) $(KB_LARGE_ARGS); \
 	done
 
-# RaLMSpec over KB sizes (issue 19): bench.ralm on every prefix KB (B/P/S/A/PS/SA/PA/PSA x edr/adr/sr, the worker's
-# calibrated format), then the curve (speed-up vs B's retrieval share): bench/results/ralm-N.json, ralm-curve.json/png.
+# RaLMSpec over KB sizes (issue 19): bench.ralm on every prefix KB and the large KB (B/P/S/A/PS/SA/PA/PSA x
+# edr/adr/sr, the worker's calibrated format; bench/results/ralm-<kb>.json), then the curve of speed-up vs B's
+# retrieval share (bench/results/ralm-curve.json/png). ~15 min per KB.
 RALM_CURVE_ARGS ?= --limit 8 --max-new-tokens 64 --ranking-questions 0 --max-minutes 14
-bench-ralm-curve: kb-large-prefixes
-	set -e; for n in $(KB_SIZES); do \
-		$(PYTHON) -m bench.ralm --kb $(KB_LARGE)-$$n --retrievers edr,adr,sr --configs B,P,S,A,PS,SA,PA,PSA \
-			$(RALM_CURVE_ARGS) --json bench/results/ralm-$$n.json; \
+bench-ralm-curve: kb-large kb-large-prefixes
+	set -e; for kb in $(foreach n,$(KB_SIZES),$(KB_LARGE)-$(n)) $(KB_LARGE); do \
+		$(PYTHON) -m bench.ralm --kb $$kb --retrievers edr,adr,sr --configs B,P,S,A,PS,SA,PA,PSA \
+			$(RALM_CURVE_ARGS) --json bench/results/ralm-$$(basename $$kb).json; \
 	done
 	$(PYTHON) -m bench.ralm_curve bench/results/ralm-*.json --json bench/results/ralm-curve.json \
 		--png bench/results/ralm-curve.png

@@ -91,7 +91,8 @@ def run(args: argparse.Namespace) -> dict:
     out: dict = {"kb": str(args.kb), "passages": len(kb.passages), "k": args.k, "queries": n_q,
                  "threads": args.threads, "omp_threads": args.omp_threads, "open_s": open_s,
                  "open_breakdown_s": kb.open_s,
-                 "build": kb.manifest.get("build", {}), "retrievers": {}, "encode": {}}
+                 "build": kb.manifest.get("build", {}), "build_peak_rss_mb": kb.manifest.get("peak_rss", {}),
+                 "retrievers": {}, "encode": {}}
 
     # Query encoding, separately from search ---------------------------------------------------------------
     vectors = None

@@ -110,6 +110,36 @@ def crest(name: str, d: dict) -> str:
         f"- {e}" for e in extra) + "\n\n" + _source(name, d)
 
 
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "–"
+    return f"{seconds / 3600:.1f} h" if seconds >= 7200 else (f"{seconds / 60:.0f} min" if seconds >= 600
+                                                               else f"{seconds:.0f} s")
+
+
+def _kb_build(build: dict, peak_rss_mb: dict) -> str:
+    """kb.json's build record -> 'passages 96 s, 506 MB on disk; edr ...; peak RSS ...'."""
+    parts = []
+    for stage in ("passages", "edr", "adr", "sr"):
+        b = build.get(stage)
+        if not b:
+            continue
+        size = f"{b.get('bytes', 0) / 1e6:,.0f} MB on disk"
+        if stage != "edr":
+            parts.append(f"{stage} {_duration(b.get('seconds'))}, {size}")
+        elif "encoded_rows" in b:  # summed over the runs of a resumed build
+            rate = b["encoded_rows"] / b["encode_seconds"] if b.get("encode_seconds") else None
+            parts.append(f"edr encoding {_duration(b['encode_seconds'])} for {b['encoded_rows']:,} rows"
+                         + (f" ({rate:.0f} passages/s)" if rate else "")
+                         + (f", {b['copied_rows']:,} rows copied from the parent KB" if b.get("copied_rows") else "")
+                         + f", {size}")
+        else:
+            parts.append(f"edr encoding {_duration(b.get('encode_seconds'))}, {size}")
+    names = {"python_mb": "builder", "children_mb": "Anserini indexer"}
+    peak = ", ".join(f"{names.get(who, who)} {mb / 1024:.1f} GiB" for who, mb in sorted(peak_rss_mb.items()))
+    return "; ".join(parts) + (f"; peak RSS {peak}" if peak else "") + "."
+
+
 def kb(name: str, d: dict) -> str:
     batches = sorted({int(b) for r in d["retrievers"].values() for b in r}, key=int)
     rows = []
@@ -125,6 +155,10 @@ def kb(name: str, d: dict) -> str:
                      f"recall@10 {d.get('hnsw_recall_at_10', float('nan')):.3f} vs exact search.")
     if "score_candidates_ms" in d:
         extra.append(f"ScoreCandidates on 20 docs over gRPC: {d['score_candidates_ms']:.2f} ms (median).")
+    if d.get("build"):
+        extra.append("Build: " + _kb_build(d["build"], d.get("build_peak_rss_mb") or {}))
+    if "open_s" in d:
+        extra.append(f"Opening the KB (all retrievers, warm-up included): {d['open_s']:.1f} s.")
     if "encode" in d:
         extra.append("Query encoding (MiniLM), measured separately: " + ", ".join(
             f"batch {b} {v['ms_per_query']:.1f} ms/query" for b, v in d["encode"].items()) + ".")
@@ -277,7 +311,7 @@ TABLES: dict[str, tuple[list[str], Callable[[str, dict], str]]] = {
     "draft-retrieval": (["draft-retrieval.json"], draft_retrieval),
     "online-learning": (["online-learning.json"], online_learning),
     "crest": (["crest-humaneval.json", "crest-mtbench.json"], crest),
-    "kb": (["kb.json"], kb),
+    "kb": (["kb.json"] + sorted(p.name for p in RESULTS.glob("kb-*.json")), kb),
     "ralm": (["ralm.json"], ralm),
     "ralm-curve": (["ralm-curve.json"], ralm_curve),
     "knnlm": (["knnlm.json", "knnlm-q4_1.json"], knnlm),

@@ -154,7 +154,10 @@ def build_kb(out: str | Path, passages: Iterable[P.Passage] | None = None, *,
             with tqdm(total=n, desc="encode", unit=" psg", smoothing=0.05, disable=not progress) as bar:
                 dense.encode_passages(lambda a, b: store.iter_range(a, b), n, dense_dir, enc, fingerprint=fp,
                                       dtype=dtype, chunk=chunk, batch_size=batch_size, progress=bar, reuse=reuse)
-            manifest["build"]["edr"] = {"encode_seconds": time.perf_counter() - t0}
+            done = json.loads(meta_path.read_text()).get("build", {})
+            # encode_seconds: the encoder's time over every run of a resumed build (chunks encoded by a version
+            # that kept no time count are in neither it nor encoded_rows); wall_seconds: this run, copies included.
+            manifest["build"]["edr"] = {**done, "wall_seconds": time.perf_counter() - t0}
         manifest["build"].setdefault("edr", {})["bytes"] = _dir_bytes(dense_dir / dense.EMBEDDINGS_FILE)
         manifest["build"]["edr"]["dtype"] = dtype
         manifest["build"]["edr"]["encoder_dtype"] = encoder_dtype

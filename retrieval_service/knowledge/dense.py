@@ -31,6 +31,7 @@ from ragcore.encoder import METRICS, Encoder, exact_scores, passage_input
 EMBEDDINGS_FILE = "embeddings.npy"
 HNSW_FILE = "hnsw.faiss"
 META_FILE = "meta.json"
+STATS_FILE = "stats.json"  # chunks/: encoding time and rows over the runs of a resumed build
 # Extra faiss candidates re-scored exactly: a doc that wins after exact re-scoring is within float rounding
 # of faiss's k-th score, so it is among these unless more than `margin` docs tie to ~1e-7.
 RESCORE_MARGIN = 16
@@ -124,6 +125,11 @@ def encode_passages(records: Callable[[int, int], Iterator[dict]], n: int, out_d
         shutil.rmtree(chunks)  # left over from other passages or settings: not resumable
     chunks.mkdir(parents=True, exist_ok=True)
     _atomic_write_text(meta_path, json.dumps(meta))
+    # Encoding time summed over the runs of a resumed build (a large KB takes several), with the rows it covers.
+    stats_path = chunks / STATS_FILE
+    stats = {"encode_seconds": 0.0, "encoded_rows": 0, "copied_rows": 0}
+    if stats_path.is_file():
+        stats.update(json.loads(stats_path.read_text()))
     spans = [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
     for start, stop in spans:
         path = chunks / f"{start:010d}-{stop:010d}.npy"
@@ -137,11 +143,17 @@ def encode_passages(records: Callable[[int, int], Iterator[dict]], n: int, out_d
                 pass  # torn or foreign file: encode again
         vecs = reuse(start, stop) if reuse is not None else None
         if vecs is None:
+            t0 = time.perf_counter()
             texts = [passage_input(r["title"], r["text"]) for r in records(start, stop)]
             vecs = encoder.encode(texts, batch_size=batch_size).astype(dtype)  # [stop-start, dim]
+            stats["encode_seconds"] += time.perf_counter() - t0
+            stats["encoded_rows"] += stop - start
+        else:
+            stats["copied_rows"] += stop - start
         tmp = path.with_suffix(".tmp.npy")
         np.save(tmp, vecs)
         os.replace(tmp, path)
+        _atomic_write_text(stats_path, json.dumps(stats))
         if progress is not None:
             progress.update(stop - start)
     final = out_dir / EMBEDDINGS_FILE
@@ -152,8 +164,8 @@ def encode_passages(records: Callable[[int, int], Iterator[dict]], n: int, out_d
     arr.flush()
     del arr
     os.replace(tmp, final)
-    _atomic_write_text(out_dir / META_FILE, json.dumps({k: meta[k] for k in ("fingerprint", "encoder", "encoder_dtype",
-                                                                              "dim", "dtype", "n")}))
+    final_meta = {k: meta[k] for k in ("fingerprint", "encoder", "encoder_dtype", "dim", "dtype", "n")}
+    _atomic_write_text(out_dir / META_FILE, json.dumps({**final_meta, "build": stats}))
     shutil.rmtree(chunks)
     return final
 

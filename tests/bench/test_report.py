@@ -46,3 +46,19 @@ def test_draft_retrieval_table_shows_the_json_figures(tmp_path, monkeypatch):
     assert "| 1 M | 0.020 | 0.030 |" in text and "100×" in text
     assert "0.400 ms" in text and "0.050 ms" in text
     assert "0.010" not in text  # nothing that is not in the JSON
+
+
+@pytest.mark.parametrize("edr, expected, not_expected", [
+    # A resumed build: the summed encoding time and its rows, with the rate they give.
+    ({"encode_seconds": 7200.0, "encoded_rows": 432000, "copied_rows": 0, "bytes": 8e8},
+     "edr encoding 2.0 h for 432,000 rows (60 passages/s), 800 MB on disk", "copied"),
+    # A prefix KB: rows copied from its parent, none encoded (no rate to invent).
+    ({"encode_seconds": 0.0, "encoded_rows": 0, "copied_rows": 300000, "bytes": 2.3e8},
+     "300,000 rows copied from the parent KB", "passages/s"),
+    # An older kb.json: the single encode time only.
+    ({"encode_seconds": 2668.0, "bytes": 1.56e8}, "edr encoding 44 min, 156 MB on disk", "rows"),
+])
+def test_kb_build_line(edr, expected, not_expected):
+    line = report._kb_build({"edr": edr, "sr": {"seconds": 9.0, "bytes": 9e5}}, {"python_mb": 2048.0})
+    assert expected in line and not_expected not in line
+    assert "sr 9 s, 1 MB on disk" in line and "peak RSS builder 2.0 GiB" in line

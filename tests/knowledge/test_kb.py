@@ -158,6 +158,9 @@ def test_interrupted_encoding_resumes_from_chunks(tmp_path, encoder):
         dense.encode_passages(store.iter_range, n, tmp_path / "dense", Counting(), fingerprint=fp, chunk=4)
     dense.encode_passages(store.iter_range, n, tmp_path / "dense", Counting(), fingerprint=fp, chunk=4)
     assert calls == [4, 4, 4, 2]  # chunk 0 was not encoded again
+    stats = json.loads((tmp_path / "dense" / "meta.json").read_text())["build"]
+    assert stats["encoded_rows"] == 10 and stats["copied_rows"] == 0  # both runs counted, the dead chunk not
+    assert stats["encode_seconds"] > 0
     emb = np.load(tmp_path / "dense" / "embeddings.npy")
     ref = encoder.encode([f"{t}\n{x}" for t, x in store.get(range(n))])
     np.testing.assert_allclose(emb, ref, atol=1e-5)
@@ -201,6 +204,8 @@ def test_prefix_kb_copies_the_parent_rows(tmp_path, encoder):
     small = np.load(tmp_path / "small" / "dense" / "embeddings.npy")
     assert counting.texts == 0  # Not encoded again
     assert np.array_equal(small, parent[:9])
+    edr = json.loads((tmp_path / "small" / "kb.json").read_text())["build"]["edr"]
+    assert (edr["encoded_rows"], edr["copied_rows"]) == (0, 9)
     # Passages that are not the parent's prefix are refused, not silently paired with foreign vectors.
     with pytest.raises(ValueError, match="embeddings_from"):
         build_kb(tmp_path / "other", corpus[1:], retrievers=("edr",), corpus={"source": "q"}, limit=5,

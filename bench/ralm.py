@@ -194,7 +194,8 @@ def summarize(rows: list[dict], configs: list[str]) -> dict:
                 "sequential_rounds": statistics.fmean(x["strides"].count(0) for x in xs),
                 "prefetches": statistics.fmean(x.get("prefetches", 0) for x in xs),
                 **{k: statistics.fmean(x.get(k, 0.0) for x in xs)
-                   for k in ("sequential_retrieval_s", "speculation_retrieval_s", "verification_wait_s")},
+                   for k in ("sequential_retrieval_s", "speculation_retrieval_s", "verification_wait_s",
+                             "held_changes", "held_change_hits")},
             }
         base = out[r].get("B")
         for c, v in out[r].items():
@@ -351,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
                                                   "wasted_generation_s", "prefill_tokens", "prefill_s", "rollbacks",
                                                   "strides", "fallback_reason", "retrievals", "prefetches",
                                                   "sequential_retrieval_s", "speculation_retrieval_s",
-                                                  "verification_wait_s")},
+                                                  "verification_wait_s", "held_changes", "held_change_hits")},
                              "loadavg_1m": os.getloadavg()[0]})
                 bar.update(1)
                 bar.set_postfix_str(f"q{qi} {r} {c} {lat:.1f}s")

@@ -161,6 +161,8 @@ class RagStats:
     sequential_retrieval_ms: float = 0.0
     speculation_retrieval_ms: float = 0.0
     verification_wait_ms: float = 0.0
+    held_changes: int = 0  # guessed passage changes not acted on: verified first (ralm_gate.hold_change)
+    held_change_hits: int = 0  # ... whose guess was the KB's passage
 
     @property
     def speculation_accuracy(self) -> float:
@@ -469,6 +471,7 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
     prev: int | None = None  # true passage of the last committed step
     committed = 0
     fallback = ""
+    search_s = 0.0  # the last KB search's latency (a sequential step's or a verification's): what holding costs
 
     def cache_hits(hits: list[Hits]) -> None:
         for h in hits:
@@ -523,6 +526,7 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
                         pending.append(retr.search_async([q], k_fetch))
                 passage = yield from _passage(retr, doc)
                 r = time.perf_counter() - t0
+                search_s = r
                 stats.retrieval_ms += r * 1e3
                 stats.sequential_retrieval_ms += r * 1e3
                 stats.retrievals += 1
@@ -546,6 +550,7 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
             r_round = 0.0
             failure = ""
             prev_spec = prev
+            held: list[int | None] = []  # a guessed passage change not acted on: its query is verified first
 
             def abort() -> bool:  # between forward passes of the in-flight step
                 if not ver.done():
@@ -566,6 +571,14 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
                         d = retr.speculate(q, cache)
                     else:  # ranked by the KB (ScoreCandidates)
                         d = yield call(retr.speculate, q, cache)
+                    if (q is not None and rag.adaptive and rag.reuse_kv and d != runner.cache_doc
+                            and gate.hold_change(stats.prefill_ms / max(1, stats.prefills) / 1e3, search_s)):
+                        queries.append(q)  # verified with the round; the step then runs with the KB's passage
+                        held.append(d)
+                        dt = time.perf_counter() - t0
+                        r_round += dt
+                        stats.speculation_retrieval_ms += dt * 1e3
+                        break
                     passage = yield from _passage(retr, d, sequential=False)
                 except KBUnavailable as e:
                     failure = f"speculation: {e}"
@@ -589,7 +602,7 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
                     break
 
             true = None
-            if not failure and ckpts:
+            if not failure and (ckpts or held):
                 t0 = time.perf_counter()
                 if ver is None:  # sync, or the output ended before the round's last step
                     ver = _Verification(retr, queries, k_fetch, prev)
@@ -614,11 +627,16 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
                 continue
 
             cache_hits(ver.reply_hits)
+            if ver.latency_s:
+                search_s = ver.latency_s
             m = first_mismatch(specs, true)
             matched = len(specs) if m is None else m
             stats.speculative_steps += len(specs)
             stats.speculation_hits += matched
-            if sched is not None:
+            for i, d in enumerate(specs):  # the change guesses acted on, scored
+                if d != (prev if i == 0 else specs[i - 1]) and (m is None or i <= m):
+                    gate.record_change_guess(d == true[i])
+            if sched is not None and specs:
                 sched.record_verification(matched, len(specs))
                 sched.record_latency(speculation_s=sum(step_s) / len(step_s) if step_s else None,
                                      verification_s=ver.latency_s)
@@ -638,6 +656,19 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
                 stats.verification_wait_ms += dt * 1e3
                 yield from runner.step_passes(true[m], passage)  # the passage is known now: not speculative
             n_committed = len(specs) if m is None else m + 1
+            if held and m is None and runner.finish is None:
+                # The held step, with the passage the KB gave for its query (asked from the verified context).
+                doc = true[len(specs)]
+                gate.record_change_guess(held[0] == doc)
+                stats.held_changes += 1
+                stats.held_change_hits += held[0] == doc
+                t0 = time.perf_counter()
+                passage = yield from _passage(retr, doc)
+                dt = time.perf_counter() - t0
+                r_round += dt
+                stats.verification_wait_ms += dt * 1e3
+                yield from runner.step_passes(doc, passage)
+                n_committed += 1
             prev = true[n_committed - 1]
             stats.retrieval_ms += r_round * 1e3
             stats.retrievals += n_committed

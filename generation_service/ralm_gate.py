@@ -18,6 +18,14 @@ the same, so costs that change (the KB gets busy, the cache starts guessing righ
 many losing probes. In a worker (SharedRoundCosts) requests start from the costs pooled over earlier ones and
 share one probe schedule: with 16-32 rounds per request, measuring every arm in every request was most of what
 speculation lost where retrieval is cheap.
+
+Inside a speculative round, a guessed passage *change* is the expensive guess: acting on it prefills a new prompt
+(hundreds of tokens, on a CPU tens of decode steps' worth), thrown away if the guess is wrong, while a guess that
+the passage stays costs nothing but the round's steps. So a guessed change may end the round instead: its query
+joins the round's verification and the step then runs with the KB's passage (hold_change). Whether to hold is
+decided from measured costs — the expected waste of acting on the guess, (1 - accuracy of change guesses) x
+prefill time, against one verification not overlapped — and held guesses are still scored against the KB's
+answer, so their accuracy keeps being measured (pooled per key, like the round costs).
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from dataclasses import dataclass
 from typing import Hashable, Sequence
 
 SEQUENTIAL, SYNC, ASYNC = "sequential", "sync", "async"
+CHANGE_DECAY = 0.95  # weight of the old change-guess counts per new guess: the guesses' accuracy may drift
 ARMS = (ASYNC, SYNC, SEQUENTIAL)
 
 
@@ -72,12 +81,23 @@ class SharedRoundCosts:
         self.decay = decay
         self._mean: dict[tuple[Hashable, str], float] = {}
         self._schedules: dict[Hashable, ProbeSchedule] = {}
+        self._changes: dict[Hashable, tuple[float, float]] = {}
         self._lock = threading.Lock()  # requests of a worker may run on other threads (solo streams)
 
     def schedule(self, key: Hashable, probe0: int) -> ProbeSchedule:
         """The worker's probe schedule for `key`: probes are spread over its requests, not repeated in each."""
         with self._lock:
             return self._schedules.setdefault(key, ProbeSchedule(probe0))
+
+    def change_guesses(self, key: Hashable) -> tuple[float, float]:
+        """(hits, guesses) of passage-change guesses pooled for `key`, decayed counts."""
+        with self._lock:
+            return self._changes.get(key, (0.0, 0.0))
+
+    def add_change_guess(self, key: Hashable, hit: bool) -> None:
+        with self._lock:
+            h, n = self._changes.get(key, (0.0, 0.0))
+            self._changes[key] = (CHANGE_DECAY * h + hit, CHANGE_DECAY * n + 1)
 
     def prior(self, key: Hashable, arm: str) -> float | None:
         with self._lock:
@@ -87,6 +107,13 @@ class SharedRoundCosts:
         with self._lock:
             old = self._mean.get((key, arm))
             self._mean[(key, arm)] = cost if old is None else self.decay * old + (1 - self.decay) * cost
+
+
+def change_waste(hits: float, guesses: float, prefill_s: float) -> float:
+    """Expected seconds thrown away by acting on a guessed passage change: a wrong guess's prefill. The accuracy is
+    Laplace's estimate (hits + 1) / (guesses + 2): 0.5 before any guess is scored, so an unmeasured guess is not
+    trusted where a prefill costs more than two verifications."""
+    return (1.0 - (hits + 1.0) / (guesses + 2.0)) * prefill_s
 
 
 class RoundGate:
@@ -99,6 +126,7 @@ class RoundGate:
         self.schedule = shared.schedule(key, probe) if shared is not None else ProbeSchedule(probe)
         self.exploring = False  # the last choice only measures: an arm not measured yet, or a probe
         self.shared, self.key = shared, key
+        self._changes = (0.0, 0.0)  # (hits, guesses) of change guesses when no worker pools them
         if shared is not None:
             for a in self.arms:  # one pseudo-measurement each: this request's own ones soon outweigh it
                 p = shared.prior(key, a)
@@ -131,6 +159,19 @@ class RoundGate:
             self.exploring = True
             return others[(self.schedule.probes - 1) % len(others)]
         return best
+
+    def hold_change(self, prefill_s: float, verify_s: float) -> bool:
+        """A guessed passage change: end the round and verify first (True), or prefill the guess (False)?"""
+        hits, n = self.shared.change_guesses(self.key) if self.shared is not None else self._changes
+        return change_waste(hits, n, prefill_s) > verify_s
+
+    def record_change_guess(self, hit: bool) -> None:
+        """A passage-change guess (acted on or held) was the KB's passage (hit) or not."""
+        if self.shared is not None:
+            self.shared.add_change_guess(self.key, hit)
+        else:
+            h, n = self._changes
+            self._changes = (CHANGE_DECAY * h + hit, CHANGE_DECAY * n + 1)
 
     def cache_wanted(self) -> bool:
         """Will the next round (probably) read the speculation cache? Asked during a sequential step."""

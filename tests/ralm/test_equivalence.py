@@ -63,3 +63,17 @@ def test_kv_reuse_only_saves_prefill(tm, kb_client, prompts):
     assert without.prefills == without.retrievals  # every step re-reads passage + prompt + output
     assert with_reuse.decode_tokens + with_reuse.prefills == without.decode_tokens + without.prefills
     assert with_reuse.prefills <= without.prefills and with_reuse.prefill_tokens <= without.prefill_tokens
+
+
+def test_held_passage_changes_equal_ralmseq(tm, kb_client, prompts, reference):
+    """Guessed passage changes that wait for the verification (ralm_gate.hold_change) run the KB's passage: the
+    output is RaLMSeq's, and the held steps are counted. Not adaptive: never held."""
+    want = reference("edr", 1, STRIDE)  # prompt 1: its passage changes twice in a round
+    got, st = run_rag(tm, kb_client, prompts[1], RagParams(retriever="edr", stride=STRIDE, os3=False, prefetch=20,
+                                                           async_verify=True, spec_stride=4))
+    assert got == want
+    assert st.held_changes > 0 and 0 <= st.held_change_hits <= st.held_changes
+    assert st.retrievals == len(want) // STRIDE  # a held step is one committed retrieval point, not two
+    _, fixed = run_rag(tm, kb_client, prompts[1], RagParams(retriever="edr", stride=STRIDE, os3=False, prefetch=20,
+                                                            async_verify=True, spec_stride=4, adaptive=False))
+    assert fixed.held_changes == 0

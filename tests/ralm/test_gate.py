@@ -110,3 +110,41 @@ def test_probe_interval_is_capped():
     probes = [i for i in range(2000) if s.tick(SEQUENTIAL)]
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert max(gaps) == MAX_PROBE + 1  # Not an interval that grows without bound
+
+
+@pytest.mark.parametrize("hits, misses, prefill_s, verify_s, hold", [
+    # Nothing scored yet (accuracy 0.5): a 0.45 s prefill gambled against a 40 ms search: hold.
+    (0, 0, 0.45, 0.04, True),
+    # ... but Not where the prefill costs less than two searches (1 M-passage exact search beside a short prompt).
+    (0, 0, 0.20, 0.15, False),
+    # Change guesses right 20 of 20: acting on them wastes ~0.02 s per guess, less than a 0.15 s search: act.
+    (20, 0, 0.45, 0.15, False),
+    # Right 10 of 20: half the guesses throw away a prefill: hold, even against the slow search.
+    (10, 10, 0.45, 0.15, True),
+])
+def test_hold_change(hits, misses, prefill_s, verify_s, hold):
+    gate = RoundGate((SYNC, SEQUENTIAL))
+    for hit in [True] * hits + [False] * misses:
+        gate.record_change_guess(hit)
+    assert gate.hold_change(prefill_s, verify_s) is hold
+
+
+def test_brute_force_change_waste():
+    """change_waste is the expected prefill thrown away under Laplace's estimate, counted by hand."""
+    from generation_service.ralm_gate import change_waste
+
+    for hits in range(5):
+        for n in range(hits, 8):
+            p_wrong = (n - hits + 1) / (n + 2)  # Laplace: one imagined miss and one imagined hit
+            assert change_waste(hits, n, 0.3) == pytest.approx(p_wrong * 0.3)
+
+
+def test_change_guesses_are_pooled_across_a_workers_requests():
+    shared = SharedRoundCosts()
+    first = RoundGate((SYNC, SEQUENTIAL), shared=shared, key="edr")
+    assert first.hold_change(0.45, 0.15)  # nothing known: hold
+    for _ in range(30):
+        first.record_change_guess(True)
+    second = RoundGate((SYNC, SEQUENTIAL), shared=shared, key="edr")
+    assert not second.hold_change(0.45, 0.15)  # the first request's guesses were right: act on them
+    assert RoundGate((SYNC, SEQUENTIAL), shared=shared, key="sr").hold_change(0.45, 0.15)  # Not another key's

@@ -146,12 +146,14 @@ kb-large-prefixes: install
 			--headers --words 50 --encoder-dtype bfloat16 --float16 --embeddings-from $(KB_LARGE) $(KB_LARGE_ARGS); \
 	done
 
-# RaLMSpec over KB sizes (issue 19): bench.ralm on every prefix KB and the large KB (B/P/S/A/PS/SA/PA/PSA x
-# edr/adr/sr, the worker's calibrated format; bench/results/ralm-<kb>.json), then the curve of speed-up vs B's
-# retrieval share (bench/results/ralm-curve.json/png). ~15 min per KB.
+# RaLMSpec over KB sizes (issue 19): per prefix KB and the large KB, its retrieval latency at batch 1/8/32 and
+# build record (bench/results/kb-<kb>.json) and bench.ralm (B/P/S/A/PS/SA/PA/PSA x edr/adr/sr, the worker's
+# calibrated format; bench/results/ralm-<kb>.json), then the curve of speed-up vs B's retrieval share
+# (bench/results/ralm-curve.json/png). ~20 min per KB.
 RALM_CURVE_ARGS ?= --limit 8 --max-new-tokens 64 --ranking-questions 0 --max-minutes 14
 bench-ralm-curve: kb-large kb-large-prefixes
 	set -e; for kb in $(foreach n,$(KB_SIZES),$(KB_LARGE)-$(n)) $(KB_LARGE); do \
+		$(PYTHON) -m bench.kb --kb $$kb --batch-sizes 1,8,32 --json bench/results/kb-$$(basename $$kb).json; \
 		$(PYTHON) -m bench.ralm --kb $$kb --retrievers edr,adr,sr --configs B,P,S,A,PS,SA,PA,PSA \
 			$(RALM_CURVE_ARGS) --json bench/results/ralm-$$(basename $$kb).json; \
 	done

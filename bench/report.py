@@ -200,6 +200,12 @@ def ralm_curve(name: str, d: dict) -> str:
              + (f" (worst {worst['config']} {worst['retriever']} at {worst['passages'] or 0:,} passages: "
                 f"{worst['speedup']:.2f}×)" if worst else ""),
              f"- identical outputs: {t['identical']['identical']}/{t['identical']['outputs']}"]
+    if "below_by_more_than_noise" in never:
+        below = never["below_by_more_than_noise"]
+        lines.insert(2, "- below the floor beyond run noise (95 % bootstrap interval over questions under "
+                     f"{never['target']}×): " + (", ".join(
+                         f"{p['config']} {p['retriever']} at {p['passages'] or 0:,} ({p['speedup']:.2f}×, "
+                         f"{p['speedup_ci95'][0]:.2f}–{p['speedup_ci95'][1]:.2f})" for p in below) or "none"))
     cmds = "; ".join(f"`{s.get('command', '')}`" for s in d.get("runs", []) if s.get("command"))
     return _table(["KB passages", "retriever", "B: R share", *order, "identical"], rows) + "\n\n" + \
         "\n".join(lines) + "\n\n" + f"_Source: `bench/results/{name}` (merged from {', '.join(d['sources'])})._" + \

@@ -45,3 +45,45 @@ def test_main_skips_the_curve_and_other_files_a_glob_matches(tmp_path):
     out = json.loads(curve.read_text())
     assert out["sources"] == [str(tmp_path / "ralm-100000.json")]
     assert {p["passages"] for p in out["points"]} == {100_000}  # not 1 (the old curve's point)
+
+
+@pytest.mark.parametrize("pairs, lo, hi", [
+    # Every question 2x faster: no spread, the interval is the point.
+    ([(2.0, 1.0)] * 6, 2.0, 2.0),
+    # Half the questions 10 % slower, half 10 % faster: the interval straddles 1 (Not shown slower).
+    ([(1.0, 1.1), (1.0, 0.9)] * 4, None, None),
+])
+def test_speedup_ci(pairs, lo, hi):
+    from bench.ralm_curve import speedup_ci
+
+    a, b = speedup_ci(pairs, reps=500)
+    if lo is not None:
+        assert (a, b) == pytest.approx((lo, hi))
+    else:
+        assert a < 1.0 < b
+
+
+def test_speedup_ci_matches_a_brute_force_bootstrap():
+    """The interval's ends are order statistics of ratio-of-means over question resamples, recomputed here."""
+    import random
+
+    from bench.ralm_curve import speedup_ci
+
+    pairs = [(2.0, 2.1), (1.5, 1.4), (3.0, 3.3), (2.2, 2.0), (1.8, 1.9)]
+    rng = random.Random(7)
+    ratios = []
+    for _ in range(300):
+        s = [pairs[rng.randrange(5)] for _ in range(5)]
+        ratios.append(sum(b for b, _ in s) / sum(c for _, c in s))
+    ratios.sort()
+    assert speedup_ci(pairs, reps=300, seed=7) == (ratios[int(0.025 * 299)], ratios[int(0.975 * 299)])
+
+
+def test_points_carry_the_interval_from_per_question_rows():
+    r = run(100_000, "edr", (1.0, 9.0), PSA=10.0)
+    r["runs"] = [{"question": q, "retriever": "edr", "config": c, "latency_s": lat}
+                 for q in range(4) for c, lat in (("B", 10.0), ("PSA", 12.5))]  # 0.8x on every question
+    (psa,) = [p for p in points([r]) if p["config"] == "PSA"]
+    assert psa["speedup_ci95"] == pytest.approx([0.8, 0.8])
+    t = targets(points([r]))
+    assert [p["config"] for p in t["never_slower"]["below_by_more_than_noise"]] == ["PSA"]

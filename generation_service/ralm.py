@@ -22,9 +22,9 @@ RaLMSpec, rounds of s speculative steps:
                  a wrong guess throws away more generation than speculation saves, and where the KB shares the
                  model's cores an async verification slows the step it overlaps.
     sequential   a step of RaLMSpec without speculation (the first one, s = 0, after a KB failure) waits only for
-                 RaLMSeq's own top-1 Search; its top-`prefetch` cache fill (only when the next round may
-                 speculate) is a Search future that runs while the step generates and is cached at a later step
-                 when it has arrived.
+                 RaLMSeq's own Search (same query, same top-1); when the next round may speculate, that Search
+                 asks for the top-`prefetch` to fill the cache (~1 ms more, where a second search beside the
+                 step slowed its forward passes by ~60 % on 2 cores).
 Every committed step ran with the passage RaLMSeq would have retrieved and the same model computation (same KV
 reuse decisions, same kernels), so the output is identical; only committed tokens are ever emitted. If the KB
 fails during speculation the unverified steps are dropped and the request continues with sequential retrieval;
@@ -45,7 +45,7 @@ import torch
 
 from generation_service.engine.effects import Effects, Emit, Wait, ar_pass, call, prefill_passes, run_inline, run_solo
 from generation_service.engine.steps import check_prompt
-from generation_service.kb_client import Hits, KBRequestError, KBUnavailable, SearchFuture, SearchReply
+from generation_service.kb_client import Hits, KBUnavailable, SearchReply
 from generation_service.model import TargetModel, cache_length, new_cache
 from generation_service.os3 import OS3Config, StrideScheduler
 from generation_service.ralm_cache import PassageCache
@@ -84,7 +84,7 @@ class RagParams:
     max_passage_tokens: int = 256
     max_prompt_tokens: int = 512  # passage + prompt
     speculate: bool = True  # RaLMSpec; False = RaLMSeq
-    prefetch: int = 20  # hits cached per verified query (sequential steps: in the background); 0 = top-1
+    prefetch: int = 20  # hits cached per verified query (and per sequential step's search); 0 = top-1
     os3: bool = True  # OS³ picks the speculation stride; off = fixed spec_stride
     spec_stride: int = 3
     async_verify: bool = True
@@ -154,8 +154,7 @@ class RagStats:
     cache_size: int = 0
     fallback: bool = False  # the KB failed during speculation; the rest ran with sequential retrieval
     fallback_reason: str = ""
-    prefetches: int = 0  # background cache fills of sequential steps that arrived and were cached
-    prefetch_failures: int = 0
+    prefetches: int = 0  # sequential steps that also fetched the top-k_fetch into the cache (one search)
     # R split: sequential steps (RaLMSeq's search) + speculative ranking (query, cache top-1, passage, starting an
     # async verification) + waiting for verifications (and a mismatched step's passage) = retrieval_ms
     sequential_retrieval_ms: float = 0.0
@@ -479,205 +478,186 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
                 cache.add(h.ids[:k_fetch], h.vectors[:k_fetch] if retr.dim else None)
         stats.cache_size = len(cache)
 
-    pending: list[SearchFuture] = []  # prefetches of sequential steps, in flight
-
-    def drain_prefetch() -> None:
-        """Cache the hits of prefetches that have arrived; never waits (a late one lands at a later step)."""
-        while pending and pending[0].done():
-            fut = pending.pop(0)
-            try:
-                reply = fut.result()
-            except (KBUnavailable, KBRequestError):
-                stats.prefetch_failures += 1  # only a cache fill: speculation or the next search will meet it
-                continue
-            retr.remember(reply)
-            cache_hits(reply.hits)
-            stats.prefetches += 1
-
     def commit() -> list[int]:
         nonlocal committed
         toks = runner.out[committed:]
         committed = len(runner.out)
         return toks
 
-    try:
-        while runner.finish is None:
-            if cancelled():
-                yield Emit([], FINISH_CANCELLED)
-                return
-            drain_prefetch()
-            arm = SEQUENTIAL if fallback or len(cache) == 0 else gate.choose()
-            t_round, prefill_before = time.perf_counter(), stats.prefill_ms
-            if arm == SEQUENTIAL:
-                # A sequential step: on the critical path exactly RaLMSeq's retrieval (top-1 with its text), so a
-                # step the gate runs sequentially costs what B's step costs. The cache fill (top-k_fetch) is a
-                # Search future that runs while the step generates and lands in the cache at a later step.
-                t0 = time.perf_counter()
+    while runner.finish is None:
+        if cancelled():
+            yield Emit([], FINISH_CANCELLED)
+            return
+        arm = SEQUENTIAL if fallback or len(cache) == 0 else gate.choose()
+        t_round, prefill_before = time.perf_counter(), stats.prefill_ms
+        if arm == SEQUENTIAL:
+            # A sequential step: on the critical path RaLMSeq's retrieval, the same query and the same top-1
+            # (the KB's top-1 does not depend on k, which verification relies on too). When speculation may
+            # read the cache soon (the gate speculates, or probes at the next step) the search asks for the
+            # top-k_fetch: ~1 ms more than k = 1, where a second search running beside the step slowed its
+            # 2-thread forward passes by ~60 % on 2 cores (a 300-token prefill: 420-490 -> 700-750 ms next to
+            # one 100 K-passage search every 20 ms).
+            t0 = time.perf_counter()
+            q = retr.query(runner.window())
+            if q is None:
+                doc = prev
+            else:
+                fill = k_fetch > 1 and not fallback and gate.cache_wanted()
+                hits = yield call(retr.search, [q], k_fetch if fill else 1, sequential=True)  # KBUnavailable:
+                cache_hits(hits)  # fails the request; the top-1 at least: speculation can start next step
+                stats.prefetches += fill
+                doc = hits[0].top1
+            passage = yield from _passage(retr, doc)
+            r = time.perf_counter() - t0
+            search_s = r
+            stats.retrieval_ms += r * 1e3
+            stats.sequential_retrieval_ms += r * 1e3
+            stats.retrievals += 1
+            stats.strides.append(0)
+            yield from runner.step_passes(doc, passage)
+            if q is not None and not fallback:
+                gate.record(SEQUENTIAL, time.perf_counter() - t_round - (stats.prefill_ms - prefill_before) / 1e3)
+            prev = doc
+            yield Emit(commit(), runner.finish)
+            continue
+
+        # A round that only measures an arm (not measured yet, or a probe of a losing one) speculates one step:
+        # with a fixed stride a wrong guess would otherwise throw away up to spec_stride steps to learn it.
+        s = sched.next_stride() if sched is not None else (1 if gate.exploring else rag.spec_stride)
+        stats.strides.append(s)
+        ckpts: list[Checkpoint] = []
+        queries: list[Query | None] = []
+        specs: list[int | None] = []
+        step_s: list[float] = []
+        ver: _Verification | None = None
+        r_round = 0.0
+        failure = ""
+        prev_spec = prev
+        held: list[int | None] = []  # a guessed passage change not acted on: its query is verified first
+
+        def abort() -> bool:  # between forward passes of the in-flight step
+            if not ver.done():
+                return False
+            true = ver.settle()
+            return true is None or first_mismatch(specs, true) is not None
+
+        for i in range(s):
+            if runner.finish is not None:
+                break
+            ck = runner.checkpoint()
+            t0 = time.perf_counter()
+            try:
                 q = retr.query(runner.window())
                 if q is None:
-                    doc = prev
-                else:
-                    hits = yield call(retr.search, [q], 1, sequential=True)  # KBUnavailable: fails the request
-                    cache_hits(hits)  # the top-1 at least: speculation can start at the next step
-                    doc = hits[0].top1
-                    # The background top-k_fetch fill is a second KB search: only worth it when speculation may
-                    # read the cache soon (the gate speculates, or probes at the next step).
-                    if k_fetch > 1 and not fallback and gate.cache_wanted():
-                        pending.append(retr.search_async([q], k_fetch))
-                passage = yield from _passage(retr, doc)
-                r = time.perf_counter() - t0
-                search_s = r
-                stats.retrieval_ms += r * 1e3
-                stats.sequential_retrieval_ms += r * 1e3
-                stats.retrievals += 1
-                stats.strides.append(0)
-                yield from runner.step_passes(doc, passage)
-                if q is not None and not fallback:
-                    gate.record(SEQUENTIAL, time.perf_counter() - t_round - (stats.prefill_ms - prefill_before) / 1e3)
-                prev = doc
-                yield Emit(commit(), runner.finish)
-                continue
-
-            # A round that only measures an arm (not measured yet, or a probe of a losing one) speculates one step:
-            # with a fixed stride a wrong guess would otherwise throw away up to spec_stride steps to learn it.
-            s = sched.next_stride() if sched is not None else (1 if gate.exploring else rag.spec_stride)
-            stats.strides.append(s)
-            ckpts: list[Checkpoint] = []
-            queries: list[Query | None] = []
-            specs: list[int | None] = []
-            step_s: list[float] = []
-            ver: _Verification | None = None
-            r_round = 0.0
-            failure = ""
-            prev_spec = prev
-            held: list[int | None] = []  # a guessed passage change not acted on: its query is verified first
-
-            def abort() -> bool:  # between forward passes of the in-flight step
-                if not ver.done():
-                    return False
-                true = ver.settle()
-                return true is None or first_mismatch(specs, true) is not None
-
-            for i in range(s):
-                if runner.finish is not None:
-                    break
-                ck = runner.checkpoint()
-                t0 = time.perf_counter()
-                try:
-                    q = retr.query(runner.window())
-                    if q is None:
-                        d = prev_spec
-                    elif retr.dim:  # ranked here against the cached vectors
-                        d = retr.speculate(q, cache)
-                    else:  # ranked by the KB (ScoreCandidates)
-                        d = yield call(retr.speculate, q, cache)
-                    if (q is not None and rag.adaptive and rag.reuse_kv and d != runner.cache_doc
-                            and gate.hold_change(stats.prefill_ms / max(1, stats.prefills) / 1e3, search_s)):
-                        queries.append(q)  # verified with the round; the step then runs with the KB's passage
-                        held.append(d)
-                        dt = time.perf_counter() - t0
-                        r_round += dt
-                        stats.speculation_retrieval_ms += dt * 1e3
-                        break
-                    passage = yield from _passage(retr, d, sequential=False)
-                except KBUnavailable as e:
-                    failure = f"speculation: {e}"
+                    d = prev_spec
+                elif retr.dim:  # ranked here against the cached vectors
+                    d = retr.speculate(q, cache)
+                else:  # ranked by the KB (ScoreCandidates)
+                    d = yield call(retr.speculate, q, cache)
+                if (q is not None and rag.adaptive and rag.reuse_kv and d != runner.cache_doc
+                        and gate.hold_change(stats.prefill_ms / max(1, stats.prefills) / 1e3, search_s)):
+                    queries.append(q)  # verified with the round; the step then runs with the KB's passage
+                    held.append(d)
                     dt = time.perf_counter() - t0
                     r_round += dt
                     stats.speculation_retrieval_ms += dt * 1e3
                     break
-                ckpts.append(ck)
-                queries.append(q)
-                specs.append(d)
-                if arm == ASYNC and i == s - 1:
-                    ver = _Verification(retr, queries, k_fetch, prev).start()  # in flight during this step
+                passage = yield from _passage(retr, d, sequential=False)
+            except KBUnavailable as e:
+                failure = f"speculation: {e}"
                 dt = time.perf_counter() - t0
                 r_round += dt
                 stats.speculation_retrieval_ms += dt * 1e3
-                ok = yield from runner.step_passes(d, passage, abort if ver is not None else None)
-                if ok:
-                    step_s.append(time.perf_counter() - t0)
-                prev_spec = d
-                if not ok:
-                    break
+                break
+            ckpts.append(ck)
+            queries.append(q)
+            specs.append(d)
+            if arm == ASYNC and i == s - 1:
+                ver = _Verification(retr, queries, k_fetch, prev).start()  # in flight during this step
+            dt = time.perf_counter() - t0
+            r_round += dt
+            stats.speculation_retrieval_ms += dt * 1e3
+            ok = yield from runner.step_passes(d, passage, abort if ver is not None else None)
+            if ok:
+                step_s.append(time.perf_counter() - t0)
+            prev_spec = d
+            if not ok:
+                break
 
-            true = None
-            if not failure and (ckpts or held):
-                t0 = time.perf_counter()
-                if ver is None:  # sync, or the output ended before the round's last step
-                    ver = _Verification(retr, queries, k_fetch, prev)
-                    yield from ver.run()
-                if not ver.done():
-                    yield Wait(ver.future)
-                true = ver.settle()
-                dt = time.perf_counter() - t0
-                r_round += dt
-                stats.verification_wait_ms += dt * 1e3
-                if true is None:
-                    failure = f"verification: {ver.error}"
-            if failure:
-                # Nothing unverified may be emitted: drop the whole round, go on with sequential retrieval.
-                if ver is not None and ver.future is not None:
-                    ver.future.cancel()
-                if ckpts:
-                    runner.restore(ckpts[0])
-                fallback = failure
-                stats.fallback, stats.fallback_reason = True, failure[:500]
-                stats.retrieval_ms += r_round * 1e3
-                continue
-
-            cache_hits(ver.reply_hits)
-            if ver.latency_s:
-                search_s = ver.latency_s
-            m = first_mismatch(specs, true)
-            matched = len(specs) if m is None else m
-            stats.speculative_steps += len(specs)
-            stats.speculation_hits += matched
-            for i, d in enumerate(specs):  # the change guesses acted on, scored
-                if d != (prev if i == 0 else specs[i - 1]) and (m is None or i <= m):
-                    gate.record_change_guess(d == true[i])
-            if sched is not None and specs:
-                sched.record_verification(matched, len(specs))
-                sched.record_latency(speculation_s=sum(step_s) / len(step_s) if step_s else None,
-                                     verification_s=ver.latency_s)
-            waste = 0.0
-            wasted_prefill_ms = 0.0
-            if m is not None:
-                g_before = stats.generation_ms
-                wasted_prefill_ms = stats.prefill_ms - ckpts[m].prefill_ms
-                runner.restore(ckpts[m])
-                waste = (g_before - ckpts[m].generation_ms) / 1e3  # s
-                stats.wasted_generation_ms += waste * 1e3
-                stats.rollbacks += 1
-                t0 = time.perf_counter()
-                passage = yield from _passage(retr, true[m])  # KBUnavailable: fails the request (no fallback)
-                dt = time.perf_counter() - t0
-                r_round += dt
-                stats.verification_wait_ms += dt * 1e3
-                yield from runner.step_passes(true[m], passage)  # the passage is known now: not speculative
-            n_committed = len(specs) if m is None else m + 1
-            if held and m is None and runner.finish is None:
-                # The held step, with the passage the KB gave for its query (asked from the verified context).
-                doc = true[len(specs)]
-                gate.record_change_guess(held[0] == doc)
-                stats.held_changes += 1
-                stats.held_change_hits += held[0] == doc
-                t0 = time.perf_counter()
-                passage = yield from _passage(retr, doc)
-                dt = time.perf_counter() - t0
-                r_round += dt
-                stats.verification_wait_ms += dt * 1e3
-                yield from runner.step_passes(doc, passage)
-                n_committed += 1
-            prev = true[n_committed - 1]
+        true = None
+        if not failure and (ckpts or held):
+            t0 = time.perf_counter()
+            if ver is None:  # sync, or the output ended before the round's last step
+                ver = _Verification(retr, queries, k_fetch, prev)
+                yield from ver.run()
+            if not ver.done():
+                yield Wait(ver.future)
+            true = ver.settle()
+            dt = time.perf_counter() - t0
+            r_round += dt
+            stats.verification_wait_ms += dt * 1e3
+            if true is None:
+                failure = f"verification: {ver.error}"
+        if failure:
+            # Nothing unverified may be emitted: drop the whole round, go on with sequential retrieval.
+            if ver is not None and ver.future is not None:
+                ver.future.cancel()
+            if ckpts:
+                runner.restore(ckpts[0])
+            fallback = failure
+            stats.fallback, stats.fallback_reason = True, failure[:500]
             stats.retrieval_ms += r_round * 1e3
-            stats.retrievals += n_committed
-            committed_prefill_s = (stats.prefill_ms - prefill_before - wasted_prefill_ms) / 1e3
-            gate.record(arm, (time.perf_counter() - t_round - committed_prefill_s) / n_committed)
-            yield Emit(commit(), runner.finish)
-    finally:
-        for fut in pending:  # the request is over (or failed): nobody will read them
-            fut.cancel()
+            continue
+
+        cache_hits(ver.reply_hits)
+        if ver.latency_s:
+            search_s = ver.latency_s
+        m = first_mismatch(specs, true)
+        matched = len(specs) if m is None else m
+        stats.speculative_steps += len(specs)
+        stats.speculation_hits += matched
+        for i, d in enumerate(specs):  # the change guesses acted on, scored
+            if d != (prev if i == 0 else specs[i - 1]) and (m is None or i <= m):
+                gate.record_change_guess(d == true[i])
+        if sched is not None and specs:
+            sched.record_verification(matched, len(specs))
+            sched.record_latency(speculation_s=sum(step_s) / len(step_s) if step_s else None,
+                                 verification_s=ver.latency_s)
+        waste = 0.0
+        wasted_prefill_ms = 0.0
+        if m is not None:
+            g_before = stats.generation_ms
+            wasted_prefill_ms = stats.prefill_ms - ckpts[m].prefill_ms
+            runner.restore(ckpts[m])
+            waste = (g_before - ckpts[m].generation_ms) / 1e3  # s
+            stats.wasted_generation_ms += waste * 1e3
+            stats.rollbacks += 1
+            t0 = time.perf_counter()
+            passage = yield from _passage(retr, true[m])  # KBUnavailable: fails the request (no fallback)
+            dt = time.perf_counter() - t0
+            r_round += dt
+            stats.verification_wait_ms += dt * 1e3
+            yield from runner.step_passes(true[m], passage)  # the passage is known now: not speculative
+        n_committed = len(specs) if m is None else m + 1
+        if held and m is None and runner.finish is None:
+            # The held step, with the passage the KB gave for its query (asked from the verified context).
+            doc = true[len(specs)]
+            gate.record_change_guess(held[0] == doc)
+            stats.held_changes += 1
+            stats.held_change_hits += held[0] == doc
+            t0 = time.perf_counter()
+            passage = yield from _passage(retr, doc)
+            dt = time.perf_counter() - t0
+            r_round += dt
+            stats.verification_wait_ms += dt * 1e3
+            yield from runner.step_passes(doc, passage)
+            n_committed += 1
+        prev = true[n_committed - 1]
+        stats.retrieval_ms += r_round * 1e3
+        stats.retrievals += n_committed
+        committed_prefill_s = (stats.prefill_ms - prefill_before - wasted_prefill_ms) / 1e3
+        gate.record(arm, (time.perf_counter() - t_round - committed_prefill_s) / n_committed)
+        yield Emit(commit(), runner.finish)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -24,8 +24,9 @@ from typing import Callable
 
 import numpy as np
 
+from ragcore.process import offline_process
 from retrieval_service.config import RetrievalConfig
-from retrieval_service.knowledge import dense
+from retrieval_service.knowledge import dense, sparse
 from retrieval_service.knowledge.kb import KB_INDEX, KnowledgeBase
 
 DEFAULT_KB = Path.home() / ".cache" / "ragserve" / "kb" / "docs"
@@ -239,6 +240,8 @@ def print_table(out: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    offline_process()
+    sparse.prepare_process()  # BM25's JVM settings: before anything starts threads
     ap = argparse.ArgumentParser(prog="python -m bench.kb", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kb", type=Path, default=DEFAULT_KB)

@@ -127,6 +127,8 @@ def _kb_build(build: dict, peak_rss_mb: dict) -> str:
         size = f"{b.get('bytes', 0) / 1e6:,.0f} MB on disk"
         if stage != "edr":
             parts.append(f"{stage} {_duration(b.get('seconds'))}, {size}")
+        elif b.get("copied_rows") and not b.get("encoded_rows"):  # a prefix KB
+            parts.append(f"edr {b['copied_rows']:,} rows copied from the parent KB, {size}")
         elif "encoded_rows" in b:  # summed over the runs of a resumed build
             rate = b["encoded_rows"] / b["encode_seconds"] if b.get("encode_seconds") else None
             parts.append(f"edr encoding {_duration(b['encode_seconds'])} for {b['encoded_rows']:,} rows"

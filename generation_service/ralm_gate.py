@@ -96,8 +96,7 @@ class SharedRoundCosts:
 
     def add_change_guess(self, key: Hashable, hit: bool) -> None:
         with self._lock:
-            h, n = self._changes.get(key, (0.0, 0.0))
-            self._changes[key] = (CHANGE_DECAY * h + hit, CHANGE_DECAY * n + 1)
+            self._changes[key] = counted_guess(self._changes.get(key, (0.0, 0.0)), hit)
 
     def prior(self, key: Hashable, arm: str) -> float | None:
         with self._lock:
@@ -107,6 +106,11 @@ class SharedRoundCosts:
         with self._lock:
             old = self._mean.get((key, arm))
             self._mean[(key, arm)] = cost if old is None else self.decay * old + (1 - self.decay) * cost
+
+
+def counted_guess(counts: tuple[float, float], hit: bool) -> tuple[float, float]:
+    """(hits, guesses) decayed by CHANGE_DECAY, plus one guess."""
+    return CHANGE_DECAY * counts[0] + hit, CHANGE_DECAY * counts[1] + 1
 
 
 def change_waste(hits: float, guesses: float, prefill_s: float) -> float:
@@ -170,8 +174,7 @@ class RoundGate:
         if self.shared is not None:
             self.shared.add_change_guess(self.key, hit)
         else:
-            h, n = self._changes
-            self._changes = (CHANGE_DECAY * h + hit, CHANGE_DECAY * n + 1)
+            self._changes = counted_guess(self._changes, hit)
 
     def cache_wanted(self) -> bool:
         """Will the next round (probably) read the speculation cache? Asked during a sequential step."""

@@ -36,6 +36,7 @@ dominates) and b = 30 ms: 1/230 = 0.0043 > 1.6/430 = 0.0037 -> s = 1.
 from __future__ import annotations
 
 import math
+import threading
 from collections import deque
 from dataclasses import dataclass
 
@@ -120,15 +121,19 @@ class OS3Config:
 
 
 class StrideScheduler:
-    """Per-request OS³ state: recent verification outcomes and latencies -> the next stride."""
+    """OS³ state: recent verification outcomes and latencies -> the next stride. One request's, or shared by a
+    worker's requests (ralm_gate.SharedRoundCosts.scheduler), so its calls are thread-safe."""
+
+    HISTORY = 4096  # strides kept for stats: a worker's shared scheduler must not grow without bound
 
     def __init__(self, cfg: OS3Config | None = None):
         self.cfg = cfg if cfg is not None else OS3Config()
-        self.history: list[int] = []  # strides chosen, in order (for stats)
+        self.history: deque[int] = deque(maxlen=self.HISTORY)  # strides chosen, in order (for stats)
         w = self.cfg.window
         self._outcomes: deque[tuple[int, int]] = deque(maxlen=w)  # (matched, stride)
         self._spec: deque[float] = deque(maxlen=w)
         self._verify: deque[float] = deque(maxlen=w)
+        self._lock = threading.Lock()
 
     def gamma(self) -> float | None:
         """γ̂ = ΣM / (ΣM + #(M < s)) over the window, capped at γ_max; None before the first verification."""
@@ -146,13 +151,14 @@ class StrideScheduler:
         return sum(self._spec) / len(self._spec), sum(self._verify) / len(self._verify)
 
     def next_stride(self) -> int:
-        g, ab = self.gamma(), self.latencies()
-        if g is None or ab is None or (ab[0] == 0.0 and ab[1] == 0.0):
-            s = self.cfg.s_init
-        else:
-            s = best_stride(g, ab[0], ab[1], self.cfg.s_max, self.cfg.async_verify, self.cfg.overlap)
-        self.history.append(s)
-        return s
+        with self._lock:
+            g, ab = self.gamma(), self.latencies()
+            if g is None or ab is None or (ab[0] == 0.0 and ab[1] == 0.0):
+                s = self.cfg.s_init
+            else:
+                s = best_stride(g, ab[0], ab[1], self.cfg.s_max, self.cfg.async_verify, self.cfg.overlap)
+            self.history.append(s)
+            return s
 
     def record_verification(self, matched: int, stride: int) -> None:
         """matched = speculative steps of this batch that were right (0..stride)."""
@@ -160,7 +166,8 @@ class StrideScheduler:
             raise ValueError(f"stride must be an integer >= 1, got {stride!r}")
         if isinstance(matched, bool) or not isinstance(matched, int) or not 0 <= matched <= stride:
             raise ValueError(f"matched must be an integer in [0, stride={stride}], got {matched!r}")
-        self._outcomes.append((matched, stride))
+        with self._lock:
+            self._outcomes.append((matched, stride))
 
     def record_latency(self, *, speculation_s: float | None = None, verification_s: float | None = None) -> None:
         """speculation_s: one speculation step; verification_s: one batched verification (seconds)."""
@@ -170,4 +177,5 @@ class StrideScheduler:
                 continue
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0.0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
-            q.append(float(v))
+            with self._lock:
+                q.append(float(v))

@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Hashable, Sequence
+
+from generation_service.os3 import OS3Config, StrideScheduler
 
 SEQUENTIAL, SYNC, ASYNC = "sequential", "sync", "async"
 CHANGE_DECAY = 0.95  # weight of the old change-guess counts per new guess: the guesses' accuracy may drift
@@ -82,7 +84,14 @@ class SharedRoundCosts:
         self._mean: dict[tuple[Hashable, str], float] = {}
         self._schedules: dict[Hashable, ProbeSchedule] = {}
         self._changes: dict[Hashable, tuple[float, float]] = {}
+        self._strides: dict[tuple[Hashable, tuple], StrideScheduler] = {}
         self._lock = threading.Lock()  # requests of a worker may run on other threads (solo streams)
+
+    def scheduler(self, key: Hashable, cfg: OS3Config) -> StrideScheduler:
+        """The worker's OS³ scheduler for `key`: its accuracy and latencies pooled over requests. Per request, each
+        one started at s = 1 and its first rounds, measuring that stride, cost as much as sequential steps."""
+        with self._lock:
+            return self._strides.setdefault((key, astuple(cfg)), StrideScheduler(cfg))
 
     def schedule(self, key: Hashable, probe0: int) -> ProbeSchedule:
         """The worker's probe schedule for `key`: probes are spread over its requests, not repeated in each."""

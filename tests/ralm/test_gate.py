@@ -148,3 +148,19 @@ def test_change_guesses_are_pooled_across_a_workers_requests():
     second = RoundGate((SYNC, SEQUENTIAL), shared=shared, key="edr")
     assert not second.hold_change(0.45, 0.15)  # the first request's guesses were right: act on them
     assert RoundGate((SYNC, SEQUENTIAL), shared=shared, key="sr").hold_change(0.45, 0.15)  # Not another key's
+
+
+def test_a_workers_requests_share_one_os3_scheduler():
+    from generation_service.os3 import OS3Config
+
+    shared = SharedRoundCosts()
+    cfg = OS3Config(window=5, gamma_max=0.9, s_init=1, s_max=16)
+    first = shared.scheduler("edr", cfg)
+    assert first.next_stride() == 1  # nothing measured in this worker yet
+    for _ in range(5):  # the first request: every guess right, 40 ms steps, 300 ms verifications
+        first.record_verification(2, 2)
+        first.record_latency(speculation_s=0.04, verification_s=0.3)
+    second = shared.scheduler("edr", cfg)
+    assert second is first and second.next_stride() > 2  # Not back to s = 1 for every request
+    assert shared.scheduler("sr", cfg).next_stride() == 1  # another key learns for itself
+    assert shared.scheduler("edr", OS3Config(window=5, gamma_max=0.5)) is not first  # so do other settings

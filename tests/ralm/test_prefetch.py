@@ -103,3 +103,14 @@ def test_reply_texts_are_tokenized_only_when_prepended(tm, kb_client, prompts):
     want = retr._tokenize(reply.hits[0].documents[0].title, reply.hits[0].documents[0].text)
     assert retr.passage(doc) == want and retr.calls == calls  # the stored text, Not a GetDocuments round trip
     assert list(retr._tokens) == [doc]
+
+
+def test_fixed_stride_rounds_run_at_the_configured_stride_probes_included(tm, kb_client, prompts, reference):
+    # A probe of one step costs a step plus a whole search, never less than a sequential step: where search is
+    # slow, speculation measured that way never won. Every speculative round must be the arm as configured.
+    want = reference("edr", 0, STRIDE)
+    rag = RagParams(retriever="edr", stride=STRIDE, os3=False, spec_stride=3, async_verify=False, prefetch=20)
+    got, st = run_rag(tm, kb_client, prompts[0], rag)
+    assert got == want
+    spec = [s for s in st.strides if s > 0]
+    assert spec and set(spec) == {3}  # Not a one-step probe

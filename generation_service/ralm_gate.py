@@ -173,10 +173,14 @@ class RoundGate:
             return others[(self.schedule.probes - 1) % len(others)]
         return best
 
+    def change_waste(self, prefill_s: float) -> float:
+        """Expected seconds thrown away by acting on a guessed passage change (its prefill, when wrong)."""
+        hits, n = self.shared.change_guesses(self.key) if self.shared is not None else self._changes
+        return change_waste(hits, n, prefill_s)
+
     def hold_change(self, prefill_s: float, verify_s: float) -> bool:
         """A guessed passage change: end the round and verify first (True), or prefill the guess (False)?"""
-        hits, n = self.shared.change_guesses(self.key) if self.shared is not None else self._changes
-        return change_waste(hits, n, prefill_s) > verify_s
+        return self.change_waste(prefill_s) > verify_s
 
     def record_change_guess(self, hit: bool) -> None:
         """A passage-change guess (acted on or held) was the KB's passage (hit) or not."""

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import statistics
 import sys
@@ -34,6 +33,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from bench.serving import machine
 from generation_service.kb_client import KBClient
 from generation_service.ralm import RagParams, RagStats, passage_budget, ralm_decode
 from generation_service.ralm_cache import PassageCache
@@ -307,8 +307,7 @@ def main(argv: list[str] | None = None) -> None:
     result: dict = {
         "command": "python -m bench.ralm " + " ".join(argv if argv is not None else sys.argv[1:]),
         "kb_over": "grpc (external)" if args.kb_target else "grpc (in-process server, loopback)",
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor(),
-                    "loadavg_start": load_start},
+        "machine": {**machine(), "cpus": os.cpu_count(), "loadavg_start": load_start},
         "setup": {"model": args.model, "dtype": args.dtype, "threads": args.threads, "questions": args.questions,
                   "n_questions": len(questions), "max_new_tokens": args.max_new_tokens, "ignore_eos": True,
                   "encoder": args.encoder, "rag_defaults": RagParams().__dict__},

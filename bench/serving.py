@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -263,7 +264,22 @@ def inprocess_ar(info: dict, requests: list[dict], max_new: int) -> dict:
 def machine() -> dict:
     cpu, _ = cpu_info()
     return {"cpu": cpu, "cpu_flags": shown_flags(), "kernel_isa": kernel_isa(), "cores": len(os.sched_getaffinity(0)),
-            "platform": platform.platform(), "python": sys.version.split()[0]}
+            "platform": platform.platform(), "python": sys.version.split()[0], "code": code_version()}
+
+
+def code_version() -> dict:
+    """The commit the figures were measured with, and whether tracked files differed from it ({} outside git)."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {"commit": commit, "dirty": dirty} if commit else {}
 
 
 def cpu_class() -> str:

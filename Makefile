@@ -157,8 +157,8 @@ bench-ralm-curve: kb-large kb-large-prefixes
 		$(PYTHON) -m bench.ralm --kb $$kb --retrievers edr,adr,sr --configs B,P,S,A,PS,SA,PA,PSA \
 			$(RALM_CURVE_ARGS) --json bench/results/ralm-$$(basename $$kb).json; \
 	done
-	$(PYTHON) -m bench.ralm_curve bench/results/ralm-*.json --json bench/results/ralm-curve.json \
-		--png bench/results/ralm-curve.png
+	$(PYTHON) -m bench.ralm_curve $(foreach n,$(KB_SIZES),bench/results/ralm-large-$(n).json) \
+		bench/results/ralm-large.json --json bench/results/ralm-curve.json --png bench/results/ralm-curve.png
 
 # The docker-compose deployment for real (tests/deploy/compose_e2e.py): a Docker engine (docker/engine.sh: apt-get
 # install + dockerd when missing; not root / no apt -> one loud SKIPPED line, exit 0), base images pulled or built

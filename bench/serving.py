@@ -268,7 +268,8 @@ def machine() -> dict:
 
 
 def code_version() -> dict:
-    """The commit the figures were measured with, and whether tracked files differed from it ({} outside git)."""
+    """The commit the figures were measured with, and whether tracked files other than bench/results (which the
+    benchmarks themselves rewrite) differed from it ({} outside git)."""
     root = Path(__file__).resolve().parent.parent
 
     def git(*args: str) -> str:
@@ -276,7 +277,7 @@ def code_version() -> dict:
 
     try:
         commit = git("rev-parse", "HEAD")
-        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results"))
     except (OSError, subprocess.SubprocessError):
         return {}
     return {"commit": commit, "dirty": dirty} if commit else {}

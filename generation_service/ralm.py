@@ -49,7 +49,7 @@ from generation_service.kb_client import Hits, KBUnavailable, SearchReply
 from generation_service.model import TargetModel, cache_length, new_cache
 from generation_service.os3 import OS3Config, StrideScheduler
 from generation_service.ralm_cache import PassageCache
-from generation_service.ralm_gate import ASYNC, SEQUENTIAL, SYNC, RoundGate, SharedRoundCosts
+from generation_service.ralm_gate import ASYNC, SEQUENTIAL, SYNC, RoundGate, SharedRoundCosts, round_cost
 from generation_service.ralm_retrieval import Query, Retriever
 from generation_service.sampling import Sampler, SamplingParams
 from generation_service.speculative import (
@@ -93,8 +93,8 @@ class RagParams:
     ef_search: int = 0  # adr: efSearch for every call of the request; 0 = ralm_retrieval.ADR_EF_SEARCH
     cache_capacity: int = 512
     os3_window: int = 5
-    # Cap on OS³'s accuracy estimate. The paper's 0.6 held strides at 2 where guesses were right 70-90 % of the
-    # time; 300 K passages, edr, 4 questions: PSA 1.04x of RaLMSeq with 0.6, 1.10x with 0.9.
+    # Cap on OS³'s accuracy estimate. 0.6 (the earlier default) held strides at 2 where guesses were right 70-90 %
+    # of the time; 300 K passages, edr, 4 questions: PSA 1.04x of RaLMSeq with 0.6, 1.10x with 0.9.
     gamma_max: float = 0.9
     s_max: int = 16
     # Each round's kind (sequential s = 0 / sync / async) by measured cost (ralm_gate.py); False = every round
@@ -520,7 +520,8 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
             stats.strides.append(0)
             yield from runner.step_passes(doc, passage)
             if q is not None and not fallback:
-                gate.record(SEQUENTIAL, time.perf_counter() - t_round - (stats.prefill_ms - prefill_before) / 1e3)
+                gate.record(SEQUENTIAL, round_cost(time.perf_counter() - t_round,
+                                                   (stats.prefill_ms - prefill_before) / 1e3, 1))
             prev = doc
             yield Emit(commit(), runner.finish)
             continue
@@ -669,16 +670,17 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
         prev = true[n_committed - 1]
         stats.retrieval_ms += r_round * 1e3
         stats.retrievals += n_committed
-        # The round's cost leaves out the committed prefills (RaLMSeq's own work) and, with reuse_kv, counts the
-        # prefill of each change guess up to the mismatch at its expected waste instead of what this one guess
+        # With reuse_kv a change guess's prefill counts at its expected waste instead of what this one guess
         # happened to waste: a wrong one throws away ~0.45 s, five times a 300 K search, and one such round kept
         # an arm's windowed mean above the sequential one's until probes, doubling apart, replaced it.
+        round_prefill_s = (stats.prefill_ms - prefill_before) / 1e3
         if rag.reuse_kv:
-            off_s = ((stats.prefill_ms - prefill_before - after_miss_prefill_ms) / 1e3
-                     - sum(guess_waste[:n_committed]))
-        else:
-            off_s = (stats.prefill_ms - prefill_before - wasted_prefill_ms) / 1e3
-        gate.record(arm, (time.perf_counter() - t_round - off_s) / n_committed)
+            cost = round_cost(time.perf_counter() - t_round, round_prefill_s, n_committed,
+                              thrown_prefill_s=after_miss_prefill_ms / 1e3, guess_waste=guess_waste)
+        else:  # every step prefills: what a rollback threw away is the guess's cost as measured
+            cost = round_cost(time.perf_counter() - t_round, round_prefill_s, n_committed,
+                              thrown_prefill_s=wasted_prefill_ms / 1e3)
+        gate.record(arm, cost)
         yield Emit(commit(), runner.finish)
 
 

@@ -129,6 +129,15 @@ def change_waste(hits: float, guesses: float, prefill_s: float) -> float:
     return (1.0 - (hits + 1.0) / (guesses + 2.0)) * prefill_s
 
 
+def round_cost(wall_s: float, prefill_s: float, committed: int, *, thrown_prefill_s: float = 0.0,
+               guess_waste: Sequence[float] = ()) -> float:
+    """Seconds per committed step of a round, the figure arms are compared by: its wall time without its prefills
+    (prefill_s: all of them; a committed passage's prefill is RaLMSeq's own work), plus the prefills thrown away
+    for a reason other than the guess that made them (thrown_prefill_s: steps after a mismatch), plus each
+    committed step's change guess at its expected waste (guess_waste[i]) in place of what it happened to waste."""
+    return (wall_s - prefill_s + thrown_prefill_s + sum(guess_waste[:committed])) / committed
+
+
 class RoundGate:
     def __init__(self, arms: Sequence[str], window: int = 5, probe: int = 4,
                  shared: SharedRoundCosts | None = None, key: Hashable = None):

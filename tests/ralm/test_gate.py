@@ -164,3 +164,20 @@ def test_a_workers_requests_share_one_os3_scheduler():
     assert second is first and second.next_stride() > 2  # Not back to s = 1 for every request
     assert shared.scheduler("sr", cfg).next_stride() == 1  # another key learns for itself
     assert shared.scheduler("edr", OS3Config(window=5, gamma_max=0.5)) is not first  # so do other settings
+
+
+# wall s, prefill s (all of the round's), committed steps, prefill thrown away after a mismatch, expected waste of
+# each step's change guess -> seconds per committed step
+@pytest.mark.parametrize("name, wall, prefill, n, thrown, guesses, want", [
+    ("three hits, no passage change", 0.30, 0.0, 3, 0.0, (0.0, 0.0, 0.0), 0.10),
+    # A right change guess: its prefill is RaLMSeq's own work, Not the arm's; its expected waste is.
+    ("right change guess", 0.75, 0.45, 3, 0.0, (0.0, 0.05, 0.0), (0.30 + 0.05) / 3),
+    # A wrong one at the first step: 0.45 thrown away + 0.45 for the KB's passage. It counts 0.05, Not 0.45.
+    ("wrong change guess", 1.10, 0.90, 1, 0.0, (0.05, 0.0), (0.20 + 0.05) / 1),
+    # A prefill after the mismatch is thrown away whatever its guess was: counted as measured.
+    ("prefill after a miss", 1.00, 0.45, 1, 0.45, (0.0, 0.05), 1.00 / 1),
+])
+def test_round_cost(name, wall, prefill, n, thrown, guesses, want):
+    from generation_service.ralm_gate import round_cost
+
+    assert round_cost(wall, prefill, n, thrown_prefill_s=thrown, guess_waste=guesses) == pytest.approx(want)

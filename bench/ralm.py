@@ -11,7 +11,10 @@ KV-cache reuse (to measure what reuse saves). Questions: the Python FAQ headings
 round-robin over the FAQ files (MT-Bench first turns with --questions mtbench). Configs run interleaved per
 question (the order rotates every question) so machine noise hits all of them alike; ratios are the numbers to
 read. The KB runs in this process behind a real gRPC server on a loopback port (--kb-target: an external one),
-so every retrieval pays the wire as in production. Greedy, ignore_eos (every request makes exactly
+so every retrieval pays the wire as in production. --serve measures the product path instead: both services
+started as a user starts them (tools.launcher, default flags, the worker pointed at the KB) and every request
+sent over gRPC (GenerateRequest.rag); R/G and the round stats come from the reply's RagStats, the latency is
+the client's wall time. Greedy, ignore_eos (every request makes exactly
 --max-new-tokens tokens). The JSON is rewritten (atomically) after every question, so a cut-short run keeps
 what it measured.
 
@@ -96,6 +99,37 @@ def run_one(tm, kb: KBClient, prompt: np.ndarray, params: SamplingParams, rag: R
     for tokens, _ in ralm_decode(tm, prompt, params, rag, retr, stats=stats, round_costs=round_costs):
         out += tokens
     return out, time.perf_counter() - t0, stats
+
+
+def rag_options(config: str, retriever: str, encoder: str):
+    """The GenerateRequest.rag of a config (what rag_params gives the in-process loop)."""
+    from proto import generation_pb2
+
+    if config == "B0":
+        raise SystemExit("--serve: B0 (no KV reuse) is not a request option; measure it in-process")
+    rp = rag_params(config, retriever, encoder)
+    return generation_pb2.RagOptions(retriever=rp.retriever, stride=rp.stride, speculate=rp.speculate,
+                                     prefetch=rp.prefetch, os3=rp.os3, async_verify=rp.async_verify,
+                                     spec_stride=rp.spec_stride, encoder=rp.encoder)
+
+
+def stats_seconds(stats: dict) -> dict:
+    """RagStats as this benchmark's JSON keeps them: *_ms fields in seconds as *_s."""
+    return {k.removesuffix("_ms") + "_s" if k.endswith("_ms") else k: v / 1e3 if k.endswith("_ms") else v
+            for k, v in stats.items()}
+
+
+def run_served(client, prompt: np.ndarray, max_new_tokens: int, config: str, retriever: str,
+               encoder: str) -> tuple[list[int], float, dict]:
+    """One request through the generation service -> (tokens, client wall seconds, RagStats in seconds)."""
+    t0 = time.perf_counter()
+    reply = client.generate(prompt_tokens=[int(t) for t in prompt], max_new_tokens=max_new_tokens, ignore_eos=True,
+                            rag=rag_options(config, retriever, encoder), timeout=900)
+    lat = time.perf_counter() - t0
+    rs = reply.stats.rag
+    stats = {f.name: list(getattr(rs, f.name)) if f.name == "strides" else getattr(rs, f.name)
+             for f in rs.DESCRIPTOR.fields}
+    return list(reply.token_ids), lat, stats_seconds(stats)
 
 
 def cache_ranking(kb: KBClient, local: LocalEncoder, questions: list[str], sizes=(20, 256), reps: int = 3) -> dict:
@@ -252,6 +286,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.ralm", description=__doc__.split("\n\n")[0])
     ap.add_argument("--kb", type=Path, default=DEFAULT_KB)
     ap.add_argument("--kb-target", default="", help="an external retrieval service (host:port); default: in-process")
+    ap.add_argument("--serve", action="store_true",
+                    help="the product path: start both services with default flags (tools.launcher) and send every "
+                         "request to the generation service over gRPC")
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
     ap.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32", "q4_1"),
                     help="auto = the worker's calibrated choice on this machine (the serving default)")
@@ -278,11 +315,24 @@ def main(argv: list[str] | None = None) -> None:
     if "B" not in configs:
         raise SystemExit("--configs: B (RaLMSeq) is the reference every other config is compared with")
 
+    if args.serve and (args.kb_target or args.threads or args.ranking_questions or args.interference_steps
+                       or "B0" in configs):
+        raise SystemExit("--serve starts its own services with default flags: no --kb-target, --threads or B0 (no "
+                         "request option), and --ranking-questions 0 / --interference-steps 0 (in-process timings)")
+
     offline_process()
     sparse.prepare_process()
+    load_start = os.getloadavg()
+    if args.serve:
+        served = ServedRalm(args.kb, args.model, "" if args.dtype == "auto" else args.dtype, args.encoder)
+        try:
+            measure(args, argv, retrievers, configs, load_start, served)
+        finally:
+            served.close()
+        return
+
     from generation_service.model import warmup
 
-    load_start = os.getloadavg()
     running = None
     target = args.kb_target
     if not target:
@@ -297,38 +347,100 @@ def main(argv: list[str] | None = None) -> None:
     tm, choice = calibrated_model(args.model, "cpu", args.dtype, args.threads)  # what the server would serve
     args.dtype, args.threads = choice.curve.dtype, choice.curve.threads
     warmup(tm)
-    local = LocalEncoder(LocalEncoder.dtype_of(kb)) if (args.encoder == "local" or args.ranking_questions) else None
+    try:
+        measure(args, argv, retrievers, configs, load_start, InProcessRalm(tm, kb, args))
+    finally:
+        kb.close()
+        if running is not None:
+            running.stop(0)
 
+
+class InProcessRalm:
+    """The RaLM loop in this process (the worker's code, run_solo), the KB over gRPC."""
+
+    def __init__(self, tm, kb: KBClient, args):
+        self.tm, self.kb, self.encoder = tm, kb, args.encoder
+        self.local = (LocalEncoder(LocalEncoder.dtype_of(kb)) if (args.encoder == "local" or args.ranking_questions)
+                      else None)
+        self.round_costs = SharedRoundCosts()  # as in a worker: requests pool their round costs per config
+        self.kb_over = "grpc (external)" if args.kb_target else "grpc (in-process server, loopback)"
+        self.setup = {"dtype": args.dtype, "threads": args.threads}
+
+    def tokenizer(self):
+        return self.tm.tokenizer
+
+    def run(self, prompt: np.ndarray, max_new_tokens: int, config: str, retriever: str,
+            pooled: bool = True) -> tuple[list[int], float, dict]:
+        toks, lat, st = run_one(self.tm, self.kb, prompt, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True),
+                                rag_params(config, retriever, self.encoder), self.local,
+                                self.round_costs if pooled else None)
+        return toks, lat, stats_seconds(st.as_dict())
+
+
+class ServedRalm:
+    """Both services started as a user starts them (tools.launcher, default flags), requests over gRPC."""
+
+    def __init__(self, kb: Path, model: str, dtype: str, encoder: str):
+        import tempfile
+
+        from generation_service.client import GenerationClient
+        from tools import launcher
+
+        self.launcher = launcher
+        self.state = Path(tempfile.mkdtemp(prefix="bench-ralm-")) / "launcher.json"
+        port = launcher.free_port()
+        topo = launcher.up(kb=str(kb), model=model, dtype=dtype, retrieval_port=port, state=self.state,
+                           extra_generation=["--kb-target", f"127.0.0.1:{port}"], timeout_s=1800)
+        self.client = GenerationClient(topo.get("generation").address)
+        info = self.client.info()
+        self.kb_over = "grpc: generation service -> retrieval service, both started by tools.launcher (default flags)"
+        self.setup = {"dtype": info.dtype, "threads": info.threads, "calibration": info.calibration,
+                      "worker_cpu": info.cpu, "logs": str(self.state.parent / "logs")}
+        self.model, self.encoder = model, encoder
+
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.model)
+
+    def run(self, prompt: np.ndarray, max_new_tokens: int, config: str, retriever: str,
+            pooled: bool = True) -> tuple[list[int], float, dict]:
+        return run_served(self.client, prompt, max_new_tokens, config, retriever, self.encoder)
+
+    def close(self) -> None:
+        self.client.close()
+        self.launcher.down(state=self.state)
+
+
+def measure(args, argv, retrievers: list[str], configs: list[str], load_start, backend) -> None:
+    tokenizer = backend.tokenizer()
     questions = (faq_questions() if args.questions == "faq" else mtbench_questions())[:args.limit]
-    prompts = [np.asarray(tm.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                                           tokenize=True, return_dict=False), np.int64)
+    prompts = [np.asarray(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                        tokenize=True, return_dict=False), np.int64)
                for q in questions]
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     result: dict = {
         "command": "python -m bench.ralm " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "kb_over": "grpc (external)" if args.kb_target else "grpc (in-process server, loopback)",
+        "kb_over": backend.kb_over,
         "machine": {**machine(), "cpus": os.cpu_count(), "loadavg_start": load_start},
-        "setup": {"model": args.model, "dtype": args.dtype, "threads": args.threads, "questions": args.questions,
+        "setup": {"model": args.model, **backend.setup, "questions": args.questions,
                   "n_questions": len(questions), "max_new_tokens": args.max_new_tokens, "ignore_eos": True,
                   "encoder": args.encoder, "rag_defaults": RagParams().__dict__},
         "questions": questions,
         "kb": kb_facts(args.kb) if not args.kb_target else {"target": args.kb_target},
     }
-    if args.ranking_questions and local is not None:
-        result["cache_ranking_ms"] = cache_ranking(kb, local, questions[:args.ranking_questions])
+    if isinstance(backend, InProcessRalm) and args.ranking_questions and backend.local is not None:
+        result["cache_ranking_ms"] = cache_ranking(backend.kb, backend.local, questions[:args.ranking_questions])
         print("cache ranking (median ms):", json.dumps(result["cache_ranking_ms"]))
 
     for r in retrievers if prompts else []:  # warm every path once (JIT, Lucene, encoder caches), unmeasured
-        run_one(tm, kb, prompts[0][:8], SamplingParams(max_new_tokens=16, ignore_eos=True),
-                rag_params("PSA", r, args.encoder), local)
+        backend.run(prompts[0][:8], 16, "PSA", r, pooled=False)
 
-    if args.interference_steps:
-        result["interference_ms"] = interference(tm, kb, retrievers, args.interference_steps)
+    if isinstance(backend, InProcessRalm) and args.interference_steps:
+        result["interference_ms"] = interference(backend.tm, backend.kb, retrievers, args.interference_steps)
         print("decode step ms alone vs next to KB searches:", json.dumps(result["interference_ms"]))
         write_json(args.json, result)
 
     rows: list[dict] = []
-    round_costs = SharedRoundCosts()
     measure_start = time.monotonic()
     bar = tqdm(total=len(prompts) * len(retrievers) * len(configs), desc="ralm", unit="req")
     for qi, prompt in enumerate(prompts):
@@ -342,10 +454,8 @@ def main(argv: list[str] | None = None) -> None:
             outs = {}
             for c in order:
                 # As in a worker: a config's requests pool their measured round costs (RagBackend.round_costs).
-                toks, lat, st = run_one(tm, kb, prompt, params, rag_params(c, r, args.encoder), local, round_costs)
+                toks, lat, d = backend.run(prompt, args.max_new_tokens, c, r)
                 outs[c] = toks
-                d = {k.removesuffix("_ms") + "_s" if k.endswith("_ms") else k: v / 1e3 if k.endswith("_ms") else v
-                     for k, v in st.as_dict().items()}  # this benchmark's JSON keeps seconds
                 rows.append({"question": qi, "retriever": r, "config": c, "latency_s": lat, "tokens": len(toks),
                              **{k: d[k] for k in ("retrieval_s", "generation_s", "kb_calls", "speculation_accuracy",
                                                   "wasted_generation_s", "prefill_tokens", "prefill_s", "rollbacks",
@@ -368,9 +478,6 @@ def main(argv: list[str] | None = None) -> None:
     if rows:
         print_table(result["retrievers"])
     print(f"load average start {load_start[0]:.2f}, end {os.getloadavg()[0]:.2f}; {args.json}")
-    kb.close()
-    if running is not None:
-        running.stop(0)
 
 
 if __name__ == "__main__":

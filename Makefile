@@ -150,7 +150,8 @@ kb-large-prefixes: install
 # build record (bench/results/kb-<kb>.json) and bench.ralm (B/P/S/A/PS/SA/PA/PSA x edr/adr/sr, the worker's
 # calibrated format; bench/results/ralm-<kb>.json), then the curve of speed-up vs B's retrieval share
 # (bench/results/ralm-curve.json/png). ~20 min per KB.
-RALM_CURVE_ARGS ?= --limit 8 --max-new-tokens 64 --ranking-questions 0 --max-minutes 14
+# --serve: the product path (both services started with default flags, requests over gRPC).
+RALM_CURVE_ARGS ?= --serve --limit 8 --max-new-tokens 64 --ranking-questions 0 --max-minutes 14
 bench-ralm-curve: kb-large kb-large-prefixes
 	set -e; for kb in $(foreach n,$(KB_SIZES),$(KB_LARGE)-$(n)) $(KB_LARGE); do \
 		$(PYTHON) -m bench.kb --kb $$kb --batch-sizes 1,8,32 --json bench/results/kb-$$(basename $$kb).json; \

@@ -49,7 +49,15 @@ from generation_service.kb_client import Hits, KBUnavailable, SearchReply
 from generation_service.model import TargetModel, cache_length, new_cache
 from generation_service.os3 import OS3Config, StrideScheduler
 from generation_service.ralm_cache import PassageCache
-from generation_service.ralm_gate import ASYNC, SEQUENTIAL, SYNC, RoundGate, SharedRoundCosts, round_cost
+from generation_service.ralm_gate import (
+    ASYNC,
+    SEQUENTIAL,
+    SYNC,
+    RoundGate,
+    SharedRoundCosts,
+    prefill_slowdown,
+    round_cost,
+)
 from generation_service.ralm_retrieval import Query, Retriever
 from generation_service.sampling import Sampler, SamplingParams
 from generation_service.speculative import (
@@ -475,6 +483,7 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
     committed = 0
     fallback = ""
     search_s = 0.0  # the last KB search's latency (a sequential step's or a verification's): what holding costs
+    base_prefill = [0.0, 0]  # ms and tokens of the sequential steps' prefills: the uncontended rate
 
     def cache_hits(hits: list[Hits]) -> None:
         for h in hits:
@@ -493,7 +502,7 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
             yield Emit([], FINISH_CANCELLED)
             return
         arm = SEQUENTIAL if fallback or len(cache) == 0 else gate.choose()
-        t_round, prefill_before = time.perf_counter(), stats.prefill_ms
+        t_round, prefill_before, tokens_before = time.perf_counter(), stats.prefill_ms, stats.prefill_tokens
         if arm == SEQUENTIAL:
             # A sequential step: on the critical path RaLMSeq's retrieval, the same query and the same top-1
             # (the KB's top-1 does not depend on k, which verification relies on too). When speculation may
@@ -519,6 +528,8 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
             stats.retrievals += 1
             stats.strides.append(0)
             yield from runner.step_passes(doc, passage)
+            base_prefill[0] += stats.prefill_ms - prefill_before  # nothing of this request's runs beside it
+            base_prefill[1] += stats.prefill_tokens - tokens_before
             if q is not None and not fallback:
                 gate.record(SEQUENTIAL, round_cost(time.perf_counter() - t_round,
                                                    (stats.prefill_ms - prefill_before) / 1e3, 1))
@@ -673,13 +684,17 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
         # With reuse_kv a change guess's prefill counts at its expected waste instead of what this one guess
         # happened to waste: a wrong one throws away ~0.45 s, five times a 300 K search, and one such round kept
         # an arm's windowed mean above the sequential one's until probes, doubling apart, replaced it.
-        round_prefill_s = (stats.prefill_ms - prefill_before) / 1e3
+        # Prefills slowed by a search beside them (async verification; on 2 cores a 300 K search made them 25 %
+        # slower through the service) count only at the sequential steps' rate as RaLMSeq's work.
+        slow = prefill_slowdown(stats.prefill_ms - prefill_before, stats.prefill_tokens - tokens_before,
+                                *base_prefill)
+        round_prefill_s = (stats.prefill_ms - prefill_before) / 1e3 / slow
         if rag.reuse_kv:
             cost = round_cost(time.perf_counter() - t_round, round_prefill_s, n_committed,
-                              thrown_prefill_s=after_miss_prefill_ms / 1e3, guess_waste=guess_waste)
+                              thrown_prefill_s=after_miss_prefill_ms / 1e3 / slow, guess_waste=guess_waste)
         else:  # every step prefills: what a rollback threw away is the guess's cost as measured
             cost = round_cost(time.perf_counter() - t_round, round_prefill_s, n_committed,
-                              thrown_prefill_s=wasted_prefill_ms / 1e3)
+                              thrown_prefill_s=wasted_prefill_ms / 1e3 / slow)
         gate.record(arm, cost)
         yield Emit(commit(), runner.finish)
 

@@ -138,6 +138,15 @@ def round_cost(wall_s: float, prefill_s: float, committed: int, *, thrown_prefil
     return (wall_s - prefill_s + thrown_prefill_s + sum(guess_waste[:committed])) / committed
 
 
+def prefill_slowdown(round_ms: float, round_tokens: int, base_ms: float, base_tokens: int) -> float:
+    """How much slower a round's prefills ran per token than the sequential steps' (>= 1; 1 when either is
+    unmeasured). A prefill beside a search in flight pays for the shared cores; RaLMSeq's does not, so only the
+    baseline part of a committed prefill is RaLMSeq's work and the rest is the arm's."""
+    if round_tokens <= 0 or base_tokens <= 0 or base_ms <= 0:
+        return 1.0
+    return max(1.0, (round_ms / round_tokens) / (base_ms / base_tokens))
+
+
 class RoundGate:
     def __init__(self, arms: Sequence[str], window: int = 5, probe: int = 4,
                  shared: SharedRoundCosts | None = None, key: Hashable = None):

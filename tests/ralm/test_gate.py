@@ -181,3 +181,16 @@ def test_round_cost(name, wall, prefill, n, thrown, guesses, want):
     from generation_service.ralm_gate import round_cost
 
     assert round_cost(wall, prefill, n, thrown_prefill_s=thrown, guess_waste=guesses) == pytest.approx(want)
+
+
+@pytest.mark.parametrize("round_ms, round_tokens, base_ms, base_tokens, want", [
+    (600.0, 400, 450.0, 300, 1.0),    # 1.5 ms/token as in the sequential steps: nothing to charge
+    (750.0, 400, 450.0, 300, 1.25),   # 25 % slower beside a search: the excess is the arm's, Not RaLMSeq's
+    (300.0, 400, 450.0, 300, 1.0),    # faster (a shorter context): Not a credit to the arm
+    (750.0, 0, 450.0, 300, 1.0),      # no prefill this round
+    (750.0, 400, 0.0, 0, 1.0),        # no sequential prefill measured yet
+])
+def test_prefill_slowdown(round_ms, round_tokens, base_ms, base_tokens, want):
+    from generation_service.ralm_gate import prefill_slowdown
+
+    assert prefill_slowdown(round_ms, round_tokens, base_ms, base_tokens) == pytest.approx(want)

@@ -30,6 +30,7 @@ class DraftGate:
     decay: float = 0.8  # weight of the old average per new step
     rate: dict[tuple[int, str], float] = field(default_factory=dict)  # (bucket, arm) -> tokens per ms
     steps: dict[int, int] = field(default_factory=dict)  # steps decided per bucket
+    chosen: dict[tuple[int, str], int] = field(default_factory=dict)  # (bucket, arm) -> steps it ran
 
     def choose(self, n_decoding: int, arms: Sequence[str]) -> str:
         """The arm for a step with n_decoding requests decoding. arms: in order of preference at a tie (drafting
@@ -38,11 +39,13 @@ class DraftGate:
         k = self.steps[b] = self.steps.get(b, 0) + 1
         unmeasured = [a for a in arms if (b, a) not in self.rate]
         if unmeasured:
-            return unmeasured[0]
-        ranked = sorted(arms, key=lambda a: -self.rate[(b, a)])  # stable: a tie keeps the earlier arm
-        if len(ranked) > 1 and k % self.explore == 0:
-            return ranked[1 + (k // self.explore) % (len(ranked) - 1)]
-        return ranked[0]
+            arm = unmeasured[0]
+        else:
+            ranked = sorted(arms, key=lambda a: -self.rate[(b, a)])  # stable: a tie keeps the earlier arm
+            explore = len(ranked) > 1 and k % self.explore == 0
+            arm = ranked[1 + (k // self.explore) % (len(ranked) - 1)] if explore else ranked[0]
+        self.chosen[(b, arm)] = self.chosen.get((b, arm), 0) + 1
+        return arm
 
     def record(self, n_decoding: int, arm: str, tokens: int, ms: float) -> None:
         """A step of n_decoding requests with `arm` emitted `tokens` in `ms` (drafting, pass and commit)."""
@@ -52,3 +55,13 @@ class DraftGate:
         r = tokens / ms
         old = self.rate.get(key)
         self.rate[key] = r if old is None else self.decay * old + (1 - self.decay) * r
+
+    def report(self) -> str:
+        """One line per bucket for the log: each arm's share of the steps and its current rate."""
+        lines = []
+        for b in sorted(self.steps):
+            arms = sorted(a for bb, a in self.chosen if bb == b)
+            lines.append(f"{b} decoding: " + ", ".join(
+                f"{a} {self.chosen[(b, a)] / self.steps[b]:.0%} at {self.rate.get((b, a), 0.0):.3f} tok/ms"
+                for a in arms))
+        return "; ".join(lines)

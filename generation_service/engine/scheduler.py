@@ -60,6 +60,7 @@ from ragcore.errors import ResourceExhausted, ServiceError
 log = logging.getLogger(__name__)
 
 SLAB_MAX_ROWS = 4096  # rows per slab slot; a request needing more gets its own cache (attended on its own)
+GATE_LOG_PASSES = 2000  # how often the draft gate's arm shares and rates go to the log (about a line a minute when busy)
 
 
 def kv_bytes_per_row(tm: TargetModel) -> int:
@@ -378,6 +379,8 @@ class Engine:
         else:
             logits, hidden = forward_batch(self.tm, segments), [None] * len(segments)
         self.passes += 1
+        if self.passes % GATE_LOG_PASSES == 0 and self.gate.steps:
+            log.info("engine: draft gate after %d passes: %s", self.passes, self.gate.report())
         self.peak_batch = max(self.peak_batch, len(segments))
         emitted = 0
         for r, lg in zip(decoding, logits):

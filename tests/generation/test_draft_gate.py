@@ -65,3 +65,15 @@ def test_no_drafting_wins_where_it_is_fastest_and_every_other_arm_is_still_explo
     steps = [g.choose(16, arms) for _ in range(13)]  # steps 4..16 of the bucket: explores at 4, 8, 12, 16
     assert steps.count(NONE) == 9  # the AR step, Not drafts that do not pay
     assert {a for a in steps if a != NONE} == {REMOTE, LOCAL}  # Not one arm never measured again
+
+
+def test_report_counts_each_arms_steps_per_bucket():
+    g = _measured(1.5, 1.0)  # steps 1, 2: remote, local
+    for _ in range(4):  # steps 3..6: remote, local (explore), remote, remote
+        g.choose(8, ARMS)
+    g.choose(2, (LOCAL, NONE))  # another bucket, nothing measured there yet
+    assert g.chosen == {(8, REMOTE): 4, (8, LOCAL): 2, (2, LOCAL): 1}
+    report = g.report()
+    assert report == "2 decoding: local 100% at 0.000 tok/ms; 8 decoding: local 33% at 1.000 tok/ms, remote 67% at " \
+                     "1.500 tok/ms"
+    assert "none" not in report  # an arm that never ran is not reported

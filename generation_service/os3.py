@@ -150,13 +150,17 @@ class StrideScheduler:
             return None
         return sum(self._spec) / len(self._spec), sum(self._verify) / len(self._verify)
 
-    def next_stride(self) -> int:
+    def next_stride(self, async_verify: bool | None = None) -> int:
+        """The stride for the next round. async_verify: the objective of the round about to run when it is not the
+        configured one (RaLMSpec's gate runs sync rounds in an async config: the async objective's s = 1 makes a
+        sync round one step plus a whole search, never cheaper than a sequential step)."""
+        overlapped = self.cfg.async_verify if async_verify is None else async_verify
         with self._lock:
             g, ab = self.gamma(), self.latencies()
             if g is None or ab is None or (ab[0] == 0.0 and ab[1] == 0.0):
                 s = self.cfg.s_init
             else:
-                s = best_stride(g, ab[0], ab[1], self.cfg.s_max, self.cfg.async_verify, self.cfg.overlap)
+                s = best_stride(g, ab[0], ab[1], self.cfg.s_max, overlapped, self.cfg.overlap)
             self.history.append(s)
             return s
 

@@ -541,7 +541,7 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
         # a one-step probe costs a step plus a whole search, never less than a sequential step, so where a search
         # is expensive speculation lost every probe and was never chosen (300 K passages: 125-170 vs 115-130 ms per
         # committed step; rounds at OS³'s stride 68-80).
-        s = sched.next_stride() if sched is not None else rag.spec_stride
+        s = sched.next_stride(async_verify=arm == ASYNC) if sched is not None else rag.spec_stride
         stats.strides.append(s)
         ckpts: list[Checkpoint] = []
         queries: list[Query | None] = []
@@ -695,7 +695,7 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
         else:  # every step prefills: what a rollback threw away is the guess's cost as measured
             cost = round_cost(time.perf_counter() - t_round, round_prefill_s, n_committed,
                               thrown_prefill_s=wasted_prefill_ms / 1e3 / slow)
-        gate.record(arm, cost)
+        gate.record(arm, cost, n_committed)
         yield Emit(commit(), runner.finish)
 
 

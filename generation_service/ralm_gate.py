@@ -12,9 +12,9 @@ committed passages are RaLMSeq's — and they vary tenfold between steps, so the
 changes stays in: retrieval on the critical path, generation thrown away by rollbacks, a step slowed by a
 search running beside it.
 
-The cheapest arm by windowed mean is used. Arms not measured yet are tried first, in the order given; while one
-arm wins, another is probed every `probe` rounds, the interval doubling (up to MAX_PROBE) while the winner stays
-the same, so costs that change (the KB gets busy, the cache starts guessing right) are noticed without paying for
+The cheapest arm over its last rounds (their seconds over their committed steps) is used. Arms not measured yet
+are tried first, in the order given; while one arm wins, another is probed every `probe` rounds, the interval
+doubling (up to MAX_PROBE) while the winner stays the same, so costs that change (the KB gets busy, the cache starts guessing right) are noticed without paying for
 many losing probes. In a worker (SharedRoundCosts) requests start from the costs pooled over earlier ones and
 share one probe schedule: with 16-32 rounds per request, measuring every arm in every request was most of what
 speculation lost where retrieval is cheap.
@@ -30,12 +30,15 @@ answer, so their accuracy keeps being measured (pooled per key, like the round c
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from dataclasses import astuple, dataclass
 from typing import Hashable, Sequence
 
 from generation_service.os3 import OS3Config, StrideScheduler
+
+log = logging.getLogger(__name__)
 
 SEQUENTIAL, SYNC, ASYNC = "sequential", "sync", "async"
 CHANGE_DECAY = 0.95  # weight of the old change-guess counts per new guess: the guesses' accuracy may drift
@@ -81,7 +84,7 @@ class SharedRoundCosts:
 
     def __init__(self, decay: float = 0.8):
         self.decay = decay
-        self._mean: dict[tuple[Hashable, str], float] = {}
+        self._sums: dict[tuple[Hashable, str], tuple[float, float]] = {}  # (key, arm) -> averaged (seconds, steps)
         self._schedules: dict[Hashable, ProbeSchedule] = {}
         self._changes: dict[Hashable, tuple[float, float]] = {}
         self._strides: dict[tuple[Hashable, tuple], StrideScheduler] = {}
@@ -107,14 +110,23 @@ class SharedRoundCosts:
         with self._lock:
             self._changes[key] = counted_guess(self._changes.get(key, (0.0, 0.0)), hit)
 
-    def prior(self, key: Hashable, arm: str) -> float | None:
+    def prior_round(self, key: Hashable, arm: str) -> tuple[float, float] | None:
+        """The pooled average round of `arm`: (seconds, committed steps), or None before any."""
         with self._lock:
-            return self._mean.get((key, arm))
+            return self._sums.get((key, arm))
 
-    def add(self, key: Hashable, arm: str, cost: float) -> None:
+    def prior(self, key: Hashable, arm: str) -> float | None:
+        """Pooled seconds per committed step of `arm` (a ratio of averaged sums), or None before any round."""
+        r = self.prior_round(key, arm)
+        return None if r is None else r[0] / r[1]
+
+    def add(self, key: Hashable, arm: str, cost: float, steps: int = 1) -> None:
+        """A round of `arm` that committed `steps` steps at `cost` seconds each."""
         with self._lock:
-            old = self._mean.get((key, arm))
-            self._mean[(key, arm)] = cost if old is None else self.decay * old + (1 - self.decay) * cost
+            old = self._sums.get((key, arm))
+            new = (cost * steps, float(steps))
+            self._sums[(key, arm)] = new if old is None else tuple(
+                self.decay * o + (1 - self.decay) * n for o, n in zip(old, new))
 
 
 def counted_guess(counts: tuple[float, float], hit: bool) -> tuple[float, float]:
@@ -153,26 +165,35 @@ class RoundGate:
         if not arms or any(a not in ARMS for a in arms) or len(set(arms)) != len(arms):
             raise ValueError(f"arms: {list(arms)!r} must be distinct names from {ARMS}")
         self.arms = tuple(arms)
-        self.costs: dict[str, deque[float]] = {a: deque(maxlen=window) for a in self.arms}
+        # Per arm, its last `window` rounds as (seconds, committed steps): an arm costs the ratio of the sums, so a
+        # round that committed five steps counts five times a round that committed one. A mean of per-round
+        # figures let one bad short round (a wrong guess: 0.77 s for its one step, beside rounds of four steps
+        # at 0.07 s) outweigh the rest, and speculation that paid on the whole lost the gate for good (400 K).
+        self.costs: dict[str, deque[tuple[float, float]]] = {a: deque(maxlen=window) for a in self.arms}
         self.schedule = shared.schedule(key, probe) if shared is not None else ProbeSchedule(probe)
         self.exploring = False  # the last choice only measures: an arm not measured yet, or a probe
         self.shared, self.key = shared, key
         self._changes = (0.0, 0.0)  # (hits, guesses) of change guesses when no worker pools them
         if shared is not None:
             for a in self.arms:  # one pseudo-measurement each: this request's own ones soon outweigh it
-                p = shared.prior(key, a)
+                p = shared.prior_round(key, a)
                 if p is not None:
                     self.costs[a].append(p)
 
-    def record(self, arm: str, seconds_per_step: float) -> None:
+    def record(self, arm: str, seconds_per_step: float, steps: int = 1) -> None:
+        """A round of `arm` that committed `steps` steps at `seconds_per_step` each (ralm_gate.round_cost)."""
         if arm in self.costs:
-            self.costs[arm].append(seconds_per_step)
+            self.costs[arm].append((seconds_per_step * steps, float(steps)))
             if self.shared is not None:
-                self.shared.add(self.key, arm, seconds_per_step)
+                self.shared.add(self.key, arm, seconds_per_step, steps)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("round gate %s: %s%s %.3f s/step; means %s", self.key, arm,
+                          " (measuring)" if self.exploring else "", seconds_per_step,
+                          {a: round(m, 3) for a in self.arms if (m := self.mean(a)) is not None})
 
     def mean(self, arm: str) -> float | None:
         xs = self.costs[arm]
-        return sum(xs) / len(xs) if xs else None
+        return sum(t for t, _ in xs) / sum(n for _, n in xs) if xs else None
 
     def _winner(self) -> str | None:
         if any(not self.costs[a] for a in self.arms):

@@ -29,6 +29,34 @@ def test_choice(arms, costs, want):
     assert measured(arms, costs).choose() == want
 
 
+# Rounds as (seconds per committed step, committed steps), from a 400 K trace: sequential steps at 0.155 s; sync
+# rounds of 4-5 steps at 0.06-0.10 s and one wrong guess's round of 1 step at 0.77 s.
+@pytest.mark.parametrize("sync_rounds, want, mean", [
+    # 0.32 + 0.35 + 0.77 + 0.4 = 1.84 s for 14 steps = 0.131 s/step: sync. Not the mean of the rounds' figures
+    # (0.27 s/step: sequential), which one short bad round dominates.
+    ([(0.08, 4), (0.07, 5), (0.77, 1), (0.10, 4)], SYNC, 1.84 / 14),
+    # The bad rounds are most of the steps: sequential.
+    ([(0.08, 1), (0.30, 4), (0.77, 1)], SEQUENTIAL, (0.08 + 1.2 + 0.77) / 6),
+])
+def test_an_arm_costs_its_rounds_seconds_over_their_steps(sync_rounds, want, mean):
+    gate = RoundGate((SYNC, SEQUENTIAL), window=5)
+    for _ in range(5):
+        gate.record(SEQUENTIAL, 0.155)
+    for cost, steps in sync_rounds:
+        gate.record(SYNC, cost, steps)
+    assert gate.mean(SYNC) == pytest.approx(mean)
+    assert gate.choose() == want
+
+
+def test_pooled_costs_weigh_rounds_by_their_steps():
+    shared = SharedRoundCosts(decay=0.5)
+    shared.add("k", SYNC, 0.77, 1)
+    shared.add("k", SYNC, 0.08, 4)  # averaged round: (0.5 * 0.77 + 0.5 * 0.32 s, 0.5 * 1 + 0.5 * 4 steps)
+    assert shared.prior_round("k", SYNC) == pytest.approx((0.545, 2.5))
+    assert shared.prior("k", SYNC) == pytest.approx(0.218)  # Not 0.425, the mean of the two rounds' figures
+    assert RoundGate((SYNC, SEQUENTIAL), shared=shared, key="k").mean(SYNC) == pytest.approx(0.218)
+
+
 def test_probes_double_while_the_winner_holds_and_rotate_over_the_losers():
     gate = measured((ASYNC, SYNC, SEQUENTIAL), {SEQUENTIAL: 0.01, SYNC: 0.2, ASYNC: 0.3}, probe=2)
     picks = [gate.choose() for _ in range(12)]

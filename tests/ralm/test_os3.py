@@ -95,6 +95,24 @@ def test_scheduler_estimates_and_starts_at_one():
     assert sched.history[0] == 1
 
 
+# γ = 0.8 (capped at 0.9), a step 125 ms, a verification 130 ms (400 K passages, exact search, 2 cores).
+# The async objective already overlaps the search at s = 1; a sync round at s = 1 would be a step plus a search.
+@pytest.mark.parametrize("configured,asked,want,not_want", [
+    (True, None, 1, 3),    # the configured (async) objective
+    (True, False, 3, 1),   # a sync round of an async config (RaLMSpec's gate): the sync optimum
+    (False, None, 3, 1),
+    (False, True, 1, 3),
+])
+def test_scheduler_stride_for_the_round_kind_asked(configured, asked, want, not_want):
+    sched = StrideScheduler(OS3Config(window=5, gamma_max=0.9, async_verify=configured))
+    for _ in range(4):
+        sched.record_verification(4, 5)  # 16 matched, 4 failures: γ = 0.8
+    sched.record_latency(speculation_s=0.125, verification_s=0.13)
+    s = sched.next_stride(async_verify=asked)
+    overlapped = configured if asked is None else asked
+    assert s == want == best_stride(0.8, 0.125, 0.13, 16, overlapped) and s != not_want
+
+
 @pytest.mark.parametrize("outcomes,want", [
     ([(2, 2), (2, 2)], 0.6),       # all right: 1.0 capped; Not 1.0
     ([(1, 2), (1, 2)], 0.5),       # 2 matched, 2 failures

@@ -51,6 +51,7 @@ from generation_service.os3 import OS3Config, StrideScheduler
 from generation_service.ralm_cache import PassageCache
 from generation_service.ralm_gate import (
     ASYNC,
+    MIN_SEARCH_SHARE,
     SEQUENTIAL,
     SYNC,
     RoundGate,
@@ -108,6 +109,9 @@ class RagParams:
     # Each round's kind (sequential s = 0 / sync / async) by measured cost (ralm_gate.py); False = every round
     # as configured (tests of the mechanics pin it).
     adaptive: bool = True
+    # Searches under this share of a sequential step: RaLMSeq's steps only (ralm_gate.MIN_SEARCH_SHARE); 0 = the
+    # measured costs always decide (tests on small KBs, where every search is cheap).
+    min_search_share: float = MIN_SEARCH_SHARE
 
     def __post_init__(self) -> None:
         if self.retriever not in RETRIEVERS:
@@ -126,6 +130,8 @@ class RagParams:
         _int_in("s_max", self.s_max, 1, 64)
         if not (isinstance(self.gamma_max, (int, float)) and 0.0 <= self.gamma_max <= 1.0):
             raise InvalidArgument("rag.gamma_max", f"must lie in [0, 1], got {self.gamma_max!r}")
+        if not (isinstance(self.min_search_share, (int, float)) and 0.0 <= self.min_search_share <= 1.0):
+            raise InvalidArgument("rag.min_search_share", f"must lie in [0, 1], got {self.min_search_share!r}")
         for name in ("speculate", "os3", "async_verify", "reuse_kv", "adaptive"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgument(f"rag.{name}", f"must be a bool, got {getattr(self, name)!r}")
@@ -477,7 +483,8 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
     # beside the step slows it more than the overlap saves.
     configured = ASYNC if rag.async_verify else SYNC
     gate = RoundGate(([ASYNC] if rag.async_verify else []) + [SYNC, SEQUENTIAL] if rag.adaptive else [configured],
-                     window=rag.os3_window, shared=round_costs, key=rag.round_key)
+                     window=rag.os3_window, shared=round_costs, key=rag.round_key,
+                     min_search_share=rag.min_search_share)
     k_fetch = max(1, rag.prefetch)
     prev: int | None = None  # true passage of the last committed step
     committed = 0
@@ -531,8 +538,9 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
             base_prefill[0] += stats.prefill_ms - prefill_before  # nothing of this request's runs beside it
             base_prefill[1] += stats.prefill_tokens - tokens_before
             if q is not None and not fallback:
-                gate.record(SEQUENTIAL, round_cost(time.perf_counter() - t_round,
-                                                   (stats.prefill_ms - prefill_before) / 1e3, 1))
+                wall = time.perf_counter() - t_round
+                gate.record(SEQUENTIAL, round_cost(wall, (stats.prefill_ms - prefill_before) / 1e3, 1))
+                gate.record_search(r, wall)
             prev = doc
             yield Emit(commit(), runner.finish)
             continue

@@ -14,10 +14,14 @@ search running beside it.
 
 The cheapest arm over its last rounds (their seconds over their committed steps) is used. Arms not measured yet
 are tried first, in the order given; while one arm wins, another is probed every `probe` rounds, the interval
-doubling (up to MAX_PROBE) while the winner stays the same, so costs that change (the KB gets busy, the cache starts guessing right) are noticed without paying for
-many losing probes. In a worker (SharedRoundCosts) requests start from the costs pooled over earlier ones and
-share one probe schedule: with 16-32 rounds per request, measuring every arm in every request was most of what
-speculation lost where retrieval is cheap.
+doubling (up to MAX_PROBE) while the winner stays the same, so costs that change (the KB gets busy, the cache
+starts guessing right) are noticed without paying for many losing probes. In a worker (SharedRoundCosts)
+requests start from the costs pooled over earlier ones and share one probe schedule: with 16-32 rounds per
+request, measuring every arm in every request was most of what speculation lost where retrieval is cheap.
+
+Where the searches are a small share of a sequential step (under MIN_SEARCH_SHARE of its wall time, prefill
+included, pooled like the costs) no other arm is measured: speculation could at most save that share, and the
+rounds' differences there are smaller than their noise, so probing them only paid for wrong guesses.
 
 Inside a speculative round, a guessed passage *change* is the expensive guess: acting on it prefills a new prompt
 (hundreds of tokens, on a CPU tens of decode steps' worth), thrown away if the guess is wrong, while a guess that
@@ -43,6 +47,12 @@ log = logging.getLogger(__name__)
 SEQUENTIAL, SYNC, ASYNC = "sequential", "sync", "async"
 CHANGE_DECAY = 0.95  # weight of the old change-guess counts per new guess: the guesses' accuracy may drift
 ARMS = (ASYNC, SYNC, SEQUENTIAL)
+# Below this share of a sequential step's wall time in its search (RagParams.min_search_share's default),
+# RaLMSpec runs RaLMSeq's steps without measuring the other arms: speculation can at most hide the search, and
+# its rollbacks and the searches beside the model's steps cost more than that. Measured through the services at
+# 400 K passages, 8 questions: adr and sr (searches 4-6 % of B's latency) 0.95-1.08x of RaLMSeq by config while the
+# gate kept trying speculation.
+MIN_SEARCH_SHARE = 0.1
 
 
 MAX_PROBE = 64  # rounds between probes at most: costs drift (load, a KB growing), a probe must still come
@@ -87,6 +97,7 @@ class SharedRoundCosts:
         self._sums: dict[tuple[Hashable, str], tuple[float, float]] = {}  # (key, arm) -> averaged (seconds, steps)
         self._schedules: dict[Hashable, ProbeSchedule] = {}
         self._changes: dict[Hashable, tuple[float, float]] = {}
+        self._search: dict[Hashable, tuple[float, float]] = {}  # key -> averaged (search s, sequential step s)
         self._strides: dict[tuple[Hashable, tuple], StrideScheduler] = {}
         self._lock = threading.Lock()  # requests of a worker may run on other threads (solo streams)
 
@@ -109,6 +120,17 @@ class SharedRoundCosts:
     def add_change_guess(self, key: Hashable, hit: bool) -> None:
         with self._lock:
             self._changes[key] = counted_guess(self._changes.get(key, (0.0, 0.0)), hit)
+
+    def search_prior(self, key: Hashable) -> tuple[float, float] | None:
+        """The pooled average sequential step: (seconds in its search, seconds in all), or None before any."""
+        with self._lock:
+            return self._search.get(key)
+
+    def add_search(self, key: Hashable, search_s: float, step_s: float) -> None:
+        with self._lock:
+            old = self._search.get(key)
+            self._search[key] = (search_s, step_s) if old is None else (
+                self.decay * old[0] + (1 - self.decay) * search_s, self.decay * old[1] + (1 - self.decay) * step_s)
 
     def prior_round(self, key: Hashable, arm: str) -> tuple[float, float] | None:
         """The pooled average round of `arm`: (seconds, committed steps), or None before any."""
@@ -161,7 +183,8 @@ def prefill_slowdown(round_ms: float, round_tokens: int, base_ms: float, base_to
 
 class RoundGate:
     def __init__(self, arms: Sequence[str], window: int = 5, probe: int = 4,
-                 shared: SharedRoundCosts | None = None, key: Hashable = None):
+                 shared: SharedRoundCosts | None = None, key: Hashable = None,
+                 min_search_share: float = MIN_SEARCH_SHARE):
         if not arms or any(a not in ARMS for a in arms) or len(set(arms)) != len(arms):
             raise ValueError(f"arms: {list(arms)!r} must be distinct names from {ARMS}")
         self.arms = tuple(arms)
@@ -173,8 +196,13 @@ class RoundGate:
         self.schedule = shared.schedule(key, probe) if shared is not None else ProbeSchedule(probe)
         self.exploring = False  # the last choice only measures: an arm not measured yet, or a probe
         self.shared, self.key = shared, key
+        self.min_search_share = min_search_share
         self._changes = (0.0, 0.0)  # (hits, guesses) of change guesses when no worker pools them
+        self.searches: deque[tuple[float, float]] = deque(maxlen=window)  # sequential steps: (search s, all s)
         if shared is not None:
+            p = shared.search_prior(key)
+            if p is not None:
+                self.searches.append(p)
             for a in self.arms:  # one pseudo-measurement each: this request's own ones soon outweigh it
                 p = shared.prior_round(key, a)
                 if p is not None:
@@ -191,6 +219,21 @@ class RoundGate:
                           " (measuring)" if self.exploring else "", seconds_per_step,
                           {a: round(m, 3) for a in self.arms if (m := self.mean(a)) is not None})
 
+    def record_search(self, search_s: float, step_s: float) -> None:
+        """A sequential step spent search_s of its step_s seconds (prefill included) in its search."""
+        self.searches.append((search_s, step_s))
+        if self.shared is not None:
+            self.shared.add_search(self.key, search_s, step_s)
+
+    def search_share(self) -> float | None:
+        """Share of the recent sequential steps' time in their searches: the most speculation could save."""
+        total = sum(t for _, t in self.searches)
+        return sum(s for s, _ in self.searches) / total if total > 0 else None
+
+    def retrieval_too_cheap(self) -> bool:
+        share = self.search_share()
+        return SEQUENTIAL in self.arms and share is not None and share < self.min_search_share
+
     def mean(self, arm: str) -> float | None:
         xs = self.costs[arm]
         return sum(t for t, _ in xs) / sum(n for _, n in xs) if xs else None
@@ -201,6 +244,9 @@ class RoundGate:
         return min(self.arms, key=lambda a: self.mean(a))  # ties: the earlier arm
 
     def choose(self) -> str:
+        if self.retrieval_too_cheap():
+            self.exploring = False
+            return SEQUENTIAL
         unmeasured = [a for a in self.arms if not self.costs[a]]
         self.exploring = bool(unmeasured) and len(self.arms) > 1  # one arm: nothing to choose, nothing to learn
         if unmeasured:
@@ -230,5 +276,7 @@ class RoundGate:
 
     def cache_wanted(self) -> bool:
         """Will the next round (probably) read the speculation cache? Asked during a sequential step."""
+        if self.retrieval_too_cheap():
+            return False
         winner = self._winner()
         return winner is None or winner != SEQUENTIAL or self.schedule.due()

@@ -54,7 +54,7 @@ def test_kb_down_during_speculation_fails_unavailable_never_wrong(tm, rag_kb, pr
         from generation_service.ralm_retrieval import KBRetriever
         from generation_service.sampling import SamplingParams
 
-        rag = RagParams(retriever="edr", stride=STRIDE, async_verify=async_verify)
+        rag = RagParams(retriever="edr", stride=STRIDE, async_verify=async_verify, min_search_share=0.0)  # speculate
         retr = StopsKB(KBRetriever(kb, "edr", tm.tokenizer, passage_budget(len(prompts[0]), rag)), server, after=1)
         stats = RagStats()
         with pytest.raises(KBUnavailable):

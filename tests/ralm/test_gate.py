@@ -2,7 +2,7 @@
 
 import pytest
 
-from generation_service.ralm_gate import ASYNC, SEQUENTIAL, SYNC, RoundGate, SharedRoundCosts
+from generation_service.ralm_gate import ASYNC, MIN_SEARCH_SHARE, SEQUENTIAL, SYNC, RoundGate, SharedRoundCosts
 
 
 def measured(arms, costs, probe=4):
@@ -222,3 +222,33 @@ def test_prefill_slowdown(round_ms, round_tokens, base_ms, base_tokens, want):
     from generation_service.ralm_gate import prefill_slowdown
 
     assert prefill_slowdown(round_ms, round_tokens, base_ms, base_tokens) == pytest.approx(want)
+
+
+# (search s, sequential step s incl. prefill) of the recent sequential steps -> the next round. Sync measured at
+# half the sequential cost per step in every case: only the share of the searches differs.
+@pytest.mark.parametrize("arms, searches, want, cache", [
+    ((ASYNC, SYNC, SEQUENTIAL), [(0.006, 0.13)] * 3, SEQUENTIAL, False),  # adr at 400 K: 5 %; Not sync
+    ((SYNC, SEQUENTIAL), [(0.12, 0.25)] * 3, SYNC, True),                 # edr at 400 K: 48 %
+    ((SYNC, SEQUENTIAL), [], SYNC, True),                                 # nothing measured: the costs decide
+    ((SYNC,), [(0.006, 0.13)] * 3, SYNC, True),                           # one arm (adaptive off): as configured
+])
+def test_cheap_searches_mean_sequential_steps_without_probes(arms, searches, want, cache):
+    gate = RoundGate(arms, window=5, probe=1)
+    for a in arms:
+        gate.record(a, 0.05 if a == SEQUENTIAL else 0.025)
+    for s, t in searches:
+        gate.record_search(s, t)
+    picks = [gate.choose() for _ in range(8)]  # probe=1: a probe would come within these
+    assert picks == [want] * 8 if want == SEQUENTIAL else want in picks
+    assert gate.cache_wanted() == cache
+    assert gate.exploring is False or want != SEQUENTIAL
+
+
+def test_a_new_request_knows_the_workers_search_share():
+    shared = SharedRoundCosts(decay=0.5)
+    first = RoundGate((SYNC, SEQUENTIAL), shared=shared, key="adr")
+    first.record_search(0.004, 0.1)
+    first.record_search(0.006, 0.1)
+    second = RoundGate((SYNC, SEQUENTIAL), shared=shared, key="adr")
+    assert second.search_share() == pytest.approx(0.05) and second.search_share() < MIN_SEARCH_SHARE
+    assert second.choose() == SEQUENTIAL  # Not a first sync round to measure it

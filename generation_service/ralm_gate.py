@@ -53,6 +53,11 @@ ARMS = (ASYNC, SYNC, SEQUENTIAL)
 # 400 K passages, 8 questions: adr and sr (searches 4-6 % of B's latency) 0.95-1.08x of RaLMSeq by config while the
 # gate kept trying speculation.
 MIN_SEARCH_SHARE = 0.1
+# Sequential steps the share is taken over (and the pooled share's decay per step): a step that prefills a new
+# passage takes ten times one that does not, so over 5 steps an HNSW search at 100 K passages (~5 ms beside
+# ~45 ms steps) was 4 % or 11 % of them depending on whether a prefill fell in the window.
+SEARCH_WINDOW = 32
+SEARCH_DECAY = 0.95
 
 
 MAX_PROBE = 64  # rounds between probes at most: costs drift (load, a KB growing), a probe must still come
@@ -129,8 +134,9 @@ class SharedRoundCosts:
     def add_search(self, key: Hashable, search_s: float, step_s: float) -> None:
         with self._lock:
             old = self._search.get(key)
+            d = SEARCH_DECAY
             self._search[key] = (search_s, step_s) if old is None else (
-                self.decay * old[0] + (1 - self.decay) * search_s, self.decay * old[1] + (1 - self.decay) * step_s)
+                d * old[0] + (1 - d) * search_s, d * old[1] + (1 - d) * step_s)
 
     def prior_round(self, key: Hashable, arm: str) -> tuple[float, float] | None:
         """The pooled average round of `arm`: (seconds, committed steps), or None before any."""
@@ -198,7 +204,7 @@ class RoundGate:
         self.shared, self.key = shared, key
         self.min_search_share = min_search_share
         self._changes = (0.0, 0.0)  # (hits, guesses) of change guesses when no worker pools them
-        self.searches: deque[tuple[float, float]] = deque(maxlen=window)  # sequential steps: (search s, all s)
+        self.searches: deque[tuple[float, float]] = deque(maxlen=SEARCH_WINDOW)  # sequential: (search s, all s)
         if shared is not None:
             p = shared.search_prior(key)
             if p is not None:

@@ -228,6 +228,9 @@ def test_prefill_slowdown(round_ms, round_tokens, base_ms, base_tokens, want):
 # half the sequential cost per step in every case: only the share of the searches differs.
 @pytest.mark.parametrize("arms, searches, want, cache", [
     ((ASYNC, SYNC, SEQUENTIAL), [(0.006, 0.13)] * 3, SEQUENTIAL, False),  # adr at 400 K: 5 %; Not sync
+    # adr at 100 K: a step with a passage prefill, then six without: 5 % over all of them, though the last five
+    # alone are 11 %: Not sync
+    ((SYNC, SEQUENTIAL), [(0.005, 0.45)] + [(0.005, 0.045)] * 6, SEQUENTIAL, False),
     ((SYNC, SEQUENTIAL), [(0.12, 0.25)] * 3, SYNC, True),                 # edr at 400 K: 48 %
     ((SYNC, SEQUENTIAL), [], SYNC, True),                                 # nothing measured: the costs decide
     ((SYNC,), [(0.006, 0.13)] * 3, SYNC, True),                           # one arm (adaptive off): as configured
@@ -250,5 +253,6 @@ def test_a_new_request_knows_the_workers_search_share():
     first.record_search(0.004, 0.1)
     first.record_search(0.006, 0.1)
     second = RoundGate((SYNC, SEQUENTIAL), shared=shared, key="adr")
-    assert second.search_share() == pytest.approx(0.05) and second.search_share() < MIN_SEARCH_SHARE
+    # pooled: (0.95 * 0.004 + 0.05 * 0.006) / 0.1
+    assert second.search_share() == pytest.approx(0.041) and second.search_share() < MIN_SEARCH_SHARE
     assert second.choose() == SEQUENTIAL  # Not a first sync round to measure it

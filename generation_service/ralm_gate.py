@@ -133,10 +133,7 @@ class SharedRoundCosts:
 
     def add_search(self, key: Hashable, search_s: float, step_s: float) -> None:
         with self._lock:
-            old = self._search.get(key)
-            d = SEARCH_DECAY
-            self._search[key] = (search_s, step_s) if old is None else (
-                d * old[0] + (1 - d) * search_s, d * old[1] + (1 - d) * step_s)
+            self._search[key] = decayed(self._search.get(key), (search_s, step_s), SEARCH_DECAY)
 
     def prior_round(self, key: Hashable, arm: str) -> tuple[float, float] | None:
         """The pooled average round of `arm`: (seconds, committed steps), or None before any."""
@@ -151,10 +148,12 @@ class SharedRoundCosts:
     def add(self, key: Hashable, arm: str, cost: float, steps: int = 1) -> None:
         """A round of `arm` that committed `steps` steps at `cost` seconds each."""
         with self._lock:
-            old = self._sums.get((key, arm))
-            new = (cost * steps, float(steps))
-            self._sums[(key, arm)] = new if old is None else tuple(
-                self.decay * o + (1 - self.decay) * n for o, n in zip(old, new))
+            self._sums[(key, arm)] = decayed(self._sums.get((key, arm)), (cost * steps, float(steps)), self.decay)
+
+
+def decayed(old: tuple[float, float] | None, new: tuple[float, float], decay: float) -> tuple[float, float]:
+    """Exponential average of a (numerator, denominator) pair: their ratio weighs each sample by its denominator."""
+    return new if old is None else (decay * old[0] + (1 - decay) * new[0], decay * old[1] + (1 - decay) * new[1])
 
 
 def counted_guess(counts: tuple[float, float], hit: bool) -> tuple[float, float]:

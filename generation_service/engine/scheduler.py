@@ -60,7 +60,7 @@ from ragcore.errors import ResourceExhausted, ServiceError
 log = logging.getLogger(__name__)
 
 SLAB_MAX_ROWS = 4096  # rows per slab slot; a request needing more gets its own cache (attended on its own)
-GATE_LOG_PASSES = 2000  # how often the draft gate's arm shares and rates go to the log (about a line a minute when busy)
+GATE_LOG_PASSES = 2000  # how often the draft gate's arm shares and rates are logged (about a line a minute busy)
 
 
 def kv_bytes_per_row(tm: TargetModel) -> int:

@@ -105,7 +105,10 @@ REFERENCE_NEW_TOKENS = 128  # the objective spreads a PREFIX_TOKENS prefill over
 REPS = 5
 # Requests sharing the measured batched AR pass (the engine's continuous batching, engine/scheduler.py).
 BATCH_SEQS = 8
-FORMAT_VERSION = 2  # 2: batch_ms
+FORMAT_VERSION = 3  # 2: batch_ms; 3: prefill_bf16_ms
+# bf16 prefill (lean_llama.set_prefill_bf16) is served under prefill_precision auto when it is at least this much
+# faster than the fp32 prefill: a clear gain, not noise, for the rounding it brings to the prompt's rows.
+BF16_PREFILL_GAIN = 1.1
 DTYPES = ("bf16", "fp32")
 OPT_IN_DTYPES = tuple(WEIGHT_FORMATS)  # candidates of auto only where auto_formats allows (module docstring)
 # A user-fixed choice is called out when another candidate is this much faster.
@@ -131,6 +134,7 @@ class CostCurve:
     step_ms: tuple[float, ...]
     prefill_ms: float = 0.0  # PREFIX_TOKENS-token prefill
     batch_ms: float = 0.0  # one pass over BATCH_SEQS sequences of one row each (0 = not measured)
+    prefill_bf16_ms: float = 0.0  # the same prefill with bf16 linears (0 = not measured: cannot run there)
 
     def __post_init__(self) -> None:
         if len(self.rows) != len(self.step_ms) or not self.rows or self.rows[0] != 1:
@@ -149,6 +153,16 @@ class CostCurve:
     def ar_ms(self) -> float:
         return self.step_ms[0]
 
+    @property
+    def bf16_prefill_pays(self) -> bool:
+        """Measured, and BF16_PREFILL_GAIN faster than the fp32 prefill."""
+        return 0 < self.prefill_bf16_ms * BF16_PREFILL_GAIN <= self.prefill_ms
+
+    @property
+    def serving_prefill_ms(self) -> float:
+        """The prefill this candidate serves with under prefill_precision auto."""
+        return self.prefill_bf16_ms if self.bf16_prefill_pays else self.prefill_ms
+
     def cost(self, q: np.ndarray | float) -> np.ndarray:
         """ms of a pass with q rows: piecewise linear between measured points, linear past the last two."""
         x = np.asarray(self.rows, np.float64)
@@ -164,7 +178,7 @@ class CostCurve:
         """prefill / 128 + min over q of cost(q) / (1 + E(q - 1)): the calibration objective (module docstring)."""
         q = np.arange(1, self.rows[-1] + 1)
         decode = float(np.min(self.cost(q) / (1.0 + reference_accepted(q - 1))))
-        return self.prefill_ms / REFERENCE_NEW_TOKENS + decode
+        return self.serving_prefill_ms / REFERENCE_NEW_TOKENS + decode
 
     def batch_ms_per_token(self) -> float:
         """ms per token of BATCH_SEQS requests sharing AR passes (0 when not measured)."""
@@ -210,7 +224,7 @@ class Calibration:
         try:
             curves = [CostCurve(str(c["dtype"]), int(c["threads"]), tuple(int(r) for r in c["rows"]),
                                 tuple(float(m) for m in c["step_ms"]), float(c.get("prefill_ms", 0.0)),
-                                float(c.get("batch_ms", 0.0)))
+                                float(c.get("batch_ms", 0.0)), float(c.get("prefill_bf16_ms", 0.0)))
                       for c in data["curves"]]
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed curve: {e!r}") from None
@@ -396,6 +410,7 @@ def measure_curves(variants: dict[str, TargetModel], threads: Iterable[int], row
     configs = [(d, t) for d in variants for t in threads]
     times: dict[tuple[str, int], dict[int, list[float]]] = {c: {q: [] for q in rows} for c in configs}
     prefill_times: dict[tuple[str, int], list[float]] = {c: [] for c in configs}
+    bf16_prefill_times: dict[tuple[str, int], list[float]] = {c: [] for c in configs}
     batch_times: dict[tuple[str, int], list[float]] = {c: [] for c in configs}
     caches, batches = {}, {}
     for d, tm in variants.items():
@@ -405,6 +420,20 @@ def measure_curves(variants: dict[str, TargetModel], threads: Iterable[int], row
         batches[d] = [new_cache(tm) for _ in range(BATCH_SEQS)]
         for c in batches[d]:
             prefill(tm, c, prefix)
+        if tm.lean is not None:
+            tm.lean.set_prefill_bf16(True)  # the bf16 weights for the prefill samples; dropped at the end
+            tm.lean.prefill_bf16 = False
+
+    def timed_prefill(tm, prefix, bf16: bool) -> float:
+        tm.lean.prefill_bf16 = bf16 if tm.lean is not None else False
+        fresh = new_cache(tm)
+        _sync(tm.device)
+        t0 = time.perf_counter()
+        prefill(tm, fresh, prefix)
+        _sync(tm.device)
+        if tm.lean is not None:
+            tm.lean.prefill_bf16 = False
+        return time.perf_counter() - t0
 
     def batch_pass(tm, cs) -> float:
         empty = np.zeros(0, np.int32)  # an AR row (pad rows included where the dtype needs them), as the engine
@@ -444,17 +473,21 @@ def measure_curves(variants: dict[str, TargetModel], threads: Iterable[int], row
             if rep:
                 batch_times[(d, t)].append(elapsed)
             if rep <= 2:  # prefill is long; two samples (after the warming one) are enough for a table entry
-                fresh = new_cache(tm)
-                _sync(tm.device)
-                t0 = time.perf_counter()
-                prefill(tm, fresh, prefix)
-                _sync(tm.device)
+                elapsed = timed_prefill(tm, prefix, False)
                 if rep:
-                    prefill_times[(d, t)].append(time.perf_counter() - t0)
+                    prefill_times[(d, t)].append(elapsed)
+                if tm.lean is not None and tm.lean.can_prefill_bf16():
+                    elapsed = timed_prefill(tm, prefix, True)
+                    if rep:
+                        bf16_prefill_times[(d, t)].append(elapsed)
         if progress is not None:
             progress(f"calibration round {rep}/{reps}")
+    for tm in variants.values():
+        if tm.lean is not None:
+            tm.lean.set_prefill_bf16(False)
     return [CostCurve(d, t, tuple(rows), robust_curve([times[(d, t)][q] for q in rows]),
-                      float(np.min(prefill_times[(d, t)]) * 1e3), float(np.min(batch_times[(d, t)]) * 1e3))
+                      float(np.min(prefill_times[(d, t)]) * 1e3), float(np.min(batch_times[(d, t)]) * 1e3),
+                      float(np.min(bf16_prefill_times[(d, t)]) * 1e3) if bf16_prefill_times[(d, t)] else 0.0)
             for d, t in configs]
 
 
@@ -485,11 +518,12 @@ def _crop(cache, length: int) -> None:
 
 
 def calibrated_model(model: str = "", device: str = "auto", dtype: str = "auto", threads: int = 0, *,
-                     forward: str = "auto", force: bool = False, reps: int = REPS,
+                     forward: str = "auto", prefill_precision: str = "auto", force: bool = False, reps: int = REPS,
                      progress: Callable[[str], None] | None = None) -> tuple[TargetModel, Choice]:
     """Load the model in the fastest measured configuration (or the user's), measuring what the cache lacks.
 
-    Call on the thread that will run every forward pass (ModelThread). dtype "auto" / threads 0 = choose.
+    Call on the thread that will run every forward pass (ModelThread). dtype "auto" / threads 0 = choose;
+    prefill_precision: auto = bf16 prompt linears where the chosen candidate measured them faster | fp32 | bf16.
     """
     if dtype not in ("auto",) + DTYPES + OPT_IN_DTYPES:
         raise ValueError(f"dtype must be auto, {', '.join(DTYPES + OPT_IN_DTYPES)}, got {dtype!r}")
@@ -539,7 +573,25 @@ def calibrated_model(model: str = "", device: str = "auto", dtype: str = "auto",
     loaded.clear()  # drop the other variants' weights
     set_threads(curve.threads)  # the serving choice, made on the model thread
     tm.step_cost = StepCost(curve.rows, curve.step_ms)
+    apply_prefill_precision(tm, prefill_precision, curve.bf16_prefill_pays)
     return tm, Choice(curve, cal, tuple(warnings))
+
+
+def apply_prefill_precision(tm: TargetModel, precision: str, measured_faster: bool = False) -> str:
+    """Turn bf16 prompt linears on or off as `precision` asks (auto: when measured_faster) -> what is served:
+    fp32 | bf16 (bf16 only where the lean forward can run it; a bf16 model's prompt is bf16 anyway)."""
+    if precision not in ("auto", "fp32", "bf16"):
+        raise ValueError(f"prefill_precision must be auto, fp32 or bf16, got {precision!r}")
+    want = precision == "bf16" or (precision == "auto" and measured_faster)
+    if tm.lean is not None:
+        tm.lean.set_prefill_bf16(want)
+    return served_prefill_precision(tm)
+
+
+def served_prefill_precision(tm: TargetModel) -> str:
+    """What the linears of `tm`'s prompt chunks compute in: bf16 | fp32."""
+    on = tm.lean is not None and tm.lean.prefill_bf16
+    return "bf16" if on or tm.dtype == torch.bfloat16 else "fp32"
 
 
 def convert(tm: TargetModel, dtype: str) -> TargetModel:
@@ -560,11 +612,13 @@ def format_table(choice: Choice) -> str:
     cal = choice.calibration
     rows = cal.curves[0].rows if cal.curves else CURVE_ROWS
     head = " ".join(f"q={q:<5}" for q in rows)
-    lines = [f"{'candidate':<11} {head} {'prefill':>8} {'exp ms/tok':>10} {f'x{BATCH_SEQS} ms/tok':>10} {'score':>6}"]
+    lines = [f"{'candidate':<11} {head} {'prefill':>8} {'bf16 pf':>8} {'exp ms/tok':>10} "
+             f"{f'x{BATCH_SEQS} ms/tok':>10} {'score':>6}"]
     for c in sorted(cal.curves, key=lambda c: c.objective()):
         mark = " <- serving" if c == choice.curve else ""
         cells = " ".join(f"{m:<7.1f}" for m in c.step_ms)
-        lines.append(f"{c.name:<11} {cells} {c.prefill_ms:>8.0f} {c.expected_ms_per_token():>10.1f} "
+        bf16 = f"{c.prefill_bf16_ms:>8.0f}" if c.prefill_bf16_ms else f"{'-':>8}"
+        lines.append(f"{c.name:<11} {cells} {c.prefill_ms:>8.0f} {bf16} {c.expected_ms_per_token():>10.1f} "
                      f"{c.batch_ms_per_token():>10.1f} {c.objective():>6.1f}{mark}")
     return "\n".join(lines)
 
@@ -627,14 +681,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="auto", help="auto | bf16 | fp32 | q4_1: restrict the choice; auto "
                     "measures q4_1 too when the model has its Q4_1 GGUF (default: auto)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads to restrict the choice to (0 = any)")
+    ap.add_argument("--prefill-precision", default="auto", choices=("auto", "fp32", "bf16"),
+                    help="linears of prompt chunks: auto (bf16 where measured faster) | fp32 | bf16 (default: auto)")
     ap.add_argument("--force", action="store_true", help="measure again even if a cached calibration exists")
     ap.add_argument("--reps", type=int, default=REPS, help=f"timed passes per point (default: {REPS})")
     ap.add_argument("--json", default="", help="also write the calibration (and the choice) to this JSON file")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     mt = ModelThread()
-    _, choice = mt.call(calibrated_model, args.model, args.device, args.dtype, args.threads, force=args.force,
-                        reps=args.reps, progress=lambda s: print(s, flush=True))
+    tm, choice = mt.call(calibrated_model, args.model, args.device, args.dtype, args.threads, force=args.force,
+                         prefill_precision=args.prefill_precision, reps=args.reps,
+                         progress=lambda s: print(s, flush=True))
     cal = choice.calibration
     print(f"model {cal.key['model']}\ndevice {cal.key['device']}, CPU {cal.key['cpu']} "
           f"({' '.join(shown_flags()) or 'no avx flags'}), {cal.key['cores']} cores, torch {cal.key['torch']}")
@@ -644,11 +701,13 @@ def main(argv: list[str] | None = None) -> None:
     print(format_table(choice))
     cost = StepCost(choice.curve.rows, choice.curve.step_ms)
     print(f"\nserving with {choice.curve.name}: AR step {choice.curve.ar_ms:.1f} ms; a 16-node tree costs "
-          f"{cost.relative(16):.2f} AR steps, 64 nodes {cost.relative(64):.2f}")
+          f"{cost.relative(16):.2f} AR steps, 64 nodes {cost.relative(64):.2f}; prompt linears in "
+          f"{served_prefill_precision(tm)} (bf16 pf: the {PREFIX_TOKENS}-token prefill with bf16 linears)")
     for w in choice.warnings:
         print("warning:", w)
     if args.json:
-        out = cal.to_json() | {"chosen": {"dtype": choice.dtype, "threads": choice.threads}}
+        out = cal.to_json() | {"chosen": {"dtype": choice.dtype, "threads": choice.threads,
+                                          "prefill_precision": served_prefill_precision(tm)}}
         Path(args.json).write_text(json.dumps(out, indent=1))
     mt.stop(wait=True)
 

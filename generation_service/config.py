@@ -10,6 +10,7 @@ from ragcore import config_util
 
 _ENV_PREFIX = "RAGSERVE_GENERATION_"
 DECODING_MODES = ("ar", "pld", "rest-ds", "rest", "knnlm", "crest")
+PREFILL_PRECISIONS = ("auto", "fp32", "bf16")
 
 
 # One line per flag for `--help` (ragcore/config_util.py adds the default and the environment variable). Kept
@@ -21,6 +22,8 @@ FLAG_HELP = {
     "dtype": "auto (the fastest measured here; q4_1 among them when the model has its Q4_1 GGUF) | bf16 | fp32 | "
              "q4_1 (the GGUF's exact 4-bit weights, lean forward only)",
     "forward": "auto (lean for Llama-family models, else transformers) | lean | hf",
+    "prefill_precision": "linears of prompt chunks: auto (bf16 where calibration measures it faster) | fp32 | bf16; "
+                         "decode rows keep the serving dtype, so speculation stays lossless",
     "calibration": "start-up cost measurement: auto (cached per machine) | force (measure again) | off",
     "device": "auto | cpu | cuda",
     "threads": "torch intra-op threads (0 = the fastest measured count)",
@@ -83,6 +86,10 @@ class GenerationConfig(config_util.ShellConfig):
     # Start-up cost measurement: auto = reuse the cached one or measure | force = measure again | off = none
     # (dtype auto then means fp32, threads 0 all cores; draft trees are sized with a generic cost model).
     calibration: str = "auto"
+    # Linears of prompt chunks (>= 32 rows) on bf16 copies of the weights where that is faster: auto = where the
+    # calibration measured it faster (never with calibration off) | fp32 = never | bf16 = wherever it can run
+    # (fp32 activations on a CPU with oneDNN). Decode rows keep fp32 (lean_llama.py).
+    prefill_precision: str = "auto"
     # Retrieval service target(s): "host:port", or several comma-separated (client-side round-robin),
     # or a DNS name (dns:///retrieval:50051) that resolves to several replicas. "" = no retrieval.
     retrieval: str = "127.0.0.1:50051"
@@ -138,6 +145,8 @@ class GenerationConfig(config_util.ShellConfig):
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bf16", "fp32", "q4_1"):
             raise ValueError(f"dtype: {self.dtype!r} is not auto, bf16, fp32 or q4_1")
+        if self.prefill_precision not in PREFILL_PRECISIONS:
+            raise ValueError(f"prefill_precision: {self.prefill_precision!r} is not auto, fp32 or bf16")
         if self.forward not in ("auto", "lean", "hf"):
             raise ValueError(f"forward: {self.forward!r} is not auto, lean or hf")
         if self.calibration not in ("auto", "force", "off"):

@@ -23,6 +23,13 @@ a 1-row step and in a tree pass). Measured on the 2-core Zen 5 (bench/step.py, o
 8.4 -> 5.2 ms, fp32 39.0 -> 13.1 ms (llama.cpp on the same GGUF values: 6.3 / 14.2 ms). The ops below remain the
 path for bf16, for larger passes (prefill chunks) and when the extension cannot be built.
 
+Prefill in bf16 (set_prefill_bf16; the server turns it on where calibration measures it faster). A prompt's rows
+are computed once and never compared with anything, so their linears may run on bf16 copies of the weights with
+bf16 inputs (fp32 accumulation; norms, RoPE and attention stay fp32): on the 2-core Zen 4 (avx512_bf16) the
+linears of a 150-row chunk take 81 ms instead of 167 with fp32 oneDNN and ~250 with the q4_1 block kernel. Decode
+rows (AR steps and draft trees) keep fp32, so speculation stays lossless and a decode row is the same whether or
+not a prefill chunk shares its pass: a pass holding both runs as two, the decode rows first.
+
 Supported: model_type "llama" with default RoPE, no attention/MLP biases (SmolLM2, TinyLlama, Llama 2, ...).
 Anything else keeps the generic transformers path (LeanLlama.supports says why not).
 
@@ -34,7 +41,7 @@ Anything else keeps the generic transformers path (LeanLlama.supports says why n
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -49,6 +56,9 @@ _NO_MASK = torch.empty(0)
 # Passes with at least this many rows use the prepacked fp32 weights (1-row passes are GEMVs: plain is fastest).
 _PACK_MIN_ROWS = 2
 _PACK_HINT_ROWS = 16  # the batch size oneDNN blocks the packed weights for (any row count works)
+# With prefill_bf16 on, a prefill segment of at least this many rows runs its linears in bf16 (set_prefill_bf16).
+BF16_PREFILL_MIN_ROWS = 32
+_BF16_PACK_HINT_ROWS = 128
 
 
 class KVCache:
@@ -145,6 +155,7 @@ class _Layer:
     wd: torch.Tensor  # [hidden, intermediate]
     packed: dict  # name -> oneDNN-packed weight (fp32 only)
     quant: dict | None = None  # name -> block-quantized weight (q4_weights.LeanLlamaQ4)
+    packed_bf16: dict = field(default_factory=dict)  # name -> oneDNN-packed bf16 copy (set_prefill_bf16)
 
 
 class LeanLlama:
@@ -195,6 +206,7 @@ class LeanLlama:
         # The whole pass in one C++ call (lean_forward.cpp) for passes of fewer rows than this; None = ops in Python.
         self.fused = None
         self.fused_max_rows = FUSED_MAX_ROWS
+        self.prefill_bf16 = False  # set_prefill_bf16
         if type(self)._fused_weights is LeanLlama._fused_weights:  # subclasses build theirs once their weights exist
             self._build_fused()
 
@@ -243,6 +255,22 @@ class LeanLlama:
                                    [ly.ln2 for ly in self.layers], w["wgu"], w["wd"], self.norm, head, self.heads,
                                    self.kv_heads, self.head_dim, self.eps)
 
+    def can_prefill_bf16(self) -> bool:
+        """Whether set_prefill_bf16(True) would change anything: fp32 activations on a CPU with oneDNN linears."""
+        return self.dtype == torch.float32 and self.device.type == "cpu" and _onednn_linear_available()
+
+    def set_prefill_bf16(self, on: bool) -> bool:
+        """Run the linears of prefill segments of >= BF16_PREFILL_MIN_ROWS rows in bf16 (module docstring), or
+        stop (dropping the bf16 weights). -> whether it is on."""
+        on = bool(on) and self.can_prefill_bf16()
+        with torch.no_grad():
+            for ly in self.layers:
+                ly.packed_bf16 = {name: torch.ops.mkldnn._reorder_linear_weight(
+                    getattr(ly, name).to(torch.bfloat16), _BF16_PACK_HINT_ROWS)
+                    for name in ("wqkv", "wo", "wgu", "wd")} if on else {}
+        self.prefill_bf16 = on
+        return on
+
     # -- pieces ------------------------------------------------------------------------------------------------
 
     def _rope_tables(self, upto: int) -> None:
@@ -263,6 +291,10 @@ class LeanLlama:
         if self.pack and x.shape[0] >= _PACK_MIN_ROWS:
             return torch.ops.mkldnn._linear_pointwise(x, layer.packed[name], None, "none", [], "")
         return F.linear(x, getattr(layer, name))
+
+    def _linear_bf16(self, x: torch.Tensor, layer: _Layer, name: str) -> torch.Tensor:
+        y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), layer.packed_bf16[name], None, "none", [], "")
+        return y.float()
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed[ids]
@@ -289,9 +321,40 @@ class LeanLlama:
         rows together — the weights are read once per step, which is what batching buys on a memory-bound CPU —
         while attention runs per sequence against its own cache, with its own positions and mask.
         -> per segment its logits [q', V] (see forward)."""
+        if self.prefill_bf16:
+            wide = [s.logits_rows > 0 and s.ids.shape[0] >= BF16_PREFILL_MIN_ROWS for s in segments]
+            if any(wide):
+                return self._forward_split(segments, wide)
+        return self._forward(segments)
+
+    def _forward_split(self, segments: "Sequence[Segment]", wide: list[bool]) -> list[torch.Tensor]:
+        """The decode rows (and short prefill chunks) as one pass, then the wide prefill chunks in bf16 as another;
+        logits (and the hidden sink's rows) in the segments' order."""
+        sink = self.hidden_sink
+        logits: list = [None] * len(segments)
+        hidden: list = [None] * len(segments)
+        try:
+            for bf16 in (False, True):
+                idx = [j for j, w in enumerate(wide) if w == bf16]
+                if not idx:
+                    continue
+                box: list | None = [] if sink is not None else None
+                self.hidden_sink = box
+                part = self._forward([segments[j] for j in idx], bf16=bf16)
+                rows = torch.split(box[-1][0], [lg.shape[0] for lg in part]) if box else [None] * len(part)
+                for j, lg, h in zip(idx, part, rows):
+                    logits[j], hidden[j] = lg, h
+        finally:
+            self.hidden_sink = sink
+        if sink is not None:
+            sink.append(torch.cat(hidden)[None])
+        return logits
+
+    def _forward(self, segments: "Sequence[Segment]", bf16: bool = False) -> list[torch.Tensor]:
         qs = [s.ids.shape[0] for s in segments]
-        if self.fused is not None and sum(qs) < self.fused_max_rows:
+        if self.fused is not None and sum(qs) < self.fused_max_rows and not bf16:
             return self._forward_fused(segments, qs)
+        linear = self._linear_bf16 if bf16 else self._linear
         starts = [0]
         for q in qs:
             starts.append(starts[-1] + q)
@@ -307,7 +370,7 @@ class LeanLlama:
         x = self._embed(ids)  # [N, hidden]
         for i, ly in enumerate(self.layers):
             h = self._rms(x, ly.ln1)
-            qkv = self._linear(h, ly, "wqkv")  # [N, (H + 2 Hkv) D]
+            qkv = linear(h, ly, "wqkv")  # [N, (H + 2 Hkv) D]
             qh = self._rotate(qkv[:, : H * D].view(N, H, D), cos, sin)
             kh = self._rotate(qkv[:, H * D: (H + Hkv) * D].view(N, Hkv, D), cos, sin)
             vh = qkv[:, (H + Hkv) * D:].view(N, Hkv, D)
@@ -321,10 +384,10 @@ class LeanLlama:
                 for j in alone:
                     a, b = starts[j], starts[j + 1]
                     o[a:b] = self._attend(i, qh[a:b], kh[a:b], vh[a:b], segments[j].cache, plans[j])
-            x = x + self._linear(o, ly, "wo")
+            x = x + linear(o, ly, "wo")
             h = self._rms(x, ly.ln2)
-            gu = self._linear(h, ly, "wgu")  # [N, 2 I]
-            x = x + self._linear(F.silu(gu[:, : self.inter]) * gu[:, self.inter:], ly, "wd")
+            gu = linear(h, ly, "wgu")  # [N, 2 I]
+            x = x + linear(F.silu(gu[:, : self.inter]) * gu[:, self.inter:], ly, "wd")
         keep = [(b - s.logits_rows if s.logits_rows else a, b) for s, a, b in zip(segments, starts, starts[1:])]
         for s, plan in zip(segments, plans):
             s.cache.length = plan.past + s.ids.shape[0]

@@ -26,7 +26,15 @@ import numpy as np
 import torch
 
 from generation_service import knnlm, metrics, ralm_service
-from generation_service.calibrate import Choice, ModelThread, calibrated_model, format_table, shown_flags
+from generation_service.calibrate import (
+    Choice,
+    ModelThread,
+    apply_prefill_precision,
+    calibrated_model,
+    format_table,
+    served_prefill_precision,
+    shown_flags,
+)
 from generation_service.config import DECODING_MODES, GenerationConfig
 from generation_service.drafters import Drafter, DraftUnavailable, PromptLookupDrafter
 from generation_service.engine.scheduler import Engine
@@ -400,15 +408,17 @@ def load_serving_model(cfg: GenerationConfig):
         dtype = "fp32" if cfg.dtype == "auto" else cfg.dtype
         set_threads(cfg.threads)
         tm = load_model(cfg.model, dtype=dtype, device=cfg.device, forward=cfg.forward)
+        apply_prefill_precision(tm, cfg.prefill_precision)  # auto: nothing measured, so fp32
         choice = None
     else:
         tm, choice = calibrated_model(cfg.model, cfg.device, cfg.dtype, cfg.threads, forward=cfg.forward,
-                                      force=cfg.calibration == "force")
+                                      prefill_precision=cfg.prefill_precision, force=cfg.calibration == "force")
         cal = choice.calibration
         log.info("calibration (%s, %s; %s, %s):\n%s", cal.source, cal.path or "not cached", cal.key["cpu"],
                  " ".join(shown_flags()) or "no avx flags", format_table(choice))
-    log.info("model %s loaded in %s with %d threads, %s forward; warm-up took %.1f s (start-up %.1f s)",
-             tm.model_dir, tm.dtype_name, torch_threads(), tm.forward_name, warmup(tm), time.perf_counter() - t0)
+    log.info("model %s loaded in %s with %d threads, %s forward, %s prompt linears; warm-up took %.1f s "
+             "(start-up %.1f s)", tm.model_dir, tm.dtype_name, torch_threads(), tm.forward_name,
+             served_prefill_precision(tm), warmup(tm), time.perf_counter() - t0)
     return tm, choice
 
 
@@ -422,14 +432,15 @@ def worker_info(cfg: GenerationConfig, tm, choice: Choice | None, threads: int) 
         cpu_flags=shown_flags(), torch_version=torch_version(), calibration="off" if choice is None else
         choice.calibration.source, max_draft_nodes=tm.step_cost.max_nodes, default_decoding=cfg.default_decoding,
         max_positions=min(tm.max_positions, 2**32 - 1), tokenizer_id=tokenizer_identity(tm.tokenizer),
-        forward=tm.forward_name, kernels=kernels_loaded(), fused=tm.lean is not None and tm.lean.fused is not None)
+        forward=tm.forward_name, kernels=kernels_loaded(), fused=tm.lean is not None and tm.lean.fused is not None,
+        prefill_precision=served_prefill_precision(tm))
     if choice is not None:
         info.calibration_file = choice.calibration.path
         info.warnings.extend(choice.warnings)
         for c in choice.calibration.curves:
             info.candidates.add(dtype=c.dtype, threads=c.threads, rows=c.rows, step_ms=c.step_ms,
                                 prefill_ms=c.prefill_ms, expected_ms_per_token=c.expected_ms_per_token(),
-                                batch_ms=c.batch_ms, objective=c.objective())
+                                batch_ms=c.batch_ms, objective=c.objective(), prefill_bf16_ms=c.prefill_bf16_ms)
     return info
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from generation_service.calibrate import (
+    FORMAT_VERSION,
     Calibration,
     CostCurve,
     ModelThread,
@@ -140,7 +141,7 @@ KEY = {"model": "/m", "model_id": "abc", "device": "cpu", "cpu": "Some CPU", "cp
     ("truncated", lambda good: good[: len(good) // 2]),
     ("not JSON", lambda good: "\x00\x01garbage"),
     ("another CPU", lambda good: good.replace("Some CPU", "Other CPU")),
-    ("another format", lambda good: good.replace('"format": 2', '"format": 99')),
+    ("another format", lambda good: good.replace(f'"format": {FORMAT_VERSION}', '"format": 99')),
     ("a curve without step_ms", lambda good: good.replace('"step_ms"', '"nope"')),
     ("negative times", lambda good: good.replace("68", "-68")),
 ])
@@ -186,6 +187,8 @@ def test_real_calibration_measures_then_reuses_and_survives_a_corrupt_cache(monk
         assert cal.source == "measured" and len(cal.curves) >= 2
         assert all(c.step_ms == tuple(sorted(c.step_ms)) for c in cal.curves)  # non-decreasing in q
         assert all(c.batch_ms > 0 for c in cal.curves)  # the batched pass was measured for every candidate
+        if tm.lean is not None and tm.lean.can_prefill_bf16():  # bf16 prompt linears measured where they can run
+            assert all((c.prefill_bf16_ms > 0) is (c.dtype != "bf16") for c in cal.curves)
         best = min(cal.curves, key=lambda c: c.objective())
         assert (tm.dtype_name, choice.threads) == (best.dtype, best.threads)
         assert tm.step_cost.rel[0] == 1.0 and np.all(np.diff(tm.step_cost.rel) >= 0)
@@ -195,6 +198,6 @@ def test_real_calibration_measures_then_reuses_and_survives_a_corrupt_cache(monk
         path.write_text(path.read_text()[:100])  # truncated
         _, third = mt.call(calibrated_model, model, "cpu", "auto", 0, reps=1)
         assert third.calibration.source == "measured"  # measured again, not a crash
-        assert json.loads(path.read_text())["format"] == 2  # and the cache is whole again
+        assert json.loads(path.read_text())["format"] == FORMAT_VERSION  # and the cache is whole again
     finally:
         mt.stop(wait=True)

@@ -139,7 +139,7 @@ kb-large: install
 # Prefix KBs of the large one for RaLMSpec's curve over KB sizes ($(KB_LARGE)-N for N in KB_SIZES): the first N
 # passages with their rows copied from the large KB (encoded, or the chunks of a build still running; rows not
 # encoded yet are encoded here), each with its own exact, HNSW and BM25 index. The largest point is the large KB.
-KB_SIZES ?= 100000 300000 400000
+KB_SIZES ?= 100000 300000 400000 700000
 kb-large-prefixes: install
 	set -e; for n in $(KB_SIZES); do \
 		$(PYTHON) -m retrieval_service.knowledge.build --out $(KB_LARGE)-$$n --limit-passages $$n --code --man \

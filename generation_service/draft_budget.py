@@ -75,7 +75,8 @@ class StepCost:
     matters where a 1-node pass costs the same as the AR step (bf16 AR steps carry a pad row).
     """
 
-    def __init__(self, rows: Sequence[int], ms: Sequence[float], max_nodes: int = 256, tree_ms: float = TREE_MS):
+    def __init__(self, rows: Sequence[int], ms: Sequence[float], max_nodes: int = 256, tree_ms: float = TREE_MS,
+                 measured: bool = True):
         rows = np.asarray(rows, np.float64)
         ms = np.asarray(ms, np.float64)
         if rows.ndim != 1 or rows.shape != ms.shape or rows.shape[0] < 1 or rows[0] != 1 or np.any(ms <= 0):
@@ -91,6 +92,7 @@ class StepCost:
         self._slope = max((ms[-1] - ms[-2]) / (rows[-1] - rows[-2]), 0.0) if rows.shape[0] >= 2 else 0.0
         cost[1:] += tree_ms
         self.tree_ms = tree_ms
+        self.measured = measured  # ms of this machine (False: a generic curve in units of an AR step)
         self.rel = cost / cost[0]  # [max_nodes + 1], rel[n] for n draft nodes (rel[0] = 1)
         # A tree of n nodes emits at most n + 1 tokens: past this size no tree can pay for its pass.
         pays = np.flatnonzero(self.rel < 1.0 + np.arange(self.rel.shape[0]))
@@ -100,7 +102,7 @@ class StepCost:
     def linear(cls, node_cost: float = DEFAULT_NODE_COST) -> "StepCost":
         if not node_cost > 0:
             raise ValueError(f"node_cost must be > 0, got {node_cost}")
-        return cls([1, 65], [1.0, 1.0 + 64 * node_cost], tree_ms=0.0)
+        return cls([1, 65], [1.0, 1.0 + 64 * node_cost], tree_ms=0.0, measured=False)
 
     def relative(self, nodes: np.ndarray | int) -> np.ndarray:
         return self.rel[np.minimum(np.asarray(nodes), self.rel.shape[0] - 1)]

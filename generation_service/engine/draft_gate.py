@@ -7,6 +7,10 @@ draft, its estimates and its tree layout on the model thread (at 16 requests a f
 almost no node pays there). Both depend on the deployment and the batch, so they are measured: tokens per ms of
 whole steps (drafting + pass + commit) per arm — `remote` (the drafter as asked), `local` (in-process drafts only)
 and `none` (no drafting: the AR step) — an exponential average per bucket of decoding requests (2, 4, 8, 16, ...).
+A step's rate is taken relative to the calibrated cost of an AR pass over its own requests (record's ar_ms): a
+bucket spans several batch sizes (9 to 16 requests), and 16 requests emit ~1.4x the tokens per ms of 9 whatever the
+arm, so raw rates would credit an arm with the batch size it happened to be measured at. Seen in a 16-client run:
+remote drafts held 50 % of the steps at 0.29 tokens/ms against 0.37 without.
 The best arm is used; every `explore`-th step of a bucket tries another one in turn, so a change in load or
 acceptance is noticed. Every request's output is the same whatever the arm: only its tree differs.
 """
@@ -28,7 +32,7 @@ def bucket(n: int) -> int:
 class DraftGate:
     explore: int = 16  # every explore-th step of a bucket tries an arm that currently looks worse
     decay: float = 0.8  # weight of the old average per new step
-    rate: dict[tuple[int, str], float] = field(default_factory=dict)  # (bucket, arm) -> tokens per ms
+    rate: dict[tuple[int, str], float] = field(default_factory=dict)  # (bucket, arm) -> rate (record)
     steps: dict[int, int] = field(default_factory=dict)  # steps decided per bucket
     chosen: dict[tuple[int, str], int] = field(default_factory=dict)  # (bucket, arm) -> steps it ran
 
@@ -47,12 +51,14 @@ class DraftGate:
         self.chosen[(b, arm)] = self.chosen.get((b, arm), 0) + 1
         return arm
 
-    def record(self, n_decoding: int, arm: str, tokens: int, ms: float) -> None:
-        """A step of n_decoding requests with `arm` emitted `tokens` in `ms` (drafting, pass and commit)."""
+    def record(self, n_decoding: int, arm: str, tokens: int, ms: float, ar_ms: float = 0.0) -> None:
+        """A step of n_decoding requests with `arm` emitted `tokens` in `ms` (drafting, pass and commit). ar_ms:
+        the expected ms of an AR pass over those requests; the rate is then (tokens / n) / (ms / ar_ms), 1.0 = as
+        fast as that AR pass (0: raw tokens per ms)."""
         if ms <= 0:
             return
         key = (bucket(n_decoding), arm)
-        r = tokens / ms
+        r = tokens / ms if ar_ms <= 0 else tokens * ar_ms / (max(n_decoding, 1) * ms)
         old = self.rate.get(key)
         self.rate[key] = r if old is None else self.decay * old + (1 - self.decay) * r
 
@@ -62,6 +68,6 @@ class DraftGate:
         for b in sorted(self.steps):
             arms = sorted(a for bb, a in self.chosen if bb == b)
             lines.append(f"{b} decoding: " + ", ".join(
-                f"{a} {self.chosen[(b, a)] / self.steps[b]:.0%} at {self.rate.get((b, a), 0.0):.3f} tok/ms"
+                f"{a} {self.chosen[(b, a)] / self.steps[b]:.0%} at rate {self.rate.get((b, a), 0.0):.3f}"
                 for a in arms))
         return "; ".join(lines)

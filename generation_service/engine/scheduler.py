@@ -390,7 +390,10 @@ class Engine:
         for r, lg, h in zip(loops, logits[len(decoding):], hidden[len(decoding):]):
             r.loop.passed(lg, h)
         if gated and not prefills and not loop_rows:  # other rows in the pass would blur the rate
-            self.gate.record(len(decoding), arm, emitted, (time.perf_counter() - t0) * 1e3)
+            n = len(decoding)
+            cost = self.tm.step_cost  # a generic curve (no calibration) has no ms to compare with: raw rates
+            ar_ms = float(cost.pass_ms(n * self.tm.min_rows)) + n * self.segment_ms if cost.measured else 0.0
+            self.gate.record(n, arm, emitted, (time.perf_counter() - t0) * 1e3, ar_ms)
         for r, lg in zip(pre_trees, logits[len(decoding) + len(loops):]):
             step = r.req.prefilled(lg)
             if step is not None:

@@ -21,7 +21,7 @@ import resource
 import shutil
 import time
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -72,6 +72,19 @@ def is_prefix(passages: Path, parent: Path, parent_offsets: Path, n: int) -> boo
     return True
 
 
+def _parent_passages(parent: Path, limit: int | None) -> Iterator[P.Passage]:
+    """The first `limit` passages of the KB in `parent` (all of them for None), as they were written there."""
+    if not (parent / P.PASSAGES_FILE).is_file():
+        raise ValueError(f"embeddings_from: {parent} has no passages yet")
+    store = P.PassageStore(parent)
+    try:
+        n = len(store.offsets) - 1 if limit is None else min(limit, len(store.offsets) - 1)
+        for rec in store.iter_range(0, n):
+            yield P.Passage(rec["key"], rec["title"], rec["text"])
+    finally:
+        store.close()
+
+
 def build_kb(out: str | Path, passages: Iterable[P.Passage] | None = None, *,
              retrievers: Sequence[str] = RETRIEVERS, corpus: dict | None = None, limit: int | None = None,
              rst: bool = True, site: bool = True, code: bool = False, man: bool = False, headers: bool = False,
@@ -84,8 +97,9 @@ def build_kb(out: str | Path, passages: Iterable[P.Passage] | None = None, *,
 
     passages: an explicit corpus (tests, --passages-jsonl); None = extract docstrings (+ reST) offline.
     corpus: a description of `passages` for the resume check (same description -> passages are reused).
-    embeddings_from: a KB (built or still encoding) whose passages begin with this one's: its rows are copied
-    instead of encoded (a 100 K / 300 K KB from the large one's prefix).
+    embeddings_from: a KB (built or still encoding) whose first passages become this one's (its first `limit`, read
+    from its passage store: the corpus on disk may have changed since it was extracted, with packages installed
+    since) and whose rows are copied instead of encoded (a 100 K / 300 K KB from the large one's prefix).
     """
     out = Path(out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
@@ -110,7 +124,9 @@ def build_kb(out: str | Path, passages: Iterable[P.Passage] | None = None, *,
         print(f"passages: reusing {n} passages in {out}")
     else:
         t0 = time.perf_counter()
-        if passages is None:
+        if passages is None and embeddings_from is not None:
+            passages = _parent_passages(Path(embeddings_from).expanduser(), limit)
+        elif passages is None:
             docs = P.iter_documents(rst=rst, site=site, workers=workers, code=code, man=man, headers=headers)
             passages = P.iter_passages(docs, words=words, limit=limit)
         elif limit is not None:

@@ -74,6 +74,20 @@ def test_report_counts_each_arms_steps_per_bucket():
     g.choose(2, (LOCAL, NONE))  # another bucket, nothing measured there yet
     assert g.chosen == {(8, REMOTE): 4, (8, LOCAL): 2, (2, LOCAL): 1}
     report = g.report()
-    assert report == "2 decoding: local 100% at 0.000 tok/ms; 8 decoding: local 33% at 1.000 tok/ms, remote 67% at " \
-                     "1.500 tok/ms"
+    assert report == "2 decoding: local 100% at rate 0.000; 8 decoding: local 33% at rate 1.000, remote 67% at " \
+                     "rate 1.500"
     assert "none" not in report  # an arm that never ran is not reported
+
+
+def test_rates_relative_to_the_ar_pass_compare_batch_sizes_of_one_bucket():
+    """9 and 16 requests share bucket 16. AR passes over 16 rows take 50 ms, over 9 rows 32 ms (16 tokens in 50 ms,
+    9 in 32: raw rates 0.32 and 0.28). An arm measured at 9 requests that is as fast as AR there must not look worse
+    than an arm measured at 16 that is 10 % slower than AR."""
+    raw, rel = DraftGate(), DraftGate()
+    for g, ar in ((raw, (0.0, 0.0)), (rel, (32.0, 50.0))):
+        g.record(9, NONE, 9, 32.0, ar[0])  # exactly the AR pass at 9 requests
+        g.record(16, REMOTE, 16, 55.0, ar[1])  # 10 % slower than the AR pass at 16
+    assert raw.rate[(16, REMOTE)] > raw.rate[(16, NONE)]  # raw: the batch size decides (the bias)
+    assert rel.rate[(16, NONE)] == pytest.approx(1.0)
+    assert rel.rate[(16, REMOTE)] == pytest.approx(50.0 / 55.0)
+    assert rel.rate[(16, NONE)] > rel.rate[(16, REMOTE)]  # relative: the arm decides

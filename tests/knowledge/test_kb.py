@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from retrieval_service.config import RetrievalConfig
+from retrieval_service.knowledge import passages as P
 from retrieval_service.knowledge.build import build_kb
 from retrieval_service.knowledge.kb import KBInputError, KBOpenError, KnowledgeBase, RetrieverUnavailable
 
@@ -210,6 +211,24 @@ def test_prefix_kb_copies_the_parent_rows(tmp_path, encoder):
     with pytest.raises(ValueError, match="embeddings_from"):
         build_kb(tmp_path / "other", corpus[1:], retrievers=("edr",), corpus={"source": "q"}, limit=5,
                  encoder=counting, embeddings_from=tmp_path / "big", progress=False)
+
+
+def test_a_prefix_kb_takes_its_passages_from_the_parent_not_the_corpus(tmp_path, encoder):
+    """No passages given (a `--limit-passages N --embeddings-from` build): the parent's first N as written there,
+    even when the corpus on disk has changed since (here: nothing of it is read at all)."""
+    corpus = tiny_corpus()[:14]
+    build_kb(tmp_path / "big", corpus, retrievers=("edr",), corpus={"source": "p"}, chunk=4, encoder=encoder,
+             progress=False)
+    build_kb(tmp_path / "small", None, retrievers=("edr",), limit=9, chunk=4, encoder=_CountingEncoder(encoder),
+             embeddings_from=tmp_path / "big", progress=False)
+    big, small = P.PassageStore(tmp_path / "big"), P.PassageStore(tmp_path / "small")
+    assert len(small.offsets) - 1 == 9
+    assert small.get(range(9)) == big.get(range(9))  # Not another corpus' passages
+    assert (tmp_path / "small" / P.PASSAGES_FILE).read_bytes() == \
+        (tmp_path / "big" / P.PASSAGES_FILE).read_bytes()[: int(big.offsets[9])]
+    with pytest.raises(ValueError, match="no passages"):
+        build_kb(tmp_path / "orphan", None, retrievers=("edr",), limit=3, encoder=encoder,
+                 embeddings_from=tmp_path / "missing", progress=False)
 
 
 def test_prefix_rows_from_a_parent_still_encoding(tmp_path, encoder):

@@ -425,7 +425,8 @@ def measure_curves(variants: dict[str, TargetModel], threads: Iterable[int], row
             tm.lean.prefill_bf16 = False
 
     def timed_prefill(tm, prefix, bf16: bool) -> float:
-        tm.lean.prefill_bf16 = bf16 if tm.lean is not None else False
+        if tm.lean is not None:  # bf16 is asked only where the lean forward can run it
+            tm.lean.prefill_bf16 = bf16
         fresh = new_cache(tm)
         _sync(tm.device)
         t0 = time.perf_counter()

@@ -223,3 +223,24 @@ def test_a_bf16_model_prefills_in_bf16_anyway(tm16):
 def test_bad_prefill_precision_is_refused():
     with pytest.raises(ValueError, match="prefill_precision"):
         GenerationConfig(prefill_precision="fp16")
+
+
+@pytest.mark.model
+def test_calibration_measures_bf16_prompts_only_where_they_can_run(tm32):
+    """The lean fp32 forward gets a bf16 prefill figure; transformers' forward (no lean forward) gets none and is
+    measured without error. Neither keeps bf16 weights afterwards."""
+    from generation_service.calibrate import measure_curves
+    from tests.conftest import real_model
+
+    hf = real_model("fp32", forward="hf")
+    mt = ModelThread("test-bf16-calibration")
+    threads = torch.get_num_threads()  # measure_curves sets its candidates' thread counts
+    try:
+        curves = mt.call(measure_curves, {"fp32": tm32, "hf": hf}, [threads], rows=(1, 2), reps=1, past=40)
+    finally:
+        mt.stop(wait=True)
+        torch.set_num_threads(threads)
+    by_name = {c.dtype: c for c in curves}
+    assert by_name["hf"].prefill_bf16_ms == 0.0 and by_name["hf"].prefill_ms > 0
+    assert (by_name["fp32"].prefill_bf16_ms > 0) is tm32.lean.can_prefill_bf16()
+    assert not tm32.lean.prefill_bf16 and not any(ly.packed_bf16 for ly in tm32.lean.layers)

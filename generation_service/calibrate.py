@@ -646,6 +646,9 @@ class ModelThread:
     def ident(self) -> int | None:
         return self._thread.ident
 
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
     def submit(self, fn: Callable[..., T], *args, **kwargs) -> "Future[T]":
         fut: Future = Future()
         self._tasks.put((fn, args, kwargs, fut))
@@ -654,11 +657,12 @@ class ModelThread:
     def call(self, fn: Callable[..., T], *args, **kwargs) -> T:
         return self.submit(fn, *args, **kwargs).result()
 
-    def stop(self, wait: bool = False) -> None:
-        """No more tasks; the thread ends after the ones queued. wait: join it (not from the thread itself)."""
+    def stop(self, wait: bool = False, timeout_s: float | None = None) -> None:
+        """No more tasks; the thread ends after the ones queued. wait: join it, for up to timeout_s (not from
+        the thread itself)."""
         self._tasks.put(None)
         if wait and threading.current_thread() is not self._thread:
-            self._thread.join()
+            self._thread.join(timeout_s)
 
     def _run(self) -> None:
         while True:

@@ -27,6 +27,8 @@ FLAG_HELP = {
     "calibration": "start-up cost measurement: auto (cached per machine) | force (measure again) | off",
     "device": "auto | cpu | cuda",
     "threads": "torch intra-op threads (0 = the fastest measured count)",
+    "adaptive_threads": "with --threads 0: run each pass with fewer threads while other processes keep the cores "
+                        "busy (measured pass times; a 2-thread pass waits at every barrier for a preempted thread)",
     "retrieval": "retrieval service target(s): host:port, a comma list, or dns:///name:port (\"\" = no drafts)",
     "draft_timeout_ms": "deadline of one Draft call; a slower draft is skipped and that step decodes AR",
     "retry_after_s": "after a failed Draft call, skip drafting this long before trying again",
@@ -80,6 +82,7 @@ class GenerationConfig(config_util.ShellConfig):
     dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     threads: int = 0  # torch intra-op threads; 0 = the fastest measured count
+    adaptive_threads: bool = True  # with threads 0: fewer threads per pass while the cores are contended
     # Forward implementation: auto = the lean forward for supported architectures (Llama-family), else
     # transformers' | lean = require the lean one | hf = always transformers' (generation_service/lean_llama.py).
     forward: str = "auto"

@@ -36,8 +36,10 @@ from generation_service.calibrate import (
     shown_flags,
 )
 from generation_service.config import DECODING_MODES, GenerationConfig
+from generation_service.draft_budget import StepCost
 from generation_service.drafters import Drafter, DraftUnavailable, PromptLookupDrafter
 from generation_service.engine.scheduler import Engine
+from generation_service.engine.threads import ThreadGovernor
 from generation_service.knnlm import KnnLmOptions
 from generation_service.model import load_model, set_threads, warmup
 from generation_service.q4_kernel import kernel
@@ -49,7 +51,7 @@ from proto import generation_pb2, generation_pb2_grpc
 from ragcore import metrics as core_metrics, security
 from ragcore.draft_tree import warmup_context_draft
 from ragcore.errors import Cancelled, DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
-from ragcore.grpc_shell import RunningServer, install_signal_handlers, start_server
+from ragcore.grpc_shell import STOP_JOIN_S, RunningServer, install_signal_handlers, start_server
 from ragcore.machine import cpu_info
 from ragcore.model_files import tokenizer_identity
 from ragcore.process import offline_process
@@ -156,13 +158,13 @@ class Worker:
     run every mode — drafters on the retrieval link, the RAG and kNN-LM backends."""
 
     def __init__(self, tm, cfg: GenerationConfig, link: RetrievalLink, knn=None, rag=None,
-                 model_thread: ModelThread | None = None):
+                 model_thread: ModelThread | None = None, threads: ThreadGovernor | None = None):
         self.tm, self.cfg, self.link = tm, cfg, link
         self.knn = knn  # knnlm.KnnBackend when a kNN-LM datastore is configured
         self.rag = rag  # ralm_service.RagBackend when a KB target is configured
         self.engine = Engine(tm, max_batch=cfg.max_batch, prefill_chunk=cfg.prefill_chunk,
                              kv_cache_mb=cfg.kv_cache_mb, queue_size=cfg.queue_size, drafter=self._drafter,
-                             loop=self._loop_request, learn=link.learn, model_thread=model_thread)
+                             loop=self._loop_request, learn=link.learn, model_thread=model_thread, threads=threads)
 
     @property
     def model_thread(self) -> ModelThread:
@@ -422,6 +424,16 @@ def load_serving_model(cfg: GenerationConfig):
     return tm, choice
 
 
+def thread_governor(cfg: GenerationConfig, choice: Choice | None) -> ThreadGovernor | None:
+    """Per-pass thread choice among the calibrated counts up to the chosen one (same dtype): only when the count
+    was chosen by measurement (--threads 0) and adaptive_threads is on."""
+    if choice is None or cfg.threads or not cfg.adaptive_threads:
+        return None
+    costs = {c.threads: StepCost(c.rows, c.step_ms) for c in choice.calibration.curves
+             if c.dtype == choice.dtype and c.threads <= choice.threads}
+    return ThreadGovernor(costs, start=choice.threads) if len(costs) > 1 else None
+
+
 def torch_threads() -> int:
     return torch.get_num_threads()
 
@@ -481,7 +493,8 @@ def build_server(cfg: GenerationConfig, *, tm=None) -> tuple[RunningServer, Gene
         rag = ralm_service.RagBackend.open(cfg)
         if rag is not None:
             running.closers.append(rag.close)
-        servicer.attach(tm, Worker(tm, cfg, link, knn=knn, rag=rag, model_thread=model_thread),
+        servicer.attach(tm, Worker(tm, cfg, link, knn=knn, rag=rag, model_thread=model_thread,
+                                   threads=thread_governor(cfg, choice)),
                         worker_info(cfg, tm, choice, threads))
         metrics.track_queue_depth(servicer.worker.depth)
         metrics.set_serving_config(tm.dtype_name, threads, str(tm.device),
@@ -500,9 +513,10 @@ def serve(cfg: GenerationConfig) -> None:
         # Model missing or unloadable: exit non-zero with the loader's message (see retrieval_service.server).
         log.error("generation service cannot serve: %s", e, exc_info=not isinstance(e, (ValueError, OSError)))
         sys.exit(2)
-    install_signal_handlers(running, cfg.grace_s, on_stop=servicer.worker.stop)
+    stopped = install_signal_handlers(running, cfg.grace_s, on_stop=servicer.worker.stop)
     log.info("generation service SERVING on %s:%d (retrieval %s)", cfg.host, running.port, cfg.retrieval or "none")
     running.wait()
+    stopped.wait(cfg.grace_s + STOP_JOIN_S)  # the drain's last steps (see install_signal_handlers)
 
 
 def main(argv: list[str] | None = None) -> None:

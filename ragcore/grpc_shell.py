@@ -461,21 +461,36 @@ def start_server(
     return running
 
 
-def install_signal_handlers(running: RunningServer, grace_s: float, on_stop: Callable[[], None] | None = None) -> None:
-    """SIGTERM/SIGINT → draining stop in a helper thread (signal handlers must return quickly)."""
+# Beyond the grace period: the shutdown hooks' own bound (an engine finishing its pass, pools joining).
+STOP_JOIN_S = 60.0
+
+
+def install_signal_handlers(running: RunningServer, grace_s: float,
+                            on_stop: Callable[[], None] | None = None) -> threading.Event:
+    """SIGTERM/SIGINT → draining stop in a helper thread (signal handlers must return quickly).
+
+    Returns an event set once the stop, on_stop included, has finished: the main thread waits for it after
+    running.wait() so the process never exits while on_stop still joins threads that run native code (an
+    interpreter finalizing under a forward pass aborts with SIGABRT).
+    """
+    stopped = threading.Event()
 
     def _handler(signum, _frame) -> None:
         log.info("signal %s: NOT_SERVING, draining for up to %.1f s", signal.Signals(signum).name, grace_s)
 
         def _stop() -> None:
-            running.stop(grace_s)
-            if on_stop is not None:
-                on_stop()
+            try:
+                running.stop(grace_s)
+                if on_stop is not None:
+                    on_stop()
+            finally:
+                stopped.set()
 
         threading.Thread(target=_stop, name="graceful-stop", daemon=True).start()
 
     signal.signal(signal.SIGTERM, _handler)
     signal.signal(signal.SIGINT, _handler)
+    return stopped
 
 
 def wait_until_serving(target: str, timeout_s: float = 60.0, service: str = "",

@@ -24,7 +24,7 @@ from proto import draft_pb2, draft_pb2_grpc
 from ragcore import metrics as core_metrics, security
 from ragcore.draft_tree import DraftTree, context_draft
 from ragcore.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
-from ragcore.grpc_shell import RunningServer, install_signal_handlers, start_server
+from ragcore.grpc_shell import STOP_JOIN_S, RunningServer, install_signal_handlers, start_server
 from ragcore.process import offline_process
 from ragcore.wire import WireError, clip, unpack_tokens
 from retrieval_service import metrics
@@ -314,9 +314,10 @@ def serve(cfg: RetrievalConfig) -> None:
         log.error("retrieval service cannot serve: %s", e,
                   exc_info=not isinstance(e, (ValueError, OSError, KBOpenError)))
         sys.exit(2)
-    install_signal_handlers(running, cfg.grace_s)
+    stopped = install_signal_handlers(running, cfg.grace_s)
     log.info("retrieval service SERVING on %s:%d", cfg.host, running.port)
     running.wait()
+    stopped.wait(cfg.grace_s + STOP_JOIN_S)  # the drain's last steps (see install_signal_handlers)
 
 
 def main(argv: list[str] | None = None) -> None:

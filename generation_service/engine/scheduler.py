@@ -51,6 +51,7 @@ from generation_service.engine.draft_gate import LOCAL, NONE, REMOTE, DraftGate
 from generation_service.engine.effects import EffectRun, Emit, Pass, on_done
 from generation_service.engine.requests import TreeRequest
 from generation_service.engine.steps import SpeculationStats, is_prefill, prefill, tree_segment
+from generation_service.engine.threads import IdleMeter, ThreadGovernor
 from generation_service.lean_llama import KVSlab, capacity_for
 from generation_service.model import TargetModel, forward_batch, forward_batch_hidden, new_cache
 from generation_service.ralm import passage_budget
@@ -157,11 +158,14 @@ class Engine:
     def __init__(self, tm: TargetModel, *, max_batch: int, prefill_chunk: int, kv_cache_mb: int, queue_size: int,
                  drafter: Callable[[object], object], loop: Callable[[object], object],
                  learn: Callable[[np.ndarray, list[int]], None] | None = None,
-                 model_thread: ModelThread | None = None):
+                 model_thread: ModelThread | None = None, threads: ThreadGovernor | None = None):
         """drafter(job): the job's Drafter (None = AR); loop(job): the request of a RAG / kNN-LM job (an object with
         effects(), final_chunk() and chunk: ralm.RagRequest, knnlm.KnnRequest); learn(prompt, completion): called
-        (on a helper thread) for finished jobs that asked to learn."""
+        (on a helper thread) for finished jobs that asked to learn; threads: picks torch's intra-op threads per
+        pass from measured pass times (None = keep the model thread's count)."""
         self.tm = tm
+        self.threads = threads
+        self._idle = IdleMeter() if threads is not None else None
         self.max_batch = max(1, max_batch)
         self.prefill_chunk = max(1, prefill_chunk)
         self.kv_budget_rows = max(1, int(kv_cache_mb) * (1 << 20) // kv_bytes_per_row(tm))
@@ -219,14 +223,20 @@ class Engine:
         except queue.Full:
             pass
         self.model_thread.stop()
-        if threading.current_thread().ident != self.model_thread.ident:
-            try:
-                self.done.result(timeout=timeout_s)
-            except Exception:
-                log.warning("engine loop did not end cleanly", exc_info=True)
-        self.draft_pool.shutdown(wait=False)
-        self.retrieval_pool.shutdown(wait=False)
-        self.learner.shutdown(wait=False)
+        if threading.current_thread().ident == self.model_thread.ident:
+            for pool in (self.draft_pool, self.retrieval_pool, self.learner):
+                pool.shutdown(wait=False, cancel_futures=True)
+            return
+        try:
+            self.done.result(timeout=timeout_s)
+        except Exception:
+            log.warning("engine loop did not end cleanly", exc_info=True)
+        # Joined, not abandoned: the process exits after this returns, and a thread still inside a forward
+        # pass or a datastore insert while the interpreter finalizes aborts it (SIGABRT instead of exit 0).
+        self.model_thread.stop(wait=True, timeout_s=timeout_s)
+        for pool in (self.draft_pool, self.retrieval_pool):
+            pool.shutdown(wait=True, cancel_futures=True)
+        self.learner.shutdown(wait=True)  # finished requests' outputs still reach the datastore
 
     # -------------------------------------------------------------------------------------- model thread
 
@@ -374,13 +384,21 @@ class Engine:
         loops = loop_rows + [r for r in prefills if r.loop is not None]
         segments = ([r.req.decode_segment() for r in decoding] + [r.loop.pending.segment for r in loops]
                     + [r.req.prefill_segment() for r in pre_trees])
+        pass_rows = sum(int(s.ids.shape[0]) for s in segments)
+        n_threads = self._set_threads(pass_rows)
+        t_pass = time.perf_counter()
         if any(r.loop.pending.hidden for r in loops):
             logits, hidden = forward_batch_hidden(self.tm, segments)
         else:
             logits, hidden = forward_batch(self.tm, segments), [None] * len(segments)
+        if self.threads is not None:
+            self.threads.record(n_threads, pass_rows, (time.perf_counter() - t_pass) * 1e3)
         self.passes += 1
-        if self.passes % GATE_LOG_PASSES == 0 and self.gate.steps:
-            log.info("engine: draft gate after %d passes: %s", self.passes, self.gate.report())
+        if self.passes % GATE_LOG_PASSES == 0:
+            if self.gate.steps:
+                log.info("engine: draft gate after %d passes: %s", self.passes, self.gate.report())
+            if self.threads is not None:
+                log.info("engine: threads after %d passes: %s", self.passes, self.threads.report())
         self.peak_batch = max(self.peak_batch, len(segments))
         emitted = 0
         for r, lg in zip(decoding, logits):
@@ -392,12 +410,25 @@ class Engine:
         if gated and not prefills and not loop_rows:  # other rows in the pass would blur the rate
             n = len(decoding)
             cost = self.tm.step_cost  # a generic curve (no calibration) has no ms to compare with: raw rates
-            ar_ms = float(cost.pass_ms(n * self.tm.min_rows)) + n * self.segment_ms if cost.measured else 0.0
+            ar_ms = 0.0
+            if self.threads is not None:  # at the count and slowdown this pass ran with
+                ar_ms = self.threads.expected_ms(n * self.tm.min_rows) + n * self.segment_ms
+            elif cost.measured:
+                ar_ms = float(cost.pass_ms(n * self.tm.min_rows)) + n * self.segment_ms
             self.gate.record(n, arm, emitted, (time.perf_counter() - t0) * 1e3, ar_ms)
         for r, lg in zip(pre_trees, logits[len(decoding) + len(loops):]):
             step = r.req.prefilled(lg)
             if step is not None:
                 self._feed(r, step)
+
+    def _set_threads(self, rows: int) -> int:
+        """torch's intra-op threads for the next pass (on the model thread: its OpenMP team)."""
+        if self.threads is None:
+            return torch.get_num_threads()
+        n = self.threads.choose(rows, self._idle.sample())
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)
+        return n
 
     def _fetch_drafts(self, reqs: list[TreeRequest], allow_remote: bool) -> None:
         """Every decoding request's draft for this pass. Remote sources that can be asked together (one retrieval

@@ -198,6 +198,9 @@ def test_cancellation_frees_the_slot(tm32):
         assert not engine.running
     finally:
         engine.stop()
+    # Stopped means joined: the server process exits right after, and a thread left inside a forward pass
+    # while the interpreter finalizes aborts it.
+    assert not engine.model_thread.is_alive()
 
 
 class _WeakChains:

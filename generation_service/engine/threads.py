@@ -1,0 +1,138 @@
+"""Intra-op threads per forward pass, chosen from measured pass costs: fewer threads when the cores are contended.
+
+Why: every layer of a pass ends at an OpenMP barrier. When another process keeps one of the cores busy (the
+retrieval service's Search in its own container, a second tenant, a build), a 2-thread team waits at each barrier
+for the thread that lost its core, for a whole scheduler slice. Measured through the gRPC server on a 2-core AMD
+EPYC (q4_1, 48 tokens, one busy single-threaded process in another session): 2 threads 953 ms/token, 1 thread
+12 ms/token; with the cores free, 2 threads 7.3 and 1 thread 11.9. Neither count is right everywhere, so the engine
+measures: each pass's time over the calibrated cost of its rows gives a slowdown ratio per thread count, the count
+with the least expected time runs, and the others are tried again now and then (backing off while they lose) so
+the worker returns to all its threads once the other load is gone.
+
+Pure bookkeeping over a clock: the engine sets torch's threads and times the passes.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from generation_service.draft_budget import StepCost
+
+ALPHA = 0.3  # EWMA weight of a pass's slowdown (a pass is ~10-100 ms: a few passes follow a change of load)
+SWITCH_MARGIN = 1.25  # another count must be this much cheaper before the engine moves to it (noise)
+STALE_S = 1.0  # a ratio older than this is replaced by the next measurement, not averaged with it
+EXPLORE_S = 4.0  # first retry of a losing count after this long; doubled each time it loses again
+MAX_EXPLORE_S = 32.0  # at most this long; a retry that loses costs one slow pass (up to ~1 s when contended)
+# More threads are retried sooner while the machine shows the idle cores they need (the other load has gone):
+# after IDLE_RETRY_S, or an eighth of the backoff if longer (a burst of other load may be back by then).
+IDLE_RETRY_S = 0.5
+IDLE_NEEDED = 0.75  # idle cores per extra thread
+
+
+@dataclass
+class _Arm:
+    threads: int
+    cost: StepCost
+    ratio: float = 1.0  # measured pass ms / calibrated pass ms (EWMA)
+    seen: float = -math.inf  # clock of its last measured pass
+    tried: float = -math.inf  # clock of its last retry (a pass that failed is not measured)
+    wait_s: float = EXPLORE_S  # next retry this long after the last one
+
+    def expected_ms(self, rows: int) -> float:
+        return self.ratio * float(self.cost.pass_ms(rows))
+
+
+class ThreadGovernor:
+    """costs: the calibrated pass curve of each thread count (same dtype); start: the count to begin with.
+
+        g = ThreadGovernor({1: cost_1t, 2: cost_2t}, start=2)
+        n = g.choose(rows)            # before a pass
+        g.record(n, rows, ms)         # after it
+    """
+
+    def __init__(self, costs: Mapping[int, StepCost], start: int, clock: Callable[[], float] = time.monotonic):
+        if start not in costs:
+            raise ValueError(f"start={start} has no cost curve (have {sorted(costs)})")
+        if any(t < 1 for t in costs):
+            raise ValueError(f"thread counts must be >= 1, got {sorted(costs)}")
+        self._clock = clock
+        now = clock()
+        self.arms = {t: _Arm(t, c, seen=now) for t, c in sorted(costs.items())}
+        self.current = start
+        self.switches = 0  # times the chosen count changed (stats, logs)
+
+    def choose(self, rows: int, idle_cores: float | None = None) -> int:
+        """The thread count for a pass of `rows` rows: a loser due for a retry, else the cheapest expected
+        (moving away from the current count only past SWITCH_MARGIN). idle_cores: the machine's idle cores
+        lately (None = unknown)."""
+        now = self._clock()
+        for arm in self.arms.values():
+            if arm.threads == self.current:
+                continue
+            since = now - max(arm.seen, arm.tried)
+            idle = (idle_cores is not None and arm.threads > self.current
+                    and idle_cores >= IDLE_NEEDED * (arm.threads - self.current))
+            if since >= arm.wait_s or (idle and since >= max(IDLE_RETRY_S, arm.wait_s / 8)):
+                arm.tried = now
+                return arm.threads
+        cur = self.arms[self.current]
+        best = min(self.arms.values(), key=lambda a: a.expected_ms(rows))
+        if best.threads != self.current and best.expected_ms(rows) * SWITCH_MARGIN < cur.expected_ms(rows):
+            self.current = best.threads
+            self.switches += 1
+        return self.current
+
+    def record(self, threads: int, rows: int, ms: float) -> None:
+        """A pass of `rows` rows took `ms` with `threads` threads."""
+        arm = self.arms.get(threads)
+        if arm is None or not (ms > 0 and math.isfinite(ms)):
+            return
+        now = self._clock()
+        ratio = ms / max(float(arm.cost.pass_ms(rows)), 1e-6)
+        arm.ratio = ratio if now - arm.seen > STALE_S else (1 - ALPHA) * arm.ratio + ALPHA * ratio
+        arm.seen = now
+        if threads != self.current:  # a retry: back off while it loses, retry soon again once it wins
+            wins = arm.expected_ms(rows) * SWITCH_MARGIN < self.arms[self.current].expected_ms(rows)
+            arm.wait_s = EXPLORE_S if wins else min(2 * arm.wait_s, MAX_EXPLORE_S)
+
+    def expected_ms(self, rows: int) -> float:
+        """What a pass of `rows` rows costs now with the current count (calibrated cost x measured slowdown)."""
+        return self.arms[self.current].expected_ms(rows)
+
+    def report(self) -> str:
+        return ", ".join(f"{a.threads}t x{a.ratio:.2f}" for a in self.arms.values()) + \
+            f" -> {self.current}t ({self.switches} switches)"
+
+
+class IdleMeter:
+    """The machine's spare cores since the previous reading, from /proc/stat (None where there is none): idle and
+    iowait time, and time of niced processes (background work that yields to us, like a KB build at nice 19).
+    Read at most every min_s; in between the last value is returned."""
+
+    def __init__(self, path: str = "/proc/stat", min_s: float = 0.2, clock: Callable[[], float] = time.monotonic):
+        self._path, self._min_s, self._clock = path, min_s, clock
+        self._last = self._read()
+        self._at = clock()
+        self.value: float | None = None
+
+    def _read(self) -> tuple[float, float, int] | None:
+        try:
+            with open(self._path) as f:
+                lines = f.read().splitlines()
+        except OSError:
+            return None
+        fields = [float(x) for x in lines[0].split()[1:]]
+        cpus = sum(1 for ln in lines if ln.startswith("cpu") and ln[3:4].isdigit())
+        return fields[1] + fields[3] + fields[4], sum(fields[:8]), max(cpus, 1)  # nice, idle, iowait
+
+    def sample(self) -> float | None:
+        now = self._clock()
+        if self._last is None or now - self._at < self._min_s:
+            return self.value
+        cur = self._read()
+        if cur is not None and cur[1] > self._last[1]:
+            self.value = (cur[0] - self._last[0]) / (cur[1] - self._last[1]) * cur[2]
+            self._last, self._at = cur, now
+        return self.value

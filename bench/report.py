@@ -288,6 +288,19 @@ def serving(name: str, d: dict) -> str:
     return "\n".join(out)
 
 
+def contention(name: str, d: dict) -> str:
+    m = d["machine"]
+    settings = d["settings"]
+    phases = [p["busy_processes"] for p in settings[0]["phases"]]
+    header = ["worker threads"] + [f"{b} busy" for b in phases]
+    rows = [[s["setting"]] + [_f(p["median_ms_per_token"], ".1f") for p in s["phases"]] for s in settings]
+    w = settings[-1]["worker"]
+    title = (f"**{m['cpu']} ({' '.join(m.get('cpu_flags', []))}), {m.get('cores', '?')} cores**; worker {w['dtype']}; "
+             f"`ar`, {d['tokens']} new tokens, median ms/token of {d['rounds']} requests per phase, beside busy "
+             "single-threaded processes in other sessions")
+    return title + "\n\n" + _table(header, rows) + "\n\n" + _source(name, d)
+
+
 def concurrency(name: str, d: dict) -> str:
     m, w = d["machine"], d.get("worker", {})
     rows = [[c["method"], str(c["concurrency"]), _f(c["summary"]["tokens_per_s"], ".1f"),
@@ -314,6 +327,7 @@ def concurrency(name: str, d: dict) -> str:
 
 TABLES: dict[str, tuple[list[str], Callable[[str, dict], str]]] = {
     "concurrency": (sorted(p.name for p in RESULTS.glob("concurrency-*.json")), concurrency),
+    "contention": (["contention.json"], contention),
     "serving": (sorted(p.name for p in RESULTS.glob("serving-*.json")), serving),
     "speculative": (["speculative-humaneval.json", "speculative-mtbench.json"], speculative),
     "draft-retrieval": (["draft-retrieval.json"], draft_retrieval),

@@ -163,6 +163,15 @@ class CostCurve:
         """The prefill this candidate serves with under prefill_precision auto."""
         return self.prefill_bf16_ms if self.bf16_prefill_pays else self.prefill_ms
 
+    def pass_cost(self, bf16_prefill: bool) -> StepCost:
+        """Pass ms by rows for any pass the engine runs: the decode curve, then the PREFIX_TOKENS-row prompt pass
+        (in bf16 where those linears are served so), so a pass carrying a prompt chunk is predicted from what
+        prompt chunks cost rather than from decode rows extrapolated (2.5x too high with bf16 prompt linears)."""
+        prompt_ms = self.prefill_bf16_ms if bf16_prefill and self.prefill_bf16_ms > 0 else self.prefill_ms
+        if prompt_ms > 0 and PREFIX_TOKENS > self.rows[-1]:
+            return StepCost((*self.rows, PREFIX_TOKENS), (*self.step_ms, max(prompt_ms, self.step_ms[-1])))
+        return StepCost(self.rows, self.step_ms)
+
     def cost(self, q: np.ndarray | float) -> np.ndarray:
         """ms of a pass with q rows: piecewise linear between measured points, linear past the last two."""
         x = np.asarray(self.rows, np.float64)

@@ -56,6 +56,9 @@ class GenerationMetrics(ServerMetrics):
         self.serving_config = Gauge("ragserve_generation_serving_config_info",
                                     "1 for the dtype / torch threads / device the worker serves with.",
                                     ("dtype", "threads", "device"), registry=r)
+        self.pass_threads = Gauge("ragserve_generation_pass_threads",
+                                  "torch threads of the current forward passes (fewer while the cores are "
+                                  "contended; --adaptive-threads).", registry=r)
         self.step_ms = Gauge("ragserve_generation_calibrated_step_milliseconds",
                              "Calibrated ms of one decode pass with `rows` rows (last token + draft nodes).",
                              ("rows",), registry=r)
@@ -123,6 +126,10 @@ def track_queue_depth(depth: Callable[[], int]) -> None:
 
 def track_running(running: Callable[[], int]) -> None:
     get().running.set_function(running)
+
+
+def track_pass_threads(threads: Callable[[], int]) -> None:
+    get().pass_threads.set_function(threads)
 
 
 def instrument_channel(channel: grpc.Channel) -> grpc.Channel:

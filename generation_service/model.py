@@ -23,6 +23,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -228,6 +229,24 @@ def forward(tm: TargetModel, input_ids: torch.Tensor, cache, position_ids: torch
     out = tm.model(input_ids=input_ids.unsqueeze(0), position_ids=position_ids, attention_mask=mask,
                    past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep)
     return out.logits[0]  # [q', V]
+
+
+@torch.inference_mode()
+def same_logits_at(tm: TargetModel, counts: Sequence[int]) -> bool:
+    """Whether a 64-token prompt chunk, a 1-row step and a 4-row step give bit-identical logits at every torch
+    thread count in `counts` (call on the model thread; its count is restored). Changing the count between passes
+    is lossless only then: a GEMM that splits its reduction by thread count rounds differently."""
+    before = torch.get_num_threads()
+    ids = torch.arange(100, 164, device=tm.device) % tm.vocab_size
+    outs = []
+    try:
+        for n in counts:
+            torch.set_num_threads(n)
+            cache = new_cache(tm, 128)
+            outs.append([forward(tm, ids, cache), forward(tm, ids[:1], cache), forward(tm, ids[1:5], cache)])
+    finally:
+        torch.set_num_threads(before)
+    return all(torch.equal(a, b) for other in outs[1:] for a, b in zip(outs[0], other))
 
 
 def forward_batch(tm: TargetModel, segments: list[Segment]) -> list[torch.Tensor]:

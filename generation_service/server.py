@@ -36,12 +36,11 @@ from generation_service.calibrate import (
     shown_flags,
 )
 from generation_service.config import DECODING_MODES, GenerationConfig
-from generation_service.draft_budget import StepCost
 from generation_service.drafters import Drafter, DraftUnavailable, PromptLookupDrafter
 from generation_service.engine.scheduler import Engine
 from generation_service.engine.threads import ThreadGovernor
 from generation_service.knnlm import KnnLmOptions
-from generation_service.model import load_model, set_threads, warmup
+from generation_service.model import load_model, same_logits_at, set_threads, warmup
 from generation_service.q4_kernel import kernel
 from generation_service.ralm import RagParams
 from generation_service.retrieval_client import RemoteDrafter, RetrievalClient
@@ -424,12 +423,12 @@ def load_serving_model(cfg: GenerationConfig):
     return tm, choice
 
 
-def thread_governor(cfg: GenerationConfig, choice: Choice | None) -> ThreadGovernor | None:
+def thread_governor(cfg: GenerationConfig, choice: Choice | None, bf16_prefill: bool = False) -> ThreadGovernor | None:
     """Per-pass thread choice among the calibrated counts up to the chosen one (same dtype): only when the count
     was chosen by measurement (--threads 0) and adaptive_threads is on."""
     if choice is None or cfg.threads or not cfg.adaptive_threads:
         return None
-    costs = {c.threads: StepCost(c.rows, c.step_ms) for c in choice.calibration.curves
+    costs = {c.threads: c.pass_cost(bf16_prefill) for c in choice.calibration.curves
              if c.dtype == choice.dtype and c.threads <= choice.threads}
     return ThreadGovernor(costs, start=choice.threads) if len(costs) > 1 else None
 
@@ -493,8 +492,12 @@ def build_server(cfg: GenerationConfig, *, tm=None) -> tuple[RunningServer, Gene
         rag = ralm_service.RagBackend.open(cfg)
         if rag is not None:
             running.closers.append(rag.close)
-        servicer.attach(tm, Worker(tm, cfg, link, knn=knn, rag=rag, model_thread=model_thread,
-                                   threads=thread_governor(cfg, choice)),
+        governor = thread_governor(cfg, choice, served_prefill_precision(tm) == "bf16")
+        if governor is not None and not model_thread.call(same_logits_at, tm, sorted(governor.arms)):
+            log.warning("logits differ between %s threads here: the thread count stays at %d (changing it between "
+                        "passes would break speculative == autoregressive)", sorted(governor.arms), threads)
+            governor = None
+        servicer.attach(tm, Worker(tm, cfg, link, knn=knn, rag=rag, model_thread=model_thread, threads=governor),
                         worker_info(cfg, tm, choice, threads))
         metrics.track_queue_depth(servicer.worker.depth)
         metrics.set_serving_config(tm.dtype_name, threads, str(tm.device),

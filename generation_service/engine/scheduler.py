@@ -199,6 +199,8 @@ class Engine:
         # Before the first job can arrive (the server reports SERVING after this returns).
         self.segment_ms = self.model_thread.call(self._measure)
         metrics.track_running(lambda: len(self.running))
+        if threads is not None:
+            metrics.track_pass_threads(lambda: threads.current)
         self.done = self.model_thread.submit(self._loop)
 
     # --------------------------------------------------------------------------------------- gRPC threads

@@ -21,7 +21,10 @@ from typing import Callable, Mapping
 from generation_service.draft_budget import StepCost
 
 ALPHA = 0.3  # EWMA weight of a pass's slowdown (a pass is ~10-100 ms: a few passes follow a change of load)
-SWITCH_MARGIN = 1.25  # another count must be this much cheaper before the engine moves to it (noise)
+# Fewer threads must be this much cheaper before the engine moves to them: the calibrated curves predict a pass
+# within ~30 % (prompt chunks of other sizes, attention over longer caches), while a team that lost a core is
+# 2-100x slower. Back to more threads as soon as they are cheaper (the calibrated choice).
+SWITCH_MARGIN = 1.5
 STALE_S = 1.0  # a ratio older than this is replaced by the next measurement, not averaged with it
 EXPLORE_S = 4.0  # first retry of a losing count after this long; doubled each time it loses again
 MAX_EXPLORE_S = 32.0  # at most this long; a retry that loses costs one slow pass (up to ~1 s when contended)
@@ -65,7 +68,7 @@ class ThreadGovernor:
 
     def choose(self, rows: int, idle_cores: float | None = None) -> int:
         """The thread count for a pass of `rows` rows: a loser due for a retry, else the cheapest expected
-        (moving away from the current count only past SWITCH_MARGIN). idle_cores: the machine's idle cores
+        (moving to fewer threads only past SWITCH_MARGIN). idle_cores: the machine's idle cores
         lately (None = unknown)."""
         now = self._clock()
         for arm in self.arms.values():
@@ -77,12 +80,15 @@ class ThreadGovernor:
             if since >= arm.wait_s or (idle and since >= max(IDLE_RETRY_S, arm.wait_s / 8)):
                 arm.tried = now
                 return arm.threads
-        cur = self.arms[self.current]
         best = min(self.arms.values(), key=lambda a: a.expected_ms(rows))
-        if best.threads != self.current and best.expected_ms(rows) * SWITCH_MARGIN < cur.expected_ms(rows):
+        if best.threads != self.current and self._better(best, rows):
             self.current = best.threads
             self.switches += 1
         return self.current
+
+    def _better(self, arm: _Arm, rows: int) -> bool:
+        margin = SWITCH_MARGIN if arm.threads < self.current else 1.0
+        return arm.expected_ms(rows) * margin < self.arms[self.current].expected_ms(rows)
 
     def record(self, threads: int, rows: int, ms: float) -> None:
         """A pass of `rows` rows took `ms` with `threads` threads."""
@@ -94,8 +100,7 @@ class ThreadGovernor:
         arm.ratio = ratio if now - arm.seen > STALE_S else (1 - ALPHA) * arm.ratio + ALPHA * ratio
         arm.seen = now
         if threads != self.current:  # a retry: back off while it loses, retry soon again once it wins
-            wins = arm.expected_ms(rows) * SWITCH_MARGIN < self.arms[self.current].expected_ms(rows)
-            arm.wait_s = EXPLORE_S if wins else min(2 * arm.wait_s, MAX_EXPLORE_S)
+            arm.wait_s = EXPLORE_S if self._better(arm, rows) else min(2 * arm.wait_s, MAX_EXPLORE_S)
 
     def expected_ms(self, rows: int) -> float:
         """What a pass of `rows` rows costs now with the current count (calibrated cost x measured slowdown)."""

@@ -146,25 +146,14 @@ def test_idle_meter_without_proc_stat(tmp_path):
 
 
 @pytest.mark.model
-def test_logits_do_not_depend_on_the_thread_count(tm32):
+@pytest.mark.parametrize("dtype", ["fp32", "q4_1"])
+def test_logits_do_not_depend_on_the_thread_count(dtype, tm32, tmq4):
     """The governor may change the count between any two passes of a request: lossless only if a pass's logits are
-    bit-identical at every count (each output element is reduced by one thread, in one order)."""
-    import torch
+    bit-identical at every count (the lean kernels reduce each output element on one thread, in one order). The
+    server checks this at start-up and keeps the count fixed where it does not hold."""
+    from generation_service.model import same_logits_at
 
-    from generation_service.model import forward, new_cache
-
-    before = torch.get_num_threads()
-    outs = []
-    try:
-        for threads in (2, 1):
-            torch.set_num_threads(threads)
-            cache = new_cache(tm32, 256)
-            outs.append([forward(tm32, torch.arange(100, 300), cache), forward(tm32, torch.tensor([5]), cache),
-                         forward(tm32, torch.tensor([7, 8, 9]), cache)])
-    finally:
-        torch.set_num_threads(before)
-    for two, one in zip(*outs):
-        assert torch.equal(two, one)  # Not merely close
+    assert same_logits_at(tm32 if dtype == "fp32" else tmq4, [2, 1])
 
 
 def _choice(threads: int):
@@ -190,3 +179,17 @@ def test_server_builds_a_governor_only_for_measured_counts(flags, threads, expec
     assert (None if g is None else sorted(g.arms)) == expected
     if g is not None:
         assert g.current == threads and g.arms[1].cost.pass_ms(1) == pytest.approx(11.3)  # Not fp32's curve
+
+
+@pytest.mark.parametrize("bf16_prefill, prefill_bf16_ms, expected_200", [
+    (True, 219.0, 219.0),    # prompt chunks in bf16: their measured cost, Not decode rows extrapolated (542)
+    (False, 219.0, 315.0),   # fp32 prompt linears
+    (True, 0.0, 315.0),      # bf16 not measured here: the fp32 prompt
+])
+def test_pass_cost_predicts_prompt_passes(bf16_prefill, prefill_bf16_ms, expected_200):
+    from generation_service.calibrate import CostCurve
+
+    c = CostCurve("q4_1", 2, (1, 32, 64), (7.7, 82.0, 169.6), prefill_ms=315.0, prefill_bf16_ms=prefill_bf16_ms)
+    cost = c.pass_cost(bf16_prefill)
+    assert float(cost.pass_ms(200)) == pytest.approx(expected_200)
+    assert float(cost.pass_ms(1)) == pytest.approx(7.7) and float(cost.pass_ms(64)) == pytest.approx(169.6)

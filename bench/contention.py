@@ -87,13 +87,13 @@ def main(argv: list[str] | None = None) -> None:
     cores = len(os.sched_getaffinity(0))
     settings = [(f"{cores} threads, fixed", ["--threads", str(cores)]), ("1 thread, fixed", ["--threads", "1"]),
                 ("adaptive (default flags)", [])]
-    out = {"command": "python -m bench.contention " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "machine": machine(), "loadavg_start": list(os.getloadavg()), "tokens": args.tokens,
+    out = {"command": " ".join(["python -m bench.contention", *(argv if argv is not None else sys.argv[1:])]),
+           "machine": {**machine(), "loadavg_start": list(os.getloadavg())}, "tokens": args.tokens,
            "rounds": args.rounds, "settings": []}
     with tqdm(total=len(settings) * len(args.phases) * args.rounds, desc="contention", unit="req") as bar:
         for name, extra in settings:
             out["settings"].append(run_setting(name, extra, args, bar))
-            out["loadavg_end"] = list(os.getloadavg())
+            out["machine"]["loadavg_end"] = list(os.getloadavg())
             write_json(Path(args.json), out)
     for s in out["settings"]:
         print(f"{s['setting']:28s}", "  ".join(f"busy {p['busy_processes']}: {p['median_ms_per_token']:.1f}"

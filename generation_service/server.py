@@ -492,7 +492,9 @@ def build_server(cfg: GenerationConfig, *, tm=None) -> tuple[RunningServer, Gene
         rag = ralm_service.RagBackend.open(cfg)
         if rag is not None:
             running.closers.append(rag.close)
-        governor = thread_governor(cfg, choice, served_prefill_precision(tm) == "bf16")
+        governor = None  # on a GPU the CPU threads do not run the passes
+        if tm.device.type == "cpu":
+            governor = thread_governor(cfg, choice, served_prefill_precision(tm) == "bf16")
         if governor is not None and not model_thread.call(same_logits_at, tm, sorted(governor.arms)):
             log.warning("logits differ between %s threads here: the thread count stays at %d (changing it between "
                         "passes would break speculative == autoregressive)", sorted(governor.arms), threads)

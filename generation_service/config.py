@@ -27,8 +27,8 @@ FLAG_HELP = {
     "calibration": "start-up cost measurement: auto (cached per machine) | force (measure again) | off",
     "device": "auto | cpu | cuda",
     "threads": "torch intra-op threads (0 = the fastest measured count)",
-    "adaptive_threads": "with --threads 0: run each pass with fewer threads while other processes keep the cores "
-                        "busy (measured pass times; a 2-thread pass waits at every barrier for a preempted thread)",
+    "adaptive_threads": "with --threads 0: fewer threads per pass while other processes keep the cores busy "
+                        "(measured pass times)",
     "retrieval": "retrieval service target(s): host:port, a comma list, or dns:///name:port (\"\" = no drafts)",
     "draft_timeout_ms": "deadline of one Draft call; a slower draft is skipped and that step decodes AR",
     "retry_after_s": "after a failed Draft call, skip drafting this long before trying again",

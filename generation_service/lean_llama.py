@@ -129,6 +129,23 @@ class KVSlab:
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.slots, self.capacity = slots, capacity
+        # Per slot, rows [0, finite) hold finite numbers: written by a pass (now or by an earlier occupant), or
+        # zeroed. The grouped attention (_SlabGroup) reads every slot up to its longest member and masks the rest,
+        # but a masked row still multiplies its value by 0, and 0 x NaN from uninitialized memory is NaN; so rows
+        # no pass ever wrote are zeroed the first time a group reads them (once per row over the slab's life).
+        self._finite = [0] * slots
+
+    def mark_written(self, slot: int, rows: int) -> None:
+        self._finite[slot] = max(self._finite[slot], rows)
+
+    @torch.inference_mode()
+    def ensure_finite(self, lo: int, hi: int, rows: int) -> None:
+        """Slots lo..hi-1 hold finite numbers in rows [0, rows) (rows beyond what any pass wrote are zeroed)."""
+        for slot in range(lo, hi):
+            if self._finite[slot] < rows:
+                self.k[:, slot, :, self._finite[slot]:rows] = 0
+                self.v[:, slot, :, self._finite[slot]:rows] = 0
+                self._finite[slot] = rows
 
     def cache(self, slot: int) -> KVCache:
         """An empty cache living in `slot` (fixed capacity)."""
@@ -143,6 +160,7 @@ class KVSlab:
         self.k[:, slot, :, :n] = cache.k[:, :, :n]
         self.v[:, slot, :, :n] = cache.v[:, :, :n]
         cache.k, cache.v, cache.slot = self.k[:, slot], self.v[:, slot], slot
+        self.mark_written(slot, n)
 
 
 @dataclass
@@ -351,6 +369,13 @@ class LeanLlama:
         return logits
 
     def _forward(self, segments: "Sequence[Segment]", bf16: bool = False) -> list[torch.Tensor]:
+        out = self._forward_rows(segments, bf16)
+        for s in segments:
+            if s.cache.slab is not None:
+                s.cache.slab.mark_written(s.cache.slot, s.cache.length)
+        return out
+
+    def _forward_rows(self, segments: "Sequence[Segment]", bf16: bool = False) -> list[torch.Tensor]:
         qs = [s.ids.shape[0] for s in segments]
         if self.fused is not None and sum(qs) < self.fused_max_rows and not bf16:
             return self._forward_fused(segments, qs)
@@ -539,6 +564,7 @@ class _SlabGroup:
         self.mask = mask[:, None, None].expand(n_slots, Hkv, G, self.qmax, self.smax).reshape(
             n_slots * Hkv, G * self.qmax, self.smax)
         self.n_slots = n_slots
+        self.slab.ensure_finite(self.lo, hi, self.smax)
 
     def attend(self, model: "LeanLlama", i: int, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor
                ) -> torch.Tensor:

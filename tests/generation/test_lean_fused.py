@@ -9,6 +9,7 @@ branch, and a ragged batch of several sequences (own caches and slab slots) with
 
 from __future__ import annotations
 
+import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -57,10 +58,13 @@ def _mask(past: int, q: int, rng) -> torch.Tensor:
     return tree_mask(parents, past, torch.float32)[0, 0]  # [q, past + q]: the root row, then the draft nodes
 
 
-def _run(lean, seqs: list[Seq], slab: bool, seed: int = 0):
+def _run(lean, seqs: list[Seq], slab: bool, seed: int = 0, garbage: float | None = None):
     rng = np.random.default_rng(seed)
     store = KVSlab(len(lean.layers), lean.kv_heads, lean.head_dim, len(seqs), 1024, torch.float32,
                    torch.device("cpu")) if slab else None
+    if store is not None and garbage is not None:  # what uninitialized memory may hold
+        store.k.fill_(garbage)
+        store.v.fill_(garbage)
     caches, segments = [], []
     for j, s in enumerate(seqs):
         cache = store.cache(j) if slab else lean.new_cache(64)
@@ -97,6 +101,20 @@ def test_fused_equals_ops_path(lean, name, slab):
         n = s.past + s.q
         assert torch.allclose(ca.k[:, :, :n], cb.k[:, :, :n], atol=ATOL, rtol=0)
         assert torch.allclose(ca.v[:, :, :n], cb.v[:, :, :n], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("garbage", [float("nan"), float("inf"), 1e30])
+def test_slab_garbage_never_reaches_the_logits(lean, garbage):
+    """A slab comes from torch.empty: rows no pass wrote yet may hold anything. The grouped attention reads slots
+    up to the longest member and masks the rest, and a masked row's value still gets multiplied by 0."""
+    seqs = SCENARIOS["ragged batch"]
+    want, _ = _run(lean, seqs, slab=False)
+    for path in (contextlib.nullcontext, lambda: ops_path(lean)):
+        with path():
+            got, _ = _run(lean, seqs, slab=True, garbage=garbage)
+        for a, b in zip(want, got):
+            assert torch.isfinite(b).all()  # Not NaN from 0 x NaN
+            assert torch.allclose(a, b, atol=ATOL, rtol=0)
 
 
 def test_fused_feeds_the_hidden_sink(lean):

@@ -525,11 +525,12 @@ def serve(cfg: GenerationConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = GenerationConfig.from_args(argv)
+    cfg.configure_logging()
     # Process-wide, once: no model hub; no tokenizer thread pool next to torch's (the worker tokenizes one
     # request at a time, and on a small machine every extra runnable thread stalls torch's OpenMP team).
     offline_process()
-    serve(GenerationConfig.from_args(argv))
+    serve(cfg)
 
 
 if __name__ == "__main__":

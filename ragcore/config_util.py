@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 from typing import Any, Callable, ClassVar, Mapping, TypeVar
 
@@ -83,9 +84,12 @@ def from_args(cls: type[T], prefix: str, argv: list[str] | None, prog: str, desc
     return cls(**vars(ap.parse_args(argv)))
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
 # One-line help of the flags every service's gRPC shell has (metrics endpoint, auth, TLS); each service's
 # FLAG_HELP includes it.
 SHELL_FLAG_HELP = {
+    "log_level": "log verbosity: debug | info | warning | error (debug adds per-step decisions, e.g. RaLM round gates)",
     "metrics_port": "Prometheus /metrics HTTP port (0 = off)",
     "metrics_host": "address /metrics binds to; loopback by default (0.0.0.0 exposes it: add TLS and basic auth)",
     "metrics_tls_cert": "PEM certificate to serve /metrics over HTTPS (with --metrics-tls-key; \"\" = plain HTTP)",
@@ -110,6 +114,7 @@ class ShellConfig:
     DESCRIPTION: ClassVar[str] = ""
     FLAG_HELP: ClassVar[Mapping[str, str]] = SHELL_FLAG_HELP
 
+    log_level: str = "info"
     # Prometheus /metrics port (ragcore/metrics.py); 0 = off. It binds to loopback unless metrics_host says
     # otherwise: exposed beyond the host, give it TLS (metrics_tls_*) and basic auth (metrics_auth_file holding
     # "user:password"), or a scraper on the same network reads it unauthenticated.
@@ -126,6 +131,12 @@ class ShellConfig:
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""
+
+    def configure_logging(self) -> None:
+        """The process's log format and level; called once by the service's entry point."""
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level: {self.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+        logging.basicConfig(level=self.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     @classmethod
     def from_env(cls: type[T], env: dict[str, str] | None = None) -> T:

@@ -321,10 +321,11 @@ def serve(cfg: RetrievalConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = RetrievalConfig.from_args(argv)
+    cfg.configure_logging()
     offline_process()
     sparse.prepare_process()
-    serve(RetrievalConfig.from_args(argv))
+    serve(cfg)
 
 
 if __name__ == "__main__":

@@ -49,3 +49,31 @@ def test_help_lists_flag_default_and_env(module, cls, table, prefix):
             shown = '""' if f.default == "" else str(f.default)
             assert f"[default {shown};" in line, line
     assert "(undocumented)" not in out.stdout
+
+
+# (flag value, the root logger's level after configure_logging or the error naming the field)
+LOG_LEVEL_CASES = [
+    ("debug", 10, None),
+    ("info", 20, None),
+    ("error", 40, None),
+    ("INFO", None, "log_level"),  # the flags are lower case, like every other choice
+    ("loud", None, "log_level"),
+]
+
+
+@pytest.mark.parametrize("module,cls,table,prefix", SERVERS, ids=[s[0] for s in SERVERS])
+@pytest.mark.parametrize("value,level,error", LOG_LEVEL_CASES, ids=[c[0] for c in LOG_LEVEL_CASES])
+def test_log_level(module, cls, table, prefix, value, level, error, monkeypatch):
+    import logging
+
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [])  # basicConfig only configures a root logger without handlers
+    monkeypatch.setattr(root, "level", root.level)
+    cfg = cls.from_args(["--log-level", value])
+    if error:
+        with pytest.raises(ValueError, match=error):
+            cfg.configure_logging()
+        return
+    cfg.configure_logging()
+    assert root.level == level
+    assert root.level != logging.WARNING or value == "warning"  # not Python's default left in place

@@ -13,6 +13,12 @@ Search over gRPC on loopback, exactly as generation_service does. Prompts are th
 changes from other work on the machine hit every config alike); latency is the wall time of the whole request
 (prefill included). `identical` counts requests whose tokens equal the baseline's.
 
+--serve measures the product path instead: both services started as a user starts them (tools.launcher, default
+flags, the retrieval service serving the datastore's keys, the worker its values) and every request a `Generate`
+call with `GenerateRequest.knnlm`; R/G/S come from the reply's KnnLmStats. Then the worker's own choices apply
+(model format and threads, per-pass thread adaptation beside the Search, its OS³ settings), which an in-process
+run does not have: there, passes beside an async verification run a 2-thread team against the Search's core.
+
 G/R split (from KnnLmStats): R = Search calls (wire included) and the true distributions, G = single-token LM
 passes, S = speculation (cache look-ups and fills). Speculation pays when R dominates and a batched Search of s
 queries costs much less than s single ones.
@@ -29,6 +35,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -94,18 +101,68 @@ class RetrievalProcess:
 
 # -------------------------------------------------------------------------------------------- latency
 
-def run_latency(tm, backend: KnnBackend, prompts: list[np.ndarray], ks: list[int], configs: list[str],
-                retriever: str, args) -> dict:
+# One request: (prompt, max new tokens, options) -> (tokens, the KnnLmStats fields this benchmark keeps).
+Runner = Callable[[np.ndarray, int, KnnLmOptions], tuple[list[int], dict]]
+STAT_FIELDS = ("retrieval_ms", "generation_ms", "speculation_ms", "prefill_ms", "kb_calls", "kb_queries",
+               "speculated", "correct", "rollbacks", "wasted_passes")
+
+
+def in_process_runner(tm, backend: KnnBackend, os3_gamma_max: float) -> Runner:
+    os3 = replace(KNN_OS3, gamma_max=os3_gamma_max)
+
+    def run(prompt: np.ndarray, max_new: int, opts: KnnLmOptions) -> tuple[list[int], dict]:
+        params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+        tokens, st = generate_tokens(tm, prompt, params, opts, backend, os3=os3 if opts.stride == 0 else None)
+        return tokens, {**{f: getattr(st, f) for f in STAT_FIELDS}, "overlapped": st.overlapped,
+                        "strides": list(st.strides)}
+    return run
+
+
+class ServedKnn:
+    """Both services started as a user starts them (tools.launcher, default flags), requests over gRPC."""
+
+    def __init__(self, datastore: Path, dtype: str):
+        import tempfile
+
+        from generation_service.client import GenerationClient
+        from tools import launcher
+
+        self.launcher = launcher
+        self.state = Path(tempfile.mkdtemp(prefix="bench-knnlm-")) / "launcher.json"
+        topo = launcher.up(dtype=dtype, state=self.state, timeout_s=1800,
+                           extra_retrieval=["--kb-knn-datastores", str(datastore)],
+                           extra_generation=["--knnlm-datastore", str(datastore)])
+        self.client = GenerationClient(topo.get("generation").address)
+        info = self.client.info()
+        self.setup = {"dtype": info.dtype, "threads": info.threads, "calibration": info.calibration,
+                      "worker_cpu": info.cpu, "logs": str(self.state.parent / "logs")}
+
+    def run(self, prompt: np.ndarray, max_new: int, opts: KnnLmOptions) -> tuple[list[int], dict]:
+        from proto import generation_pb2
+
+        req = generation_pb2.KnnLmOptions(retriever=opts.retriever, k=opts.k, knn_weight=opts.lam,
+                                          temperature=opts.temperature, speculate=opts.speculate,
+                                          stride=opts.stride, async_verify=opts.async_verify)
+        reply = self.client.generate(prompt_tokens=[int(t) for t in prompt], max_new_tokens=max_new,
+                                     ignore_eos=True, knnlm=req, timeout=900)
+        st = reply.stats.knnlm
+        return list(reply.token_ids), {**{f: getattr(st, f) for f in STAT_FIELDS}, "overlapped": 0,
+                                       "strides": list(st.strides)}
+
+    def close(self) -> None:
+        self.client.close()
+        self.launcher.down(state=self.state)
+
+
+def run_latency(run: Runner, prompts: list[np.ndarray], ks: list[int], configs: list[str], retriever: str,
+                args) -> dict:
     """-> {"<k>": {"<config>": {...}}} for one retriever; configs interleaved per prompt and k."""
     from tqdm import tqdm
 
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
-    os3 = replace(KNN_OS3, gamma_max=args.os3_gamma_max)
     rows: dict[str, dict[str, list[dict]]] = {str(k): {c: [] for c in configs} for k in ks}
     # Warm-up: the first requests pay for page faults of the keys and the model's first passes.
     for c in ("base", "s4"):
-        generate_tokens(tm, prompts[0], SamplingParams(max_new_tokens=4, ignore_eos=True),
-                        config_options(c, retriever, ks[-1], args.lam, args.temperature), backend)
+        run(prompts[0], 4, config_options(c, retriever, ks[-1], args.lam, args.temperature))
     bar = tqdm(total=len(prompts) * len(ks) * len(configs), desc=f"latency {retriever}", unit="req")
     for prompt in prompts:
         for k in ks:
@@ -113,17 +170,14 @@ def run_latency(tm, backend: KnnBackend, prompts: list[np.ndarray], ks: list[int
             for c in configs:  # "base" first (validated in main), so every config is compared with its run
                 opts = config_options(c, retriever, k, args.lam, args.temperature)
                 t0 = time.perf_counter()
-                tokens, st = generate_tokens(tm, prompt, params, opts, backend, os3=os3 if opts.stride == 0 else None)
+                tokens, st = run(prompt, args.max_new_tokens, opts)
                 latency = time.perf_counter() - t0
                 if c == "base":
                     base_tokens = tokens
-                rows[str(k)][c].append({
-                    "latency_s": latency, "identical": tokens == base_tokens, "tokens": len(tokens),
-                    "retrieval_ms": st.retrieval_ms, "generation_ms": st.generation_ms,
-                    "speculation_ms": st.speculation_ms, "prefill_ms": st.prefill_ms, "kb_calls": st.kb_calls,
-                    "kb_queries": st.kb_queries, "speculated": st.speculated, "correct": st.correct,
-                    "rollbacks": st.rollbacks, "wasted_passes": st.wasted_passes, "overlapped": st.overlapped,
-                    "mean_stride": float(np.mean(st.strides)) if st.strides else 0.0})
+                strides = st.pop("strides")
+                rows[str(k)][c].append({"latency_s": latency, "identical": tokens == base_tokens,
+                                        "tokens": len(tokens), **st,
+                                        "mean_stride": float(np.mean(strides)) if strides else 0.0})
                 bar.update(1)
     bar.close()
     out: dict = {}
@@ -265,8 +319,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ppl-window", type=int, default=256)
     ap.add_argument("--ppl-k", type=int, default=1024)
     ap.add_argument("--ppl-batch", type=int, default=32)
+    ap.add_argument("--serve", action="store_true",
+                    help="the product path: start both services with default flags (tools.launcher) and send every "
+                         "request as Generate with GenerateRequest.knnlm (no perplexity, --threads, --omp-threads or "
+                         "--os3-gamma-max: the services' defaults)")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
+    if args.serve and (args.ppl_tokens or args.threads or args.omp_threads != 1
+                       or args.os3_gamma_max != KNN_OS3.gamma_max or args.dtype not in ("auto", "")):
+        raise SystemExit("--serve starts its own services with default flags: no --ppl-tokens (use 0), --threads, "
+                         "--omp-threads, --os3-gamma-max or --dtype")
     args.lam = args.lam if args.lam == "auto" else float(args.lam)
     args.temperature = args.temperature if args.temperature == "auto" else float(args.temperature)
     retrievers = [r.strip() for r in args.retrievers.split(",") if r.strip()]
@@ -285,8 +347,12 @@ def main(argv: list[str] | None = None) -> None:
     ds = open_datastore(args.datastore)
     held = load_held_out(args.datastore)
     prompts = [d[: args.prompt_tokens].astype(np.int64) for d in held if len(d) >= args.prompt_tokens][: args.limit]
-    tm, choice = calibrated_model("", "cpu", args.dtype, args.threads)  # what the server would serve
-    args.dtype, args.threads = choice.curve.dtype, choice.curve.threads
+    served = ServedKnn(Path(args.datastore), "") if args.serve else None
+    if served is None:
+        tm, choice = calibrated_model("", "cpu", args.dtype, args.threads)  # what the server would serve
+        args.dtype, args.threads = choice.curve.dtype, choice.curve.threads
+    else:
+        args.dtype, args.threads = served.setup["dtype"], served.setup["threads"]
     result: dict = {
         "command": "python -m bench.knnlm " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
@@ -307,6 +373,17 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--lam/--temperature auto need the perplexity run (--ppl-tokens > 0, edr retriever)")
     # Perplexity first (exact neighbours): it picks λ and T on its dev half when they are "auto", so the latency
     # runs serve the kNN-LM that actually predicts held-out text best.
+    if served is not None:
+        result["setup"].update(served=served.setup, faiss_threads="the service default", os3="the worker's")
+        result["knnlm_over"] = "grpc: Generate -> generation service -> retrieval service (tools.launcher, defaults)"
+        try:
+            for retriever in retrievers:
+                result["retrievers"][retriever] = run_latency(served.run, prompts, ks, configs, retriever, args)
+                result["loadavg_end"], result["wall_s"] = list(os.getloadavg()), time.time() - t_start
+                _atomic_json(Path(args.json), result) if args.json else None
+        finally:
+            served.close()
+        retrievers = []
     for retriever in sorted(retrievers, key=lambda r: r != "edr"):
         proc = RetrievalProcess(Path(args.datastore), retriever, args.omp_threads, Path("var"))
         try:
@@ -321,7 +398,8 @@ def main(argv: list[str] | None = None) -> None:
                     args.lam, args.temperature = ppl["lambda"], ppl["temperature"]
                     result["setup"]["lambda"], result["setup"]["temperature"] = args.lam, args.temperature
                     _atomic_json(Path(args.json), result) if args.json else None
-                result["retrievers"][retriever] = run_latency(tm, backend, prompts, ks, configs, retriever, args)
+                run = in_process_runner(tm, backend, args.os3_gamma_max)
+                result["retrievers"][retriever] = run_latency(run, prompts, ks, configs, retriever, args)
             finally:
                 backend.close()
         finally:

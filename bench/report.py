@@ -236,7 +236,10 @@ def knnlm(name: str, d: dict) -> str:
                 for c in order])
     ppl = d.get("perplexity", {})
     n = d.get("datastore", {}).get("n")
-    extra = (f"Datastore {n:,} entries. " if n else "") + \
+    served = d.get("knnlm_over")
+    extra = (f"Through the services ({served}); worker {d['setup']['served']['dtype']}, "
+             f"{d['setup']['served']['threads']} threads. " if served else "") + \
+        (f"Datastore {n:,} entries. " if n else "") + \
         f"Held-out perplexity: LM {_f(ppl.get('lm'))}, kNN-LM {_f(ppl.get('knnlm'))}. " + \
         "Latency per request in s (speed-up over base); R / G = the baseline's retrieval / generation seconds."
     return _table(["retriever", "k", "base R / G s"] + [_knn_label(c) for c in order], rows) + "\n\n" + extra + \
@@ -336,7 +339,7 @@ TABLES: dict[str, tuple[list[str], Callable[[str, dict], str]]] = {
     "kb": (["kb.json"] + sorted(p.name for p in RESULTS.glob("kb-*.json")), kb),
     "ralm": (["ralm.json"], ralm),
     "ralm-curve": (["ralm-curve.json"], ralm_curve),
-    "knnlm": (["knnlm.json", "knnlm-q4_1.json"], knnlm),
+    "knnlm": (["knnlm.json", "knnlm-q4_1.json", "knnlm-served.json"], knnlm),
     "load": (["load.json"], load),
 }
 

@@ -43,9 +43,10 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, astuple, dataclass, field, replace
 from typing import Callable, Iterator, Sequence
 
 import grpc
@@ -383,6 +384,17 @@ class KnnBackend:
 
     datastore: KnnDatastore
     client: KnnSearchClient
+    # OS³ state pooled over this backend's requests, per setting that shapes a round: a 48-token request has ~10
+    # rounds, and learning γ and the latencies from s_init again in each one spent most of them (ralm_gate pools
+    # RaLMSpec's the same way).
+    _schedulers: dict[tuple, StrideScheduler] = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def scheduler(self, opts: "KnnLmOptions", cfg: OS3Config) -> StrideScheduler:
+        """The worker's OS³ scheduler for requests with these options (the stride excepted: it is OS³'s)."""
+        key = (astuple(cfg), replace(opts, stride=0))
+        with self._lock:
+            return self._schedulers.setdefault(key, StrideScheduler(cfg))
 
     @classmethod
     def open(cls, datastore: str, target: str, index: str = "", **client_kwargs) -> "KnnBackend":
@@ -627,8 +639,7 @@ def _speculative(tm, kv, logits, hidden, max_new, eos, opts, backend, stats, can
     cache = NeighbourCache(backend.datastore, opts.cache_next, opts.cache_capacity)
     sched = None
     if opts.stride == 0:
-        cfg = os3 or KNN_OS3
-        sched = StrideScheduler(replace(cfg, async_verify=opts.async_verify))
+        sched = backend.scheduler(opts, replace(os3 or KNN_OS3, async_verify=opts.async_verify))
     prompt_len = cache_length(kv)
     n_out = 0  # tokens emitted (and yielded)
     head: tuple[torch.Tensor, np.ndarray] | None = (logits, hidden)  # LM state after the last token

@@ -148,3 +148,22 @@ def test_retrieval_down_is_an_error(tm, ds_path, prompts, speculate):
             run(tm, down, prompts["doc0"], KnnLmOptions(k=4, speculate=speculate, stride=4))
     finally:
         down.close()
+
+
+def test_os3_state_is_pooled_per_setting(backend):
+    # A worker's requests with the same settings share one OS³ scheduler (γ and latencies learned once); the
+    # stride a request asks for is OS³'s own, so it is not part of the key; other settings get their own.
+    cfg = OS3Config(s_init=2)
+    base = KnnLmOptions(k=16, speculate=True, stride=0)
+    same = [KnnLmOptions(k=16, speculate=True, stride=0), KnnLmOptions(k=16, speculate=True, stride=4)]
+    other = [KnnLmOptions(k=32, speculate=True, stride=0), KnnLmOptions(k=16, lam=0.5, speculate=True, stride=0),
+             KnnLmOptions(k=16, speculate=True, stride=0, async_verify=False)]
+    first = backend.scheduler(base, cfg)
+    for opts in same:
+        assert backend.scheduler(opts, cfg) is first
+    for opts in other:
+        assert backend.scheduler(opts, cfg) is not first
+    assert backend.scheduler(base, OS3Config(s_init=4)) is not first  # another OS³ configuration
+    first.record_verification(2, 2)
+    first.record_latency(speculation_s=0.01, verification_s=0.2)
+    assert backend.scheduler(base, cfg).gamma() is not None  # what one request learned, the next one starts from

@@ -371,8 +371,6 @@ def main(argv: list[str] | None = None) -> None:
     auto = args.lam == "auto" or args.temperature == "auto"
     if auto and (not args.ppl_tokens or "edr" not in retrievers):
         raise SystemExit("--lam/--temperature auto need the perplexity run (--ppl-tokens > 0, edr retriever)")
-    # Perplexity first (exact neighbours): it picks λ and T on its dev half when they are "auto", so the latency
-    # runs serve the kNN-LM that actually predicts held-out text best.
     if served is not None:
         result["setup"].update(served=served.setup, faiss_threads="the service default", os3="the worker's")
         result["knnlm_over"] = "grpc: Generate -> generation service -> retrieval service (tools.launcher, defaults)"
@@ -383,7 +381,9 @@ def main(argv: list[str] | None = None) -> None:
                 _atomic_json(Path(args.json), result) if args.json else None
         finally:
             served.close()
-        retrievers = []
+        retrievers = []  # measured through the services above; the in-process loop below has nothing left
+    # Perplexity first (exact neighbours): it picks λ and T on its dev half when they are "auto", so the latency
+    # runs serve the kNN-LM that actually predicts held-out text best.
     for retriever in sorted(retrievers, key=lambda r: r != "edr"):
         proc = RetrievalProcess(Path(args.datastore), retriever, args.omp_threads, Path("var"))
         try:

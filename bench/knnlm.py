@@ -299,6 +299,47 @@ def _atomic_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def _checkpoint(result: dict, args, t_start: float) -> None:
+    """After every retriever: a partial run is still a result."""
+    result["loadavg_end"], result["wall_s"] = list(os.getloadavg()), time.time() - t_start
+    if args.json:
+        _atomic_json(Path(args.json), result)
+
+
+def measure_served(served: ServedKnn, result: dict, prompts, ks, configs, retrievers, args, t_start: float) -> None:
+    result["setup"].update(served=served.setup, faiss_threads="the service default", os3="the worker's")
+    result["knnlm_over"] = "grpc: Generate -> generation service -> retrieval service (tools.launcher, defaults)"
+    for retriever in retrievers:
+        result["retrievers"][retriever] = run_latency(served.run, prompts, ks, configs, retriever, args)
+        _checkpoint(result, args, t_start)
+
+
+def measure_in_process(tm, held, result: dict, prompts, ks, configs, retrievers, args, t_start: float) -> None:
+    # Perplexity first (exact neighbours): it picks λ and T on its dev half when they are "auto", so the latency
+    # runs serve the kNN-LM that actually predicts held-out text best.
+    for retriever in sorted(retrievers, key=lambda r: r != "edr"):
+        proc = RetrievalProcess(Path(args.datastore), retriever, args.omp_threads, Path("var"))
+        try:
+            t0 = time.perf_counter()
+            proc.wait()
+            result.setdefault("retrieval_start_s", {})[retriever] = time.perf_counter() - t0
+            backend = KnnBackend.open(args.datastore, proc.address, timeout_ms=120_000)
+            try:
+                if retriever == "edr" and args.ppl_tokens:
+                    ppl = perplexity(tm, backend, held[args.limit:] + held[: args.limit], args)
+                    result["perplexity"] = ppl
+                    args.lam, args.temperature = ppl["lambda"], ppl["temperature"]
+                    result["setup"]["lambda"], result["setup"]["temperature"] = args.lam, args.temperature
+                    _atomic_json(Path(args.json), result) if args.json else None
+                run = in_process_runner(tm, backend, args.os3_gamma_max)
+                result["retrievers"][retriever] = run_latency(run, prompts, ks, configs, retriever, args)
+            finally:
+                backend.close()
+        finally:
+            proc.stop()
+        _checkpoint(result, args, t_start)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.knnlm", description=__doc__.split("\n\n")[0])
     ap.add_argument("--datastore", default=str(DEFAULT_DIR))
@@ -372,42 +413,12 @@ def main(argv: list[str] | None = None) -> None:
     if auto and (not args.ppl_tokens or "edr" not in retrievers):
         raise SystemExit("--lam/--temperature auto need the perplexity run (--ppl-tokens > 0, edr retriever)")
     if served is not None:
-        result["setup"].update(served=served.setup, faiss_threads="the service default", os3="the worker's")
-        result["knnlm_over"] = "grpc: Generate -> generation service -> retrieval service (tools.launcher, defaults)"
         try:
-            for retriever in retrievers:
-                result["retrievers"][retriever] = run_latency(served.run, prompts, ks, configs, retriever, args)
-                result["loadavg_end"], result["wall_s"] = list(os.getloadavg()), time.time() - t_start
-                _atomic_json(Path(args.json), result) if args.json else None
+            measure_served(served, result, prompts, ks, configs, retrievers, args, t_start)
         finally:
             served.close()
-        retrievers = []  # measured through the services above; the in-process loop below has nothing left
-    # Perplexity first (exact neighbours): it picks λ and T on its dev half when they are "auto", so the latency
-    # runs serve the kNN-LM that actually predicts held-out text best.
-    for retriever in sorted(retrievers, key=lambda r: r != "edr"):
-        proc = RetrievalProcess(Path(args.datastore), retriever, args.omp_threads, Path("var"))
-        try:
-            t0 = time.perf_counter()
-            proc.wait()
-            result.setdefault("retrieval_start_s", {})[retriever] = time.perf_counter() - t0
-            backend = KnnBackend.open(args.datastore, proc.address, timeout_ms=120_000)
-            try:
-                if retriever == "edr" and args.ppl_tokens:
-                    ppl = perplexity(tm, backend, held[args.limit:] + held[: args.limit], args)
-                    result["perplexity"] = ppl
-                    args.lam, args.temperature = ppl["lambda"], ppl["temperature"]
-                    result["setup"]["lambda"], result["setup"]["temperature"] = args.lam, args.temperature
-                    _atomic_json(Path(args.json), result) if args.json else None
-                run = in_process_runner(tm, backend, args.os3_gamma_max)
-                result["retrievers"][retriever] = run_latency(run, prompts, ks, configs, retriever, args)
-            finally:
-                backend.close()
-        finally:
-            proc.stop()
-        result["loadavg_end"] = list(os.getloadavg())
-        result["wall_s"] = time.time() - t_start
-        if args.json:
-            _atomic_json(Path(args.json), result)  # after every retriever: a partial run is still a result
+    else:
+        measure_in_process(tm, held, result, prompts, ks, configs, retrievers, args, t_start)
     print_table(result["retrievers"])
     if "perplexity" in result:
         p = result["perplexity"]

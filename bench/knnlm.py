@@ -39,6 +39,7 @@ from typing import Callable
 
 import numpy as np
 
+from generation_service.config import DTYPE_CHOICES
 from generation_service.knnlm import KNN_OS3, KnnBackend, KnnLmOptions, _output_layer_input, generate_tokens
 from generation_service.sampling import SamplingParams
 from ragcore.knn_store import DEFAULT_DIR, load_held_out, open_datastore
@@ -352,7 +353,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lam", default="auto", help="λ, or auto = the perplexity run's dev-set choice")
     ap.add_argument("--temperature", default="auto", help="T, or auto = the perplexity run's dev-set choice")
     ap.add_argument("--os3-gamma-max", type=float, default=KNN_OS3.gamma_max)
-    ap.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32", "q4_1"),
+    ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                     help="auto = the worker's calibrated choice on this machine (the serving default)")
     ap.add_argument("--threads", type=int, default=0, help="model threads of the worker side; 0 = calibrated")
     ap.add_argument("--omp-threads", type=int, default=1, help="faiss threads of the retrieval service")

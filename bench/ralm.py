@@ -37,6 +37,7 @@ import numpy as np
 from tqdm import tqdm
 
 from bench.serving import machine
+from generation_service.config import DTYPE_CHOICES
 from generation_service.kb_client import KBClient
 from generation_service.ralm import RagParams, RagStats, passage_budget, ralm_decode
 from generation_service.ralm_cache import PassageCache
@@ -290,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="the product path: start both services with default flags (tools.launcher) and send every "
                          "request to the generation service over gRPC")
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
-    ap.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32", "q4_1"),
+    ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                     help="auto = the worker's calibrated choice on this machine (the serving default)")
     ap.add_argument("--threads", type=int, default=0, help="model threads; 0 = the calibrated choice")
     ap.add_argument("--retrievers", default="edr,adr,sr")

@@ -301,7 +301,10 @@ def auto_formats(model_dir: Path, device: torch.device) -> tuple[str, ...]:
         q4_weights.find_gguf(model_dir)
     except FileNotFoundError:
         return ()
-    return ("q4_1",) if kernel() is not None else ()
+    k = kernel()
+    if k is None:
+        return ()
+    return ("q4_1", "q4_1_bf16") if k.amx() else ("q4_1",)
 
 
 def candidate_dtypes(device: torch.device) -> list[str]:
@@ -692,8 +695,9 @@ def main(argv: list[str] | None = None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="", help="local HF model directory (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default: auto)")
-    ap.add_argument("--dtype", default="auto", help="auto | bf16 | fp32 | q4_1: restrict the choice; auto "
-                    "measures q4_1 too when the model has its Q4_1 GGUF (default: auto)")
+    ap.add_argument("--dtype", default="auto", help="auto | bf16 | fp32 | q4_1 | q4_1_bf16: restrict the "
+                    "choice; auto measures q4_1 too when the model has its Q4_1 GGUF, and q4_1_bf16 where the CPU "
+                    "has AMX (default: auto)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads to restrict the choice to (0 = any)")
     ap.add_argument("--prefill-precision", default="auto", choices=("auto", "fp32", "bf16"),
                     help="linears of prompt chunks: auto (bf16 where measured faster) | fp32 | bf16 (default: auto)")

@@ -13,6 +13,9 @@ DECODING_MODES = ("ar", "pld", "rest-ds", "rest", "knnlm", "crest")
 PREFILL_PRECISIONS = ("auto", "fp32", "bf16")
 
 
+# --dtype values (model.DTYPES and model.WEIGHT_FORMATS, named here without importing torch).
+DTYPE_CHOICES = ("auto", "bf16", "fp32", "q4_1", "q4_1_bf16")
+
 # One line per flag for `--help` (ragcore/config_util.py adds the default and the environment variable). Kept
 # out of the class so adding a field and describing it are separate one-line edits.
 FLAG_HELP = {
@@ -20,7 +23,8 @@ FLAG_HELP = {
     "port": "gRPC port (0 = a free port)",
     "model": "local Hugging Face model directory (\"\" = SmolLM2-135M-Instruct, prepared on first use)",
     "dtype": "auto (the fastest measured here; q4_1 among them when the model has its Q4_1 GGUF) | bf16 | fp32 | "
-             "q4_1 (the GGUF's exact 4-bit weights, lean forward only)",
+             "q4_1 (the GGUF's exact 4-bit weights, lean forward only) | q4_1_bf16 (the same weights, bf16 "
+             "activations on AMX tiles: Sapphire Rapids or later)",
     "forward": "auto (lean for Llama-family models, else transformers) | lean | hf",
     "prefill_precision": "linears of prompt chunks: auto (bf16 where calibration measures it faster) | fp32 | bf16; "
                          "decode rows keep the serving dtype, so speculation stays lossless",
@@ -78,7 +82,9 @@ class GenerationConfig(config_util.ShellConfig):
     model: str = ""
     # auto = the fastest on this machine, measured at start (calibrate.py; cached in RAGSERVE_HOME) | bf16 | fp32 |
     # q4_1 (the GGUF's 4-bit weights, exactly; fp32 activations; a candidate of auto only for a model whose directory
-    # has its Q4_1 GGUF, the default model's included: calibrate.auto_formats)
+    # has its Q4_1 GGUF, the default model's included: calibrate.auto_formats) | q4_1_bf16 (the same weights, bf16
+    # activations on AMX tiles, which make a pass over 16-96 rows cost what one row does; a candidate of auto where the
+    # CPU has AMX)
     dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     threads: int = 0  # torch intra-op threads; 0 = the fastest measured count
@@ -146,8 +152,8 @@ class GenerationConfig(config_util.ShellConfig):
     kb_spec_timeout_ms: float = 2_000.0
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "bf16", "fp32", "q4_1"):
-            raise ValueError(f"dtype: {self.dtype!r} is not auto, bf16, fp32 or q4_1")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype: {self.dtype!r} is not one of {', '.join(DTYPE_CHOICES)}")
         if self.prefill_precision not in PREFILL_PRECISIONS:
             raise ValueError(f"prefill_precision: {self.prefill_precision!r} is not auto, fp32 or bf16")
         if self.forward not in ("auto", "lean", "hf"):

@@ -98,10 +98,11 @@ class LeanForward {
   LeanForward(torch::Tensor embed, std::vector<torch::Tensor> ln1, std::vector<torch::Tensor> wqkv,
               std::vector<torch::Tensor> wo, std::vector<torch::Tensor> ln2, std::vector<torch::Tensor> wgu,
               std::vector<torch::Tensor> wd, torch::Tensor norm, torch::Tensor head, int64_t heads, int64_t kv_heads,
-              int64_t head_dim, double eps)
+              int64_t head_dim, double eps, bool bf16_amx)
       : embed_(embed.contiguous()), ln1_(ln1), wqkv_(wqkv), wo_(wo), ln2_(ln2), wgu_(wgu), wd_(wd),
         norm_(norm.contiguous()), head_(head.contiguous()), H_(heads), Hkv_(kv_heads), D_(head_dim),
-        eps_((float)eps), scale_(1.0f / std::sqrt((float)head_dim)) {
+        eps_((float)eps), scale_(1.0f / std::sqrt((float)head_dim)), amx_(bf16_amx) {
+    TORCH_CHECK(!amx_ || amx_available(), "bf16_amx: AMX tiles are not available here");
     TORCH_CHECK(embed_.scalar_type() == torch::kFloat32 && embed_.dim() == 2, "embed must be float32 [V, hidden]");
     const size_t L = ln1.size();
     TORCH_CHECK(wqkv.size() == L && wo.size() == L && ln2.size() == L && wgu.size() == L && wd.size() == L,
@@ -152,14 +153,14 @@ class LeanForward {
     float* xp = x.data_ptr<float>();
     for (size_t i = 0; i < ln1_.size(); ++i) {
       rms_norm(xp, ln1_[i].data_ptr<float>(), h.data_ptr<float>(), N, Hd, eps_);
-      torch::Tensor qkv = block_linear(h, wqkv_[i]);  // [N, (H + 2 Hkv) D]
+      torch::Tensor qkv = block_linear(h, wqkv_[i], amx_);  // [N, (H + 2 Hkv) D]
       float* qp = qkv.data_ptr<float>();
       for (int64_t n = 0; n < N; ++n)
         rope(qp + n * wq, H + Hkv, D, cp + pos[n] * D, sp + pos[n] * D);  // q and k heads are adjacent
       attend_all(i, segs, qp, wq, o.data_ptr<float>());
-      add_into(x, block_linear(o, wo_[i]));
+      add_into(x, block_linear(o, wo_[i], amx_));
       rms_norm(xp, ln2_[i].data_ptr<float>(), h.data_ptr<float>(), N, Hd, eps_);
-      torch::Tensor gu = block_linear(h, wgu_[i]);  // [N, 2 I]
+      torch::Tensor gu = block_linear(h, wgu_[i], amx_);  // [N, 2 I]
       const int64_t I = gu.size(1) / 2;
       torch::Tensor act = torch::empty({N, I}, x.options());
       const float* g = gu.data_ptr<float>();
@@ -169,7 +170,7 @@ class LeanForward {
           const float gv = g[n * 2 * I + j];
           a[n * I + j] = gv / (1.0f + std::exp(-gv)) * g[n * 2 * I + I + j];
         }
-      add_into(x, block_linear(act, wd_[i]));
+      add_into(x, block_linear(act, wd_[i], amx_));
     }
     // The rows whose logits are asked for, normed.
     std::vector<int64_t> keep;
@@ -180,7 +181,7 @@ class LeanForward {
     torch::Tensor sel = (int64_t)keep.size() == N ? x : x.index_select(0, torch::tensor(keep, ids.options()));
     torch::Tensor fin = torch::empty_like(sel);
     rms_norm(sel.data_ptr<float>(), norm_.data_ptr<float>(), fin.data_ptr<float>(), sel.size(0), Hd, eps_);
-    return {block_linear(fin, head_), fin};
+    return {block_linear(fin, head_, amx_), fin};
   }
 
  private:
@@ -215,7 +216,11 @@ class LeanForward {
     for (size_t j = 0; j < segs.size(); ++j) {
       write_kv(i, segs[j], qkv, wq);
       const int64_t S = segs[j].past + segs[j].q;
-      if (segs[j].q * S * H > kLoopAttentionWork) {
+      // With bf16 activations (amx_) the next linear rounds every row to bf16, which turns the last-bit differences
+      // between the loop and the matmul into visible ones; so decode rows (an AR step, a draft tree) always take
+      // the loops, and a row gets the same bits in any pass. Prompt chunks (causal, several rows) may take the matmul.
+      const bool decode_rows = segs[j].mask.defined() || segs[j].q == 1;
+      if (segs[j].q * S * H > kLoopAttentionWork && !(amx_ && decode_rows)) {
         attend_matmul(i, segs[j], qkv, wq, o);
         continue;
       }
@@ -301,6 +306,7 @@ class LeanForward {
   torch::Tensor norm_, head_;
   int64_t H_, Hkv_, D_, hidden_ = 0;
   float eps_, scale_;
+  bool amx_;  // linears with bf16 activations on AMX tiles (the q4_1_bf16 format)
 };
 
 }  // namespace
@@ -310,6 +316,10 @@ void bind_lean_forward(pybind11::module_& m) {
       .def(pybind11::init<torch::Tensor, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t,
-                          double>())
+                          double, bool>(),
+           pybind11::arg("embed"), pybind11::arg("ln1"), pybind11::arg("wqkv"), pybind11::arg("wo"),
+           pybind11::arg("ln2"), pybind11::arg("wgu"), pybind11::arg("wd"), pybind11::arg("norm"),
+           pybind11::arg("head"), pybind11::arg("heads"), pybind11::arg("kv_heads"), pybind11::arg("head_dim"),
+           pybind11::arg("eps"), pybind11::arg("bf16_amx") = false)
       .def("forward", &LeanForward::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -1,7 +1,7 @@
 """The CPU kernel extension: built once per machine, loaded, or reported missing.
 
 Two sources, one module: q4_kernel.cpp (linears straight from GGUF blocks, Q4_1 / Q8_0, and the same tiling over
-dense fp32 weights) and lean_forward.cpp (LeanForward: the whole decoder pass of lean_llama.py in one call).
+dense fp32 weights; on CPUs with AMX also the bf16-activation path of the q4_1_bf16 format) and lean_forward.cpp (LeanForward: the whole decoder pass of lean_llama.py in one call).
 
 Built with torch's C++ extension loader (g++ and ninja) for this CPU (-march=native: AVX-512 here, AVX2 on an AVX2
 box, scalar elsewhere), into $RAGSERVE_HOME/kernels/<hash of source, torch version, compiler flags, CPU flags>/,
@@ -40,6 +40,9 @@ _LDFLAGS = ("-fopenmp",)
 # Prebuilt variants (`--prebuild`, the container images): x86-64 microarchitecture levels as GCC names them, each
 # with the /proc/cpuinfo flags a CPU needs to run code built for it. The best level this CPU has is loaded.
 LEVELS = {
+    # x86-64-v4 + AMX tiles and AVX512-BF16 (the q4_1_bf16 format's kernel): Sapphire Rapids and later.
+    "sapphirerapids": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "f16c", "bmi2",
+                       "movbe", "avx512_bf16", "amx_tile", "amx_bf16"),
     "x86-64-v4": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "f16c", "bmi2", "movbe"),
     "x86-64-v3": ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"),
 }

@@ -48,6 +48,7 @@ import torch
 from tqdm import tqdm
 
 from generation_service.calibrate import calibrated_model
+from generation_service.config import DTYPE_CHOICES
 from generation_service.model import load_model, set_threads
 from ragcore.knn_store import (
     DEFAULT_DIR,
@@ -480,7 +481,7 @@ def main(argv: list[str] | None = None) -> None:
                                              "states, values = next tokens) over the docs corpus.")
     ap.add_argument("--out", default=str(DEFAULT_DIR))
     ap.add_argument("--model", default="", help="local HF model directory ('' = default SmolLM2-135M-Instruct)")
-    ap.add_argument("--model-dtype", default="auto", choices=("auto", "bf16", "fp32", "q4_1"),
+    ap.add_argument("--model-dtype", default="auto", choices=DTYPE_CHOICES,
                     help="build with the format the worker serves with (auto = its calibrated choice here)")
     ap.add_argument("--dtype", default="float16", choices=KEY_DTYPES, help="stored key dtype")
     ap.add_argument("--sources", default="rst", help=f"comma list of {SOURCES}")

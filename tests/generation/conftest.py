@@ -22,3 +22,13 @@ def tm16(tm):
 def tmq4():
     """The q4_1 weight format (the shipped GGUF's blocks; q4_weights.py)."""
     return real_model("q4_1")
+
+
+@pytest.fixture(scope="session")
+def tmq4bf16():
+    """q4_1's blocks with bf16 activations on AMX tiles (skipped where the CPU has none)."""
+    from generation_service.q4_kernel import kernel
+
+    if kernel() is None or not kernel().amx():
+        pytest.skip("no AMX tiles on this CPU")
+    return real_model("q4_1_bf16")

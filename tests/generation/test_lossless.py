@@ -286,3 +286,9 @@ def test_hf_generate_still_works_on_the_same_model(tm32, prompts):
 def test_q4_1_identical_or_near_tie(tmq4):
     """Lossless per weight format: speculative == AR within q4_1."""
     assert_identical_or_near_tie(tmq4, n_prompts=1, max_new=32)
+
+
+@pytest.mark.model
+def test_q4_1_bf16_identical_or_near_tie(tmq4bf16):
+    """And within q4_1_bf16 (AMX): its linears give a row the same bits in any pass."""
+    assert_identical_or_near_tie(tmq4bf16, n_prompts=2, max_new=32)

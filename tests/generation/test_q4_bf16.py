@@ -1,0 +1,86 @@
+"""The q4_1_bf16 format (q4_kernel.cpp's AMX path): the GGUF's Q4_1 / Q8_0 blocks with bf16 activations on AMX tiles.
+The kernel against a brute-force matmul of the bf16-rounded operands, bit-identical rows whatever else is in the
+pass (what makes speculation and batching lossless), the real model against q4_1, and the refusal where the CPU has
+no AMX. Skipped on CPUs without AMX (the format is not offered there)."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from generation_service import q4_weights
+from generation_service.model import load_model, new_cache
+from generation_service.q4_kernel import kernel
+from generation_service.q4_weights import BlockWeight, dequantize
+from generation_service.speculative import prefill, verify_tree
+from tests.generation.test_q4 import random_blocks
+
+needs_amx = pytest.mark.skipif(kernel() is None or not kernel().amx(), reason="no AMX tiles on this CPU")
+
+
+def bf16(a: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(np.ascontiguousarray(a, np.float32)).bfloat16().double().numpy()
+
+
+@needs_amx
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.sampled_from(["q4_1", "q8_0"]), m=st.sampled_from([1, 2, 15, 16, 17, 33, 96, 97, 130]),
+       n=st.integers(1, 70), blocks=st.integers(1, 12), seed=st.integers(0, 2**32 - 1))
+def test_kernel_matches_bf16_rounded_matmul(kind, m, n, blocks, seed):
+    rng = np.random.default_rng(seed)
+    k = 32 * blocks
+    packed = random_blocks(rng, kind, n, k)
+    w = BlockWeight(kind, torch.from_numpy(packed), k, amx=True)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    got = w(torch.from_numpy(x)).numpy()
+    xr, wr = bf16(x), bf16(dequantize(kind, packed, k))
+    ref = xr @ wr.T  # products of bf16 values are exact; only the fp32 sums round
+    bound = 1e-6 * (np.abs(xr) @ np.abs(wr).T) * k ** 0.5 + 1e-30
+    assert got.shape == (m, n) and np.all(np.abs(got - ref) <= bound)
+    # Not the fp32-activation kernel's result: the activations really are rounded (for all but trivial inputs).
+    exact = x.astype(np.float64) @ dequantize(kind, packed, k).astype(np.float64).T
+    assert np.abs(got - exact).max() > 0 or np.abs(exact).max() == 0
+    # Row-invariant, bit for bit: a row alone, and the same row among others in another pass size.
+    for r in {0, m - 1, m // 2}:
+        assert np.array_equal(w(torch.from_numpy(x[r:r + 1])).numpy()[0], got[r])
+    mixed = np.concatenate([rng.standard_normal((5, k)).astype(np.float32), x[-1:]])
+    assert np.array_equal(w(torch.from_numpy(mixed)).numpy()[-1], got[-1])
+
+
+def test_q4_1_bf16_is_refused_without_amx(monkeypatch):
+    real = kernel()
+    if real is None:
+        pytest.skip("no CPU kernels here")
+    monkeypatch.setattr(q4_weights, "kernel", lambda: types.SimpleNamespace(amx=lambda: False))
+    with pytest.raises(ValueError, match="AMX"):
+        q4_weights.LeanLlamaQ4(None, [], None, amx=True)
+
+
+@needs_amx
+@pytest.mark.model
+def test_logits_near_q4_1_and_rows_invariant(tmq4bf16, tmq4):
+    rng = np.random.default_rng(0)
+    prompt = torch.from_numpy(rng.integers(0, 30000, 150))
+    kb, kq = new_cache(tmq4bf16), new_cache(tmq4)
+    a, b = prefill(tmq4bf16, kb, prompt, chunk=1024), prefill(tmq4, kq, prompt, chunk=1024)
+    # Same weights, activations rounded to bf16 before every linear: close, not equal.
+    assert not torch.equal(a, b) and (a - b).abs().max() < 0.5 and torch.equal(a.argmax(-1), b.argmax(-1))
+    parents = np.array([-1, 0, 0, 1, -1, 4], np.int32)
+    tokens = rng.integers(0, 30000, len(parents)).astype(np.int32)
+    tree = verify_tree(tmq4bf16, kb, 7, tokens, parents)
+    # The tree's root row == that token decoded alone after the same prefix, bit for bit.
+    solo = new_cache(tmq4bf16)
+    prefill(tmq4bf16, solo, prompt, chunk=1024)
+    one = verify_tree(tmq4bf16, solo, 7, tokens[:0], parents[:0])
+    assert torch.equal(tree[0], one[0])
+
+
+@needs_amx
+@pytest.mark.model
+def test_q4_1_bf16_loads_only_on_the_lean_forward():
+    with pytest.raises(ValueError, match="lean forward only"):
+        load_model("", dtype="q4_1_bf16", device="cpu", forward="hf")

@@ -10,6 +10,8 @@ ms of one pass after 200 tokens, 2 threads:
     EPYC Zen 5              fp32     41    82   170     320
     EPYC AVX2 only          bf16     45   336  1029    3088
     EPYC AVX2 only          fp32     68   167   230     555
+    Sapphire Rapids  q4_1 (fp32 act.)  7.6  31.6  123    208
+    Sapphire Rapids  q4_1_bf16 (AMX)  10.2  23.0   88    123
 
 So the worker measures, at start, the curve of every candidate (dtype x torch threads) and serves with the one
 that decodes fastest; a restart reads the result from a cache file and takes seconds.
@@ -45,7 +47,8 @@ kernels are built (auto_formats). They are then exactly the weights the model sh
 activations: outputs differ from the fp32 safetensors (the dequantization of the same file) only in summation
 order, far less than bf16's do, and speculation is lossless within the format. On the Zen 4 box q4_1 decodes an AR
 step in 6.3 ms against fp32's 17.1 and 8 sequences at 2.5 ms/token against 3.0. A model without such a file never
-gets them unless --dtype names one.
+gets them unless --dtype names one. Where the CPU has AMX tiles, q4_1_bf16 (the same blocks, bf16 activations on
+the tiles) is a candidate too: its passes are nearly flat in q, its AR step slower than q4_1's.
 
 User flags win: a fixed --dtype or --threads restricts the candidates (a warning is logged when an excluded
 candidate is measurably faster). The cache lives in $RAGSERVE_HOME/calibration/, one JSON file per model files

@@ -10,8 +10,8 @@ ms of one pass after 200 tokens, 2 threads:
     EPYC Zen 5              fp32     41    82   170     320
     EPYC AVX2 only          bf16     45   336  1029    3088
     EPYC AVX2 only          fp32     68   167   230     555
-    Sapphire Rapids  q4_1 (fp32 act.)  7.6  31.6  123    208
-    Sapphire Rapids  q4_1_bf16 (AMX)  10.2  23.0   88    123
+    Sapphire Rapids  q4_1 (fp32 act.)  7.8  31.9  123    210
+    Sapphire Rapids  q4_1_bf16 (AMX)  10.3  23.8   88    134
 
 So the worker measures, at start, the curve of every candidate (dtype x torch threads) and serves with the one
 that decodes fastest; a restart reads the result from a cache file and takes seconds.

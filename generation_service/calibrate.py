@@ -47,8 +47,9 @@ kernels are built (auto_formats). They are then exactly the weights the model sh
 activations: outputs differ from the fp32 safetensors (the dequantization of the same file) only in summation
 order, far less than bf16's do, and speculation is lossless within the format. On the Zen 4 box q4_1 decodes an AR
 step in 6.3 ms against fp32's 17.1 and 8 sequences at 2.5 ms/token against 3.0. A model without such a file never
-gets them unless --dtype names one. Where the CPU has AMX tiles, q4_1_bf16 (the same blocks, bf16 activations on
-the tiles) is a candidate too: its passes are nearly flat in q, its AR step slower than q4_1's.
+gets them unless --dtype names one. Where the CPU has AMX tiles or AVX512-BF16, q4_1_bf16 (the same blocks, bf16
+activations) is a candidate too: on AMX its passes are nearly flat in q, its AR step slower than q4_1's; with
+AVX512-BF16 dot products a pass over q rows costs about half q4_1's once the arithmetic bounds it (q >= 8).
 
 User flags win: a fixed --dtype or --threads restricts the candidates (a warning is logged when an excluded
 candidate is measurably faster). The cache lives in $RAGSERVE_HOME/calibration/, one JSON file per model files
@@ -307,7 +308,7 @@ def auto_formats(model_dir: Path, device: torch.device) -> tuple[str, ...]:
     k = kernel()
     if k is None:
         return ()
-    return ("q4_1", "q4_1_bf16") if k.amx() else ("q4_1",)
+    return ("q4_1", "q4_1_bf16") if k.bf16() else ("q4_1",)
 
 
 def candidate_dtypes(device: torch.device) -> list[str]:
@@ -700,7 +701,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default: auto)")
     ap.add_argument("--dtype", default="auto", help="auto | bf16 | fp32 | q4_1 | q4_1_bf16: restrict the "
                     "choice; auto measures q4_1 too when the model has its Q4_1 GGUF, and q4_1_bf16 where the CPU "
-                    "has AMX (default: auto)")
+                    "has AMX or AVX512-BF16 (default: auto)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads to restrict the choice to (0 = any)")
     ap.add_argument("--prefill-precision", default="auto", choices=("auto", "fp32", "bf16"),
                     help="linears of prompt chunks: auto (bf16 where measured faster) | fp32 | bf16 (default: auto)")

@@ -24,7 +24,7 @@ FLAG_HELP = {
     "model": "local Hugging Face model directory (\"\" = SmolLM2-135M-Instruct, prepared on first use)",
     "dtype": "auto (the fastest measured here; q4_1 among them when the model has its Q4_1 GGUF) | bf16 | fp32 | "
              "q4_1 (the GGUF's exact 4-bit weights, lean forward only) | q4_1_bf16 (the same weights, bf16 "
-             "activations on AMX tiles: Sapphire Rapids or later)",
+             "activations: CPUs with AMX or AVX512-BF16)",
     "forward": "auto (lean for Llama-family models, else transformers) | lean | hf",
     "prefill_precision": "linears of prompt chunks: auto (bf16 where calibration measures it faster) | fp32 | bf16; "
                          "decode rows keep the serving dtype, so speculation stays lossless",
@@ -83,8 +83,8 @@ class GenerationConfig(config_util.ShellConfig):
     # auto = the fastest on this machine, measured at start (calibrate.py; cached in RAGSERVE_HOME) | bf16 | fp32 |
     # q4_1 (the GGUF's 4-bit weights, exactly; fp32 activations; a candidate of auto only for a model whose directory
     # has its Q4_1 GGUF, the default model's included: calibrate.auto_formats) | q4_1_bf16 (the same weights, bf16
-    # activations on AMX tiles, which make a pass over 16-96 rows cost what one row does; a candidate of auto where the
-    # CPU has AMX)
+    # activations: on AMX tiles a pass over 16-96 rows costs what one row does, with AVX512-BF16 about half of q4_1's
+    # arithmetic; a candidate of auto where the CPU has either)
     dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     threads: int = 0  # torch intra-op threads; 0 = the fastest measured count

@@ -5,12 +5,12 @@
 #include <torch/extension.h>
 
 // x [M, K] float32 contiguous @ w^T -> [M, N]; w is a dense float32 [N, K] or GGUF blocks (uint8 [N, K / 32 * 20]
-// Q4_1 or [N, K / 32 * 34] Q8_0). Every row of x gets the same bits whatever M is. bf16_amx: x and the weights
-// rounded to bf16, products summed in fp32 on AMX tiles (only where amx_available()).
-torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& w, bool bf16_amx);
+// Q4_1 or [N, K / 32 * 34] Q8_0). Every row of x gets the same bits whatever M is. bf16: x and the weights
+// rounded to bf16, products summed in fp32 (AMX tiles or AVX512-BF16 dot products; only where bf16_available()).
+torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& w, bool bf16);
 
-// Whether this build has the AMX path and the OS granted this process the tile state.
-bool amx_available();
+// Whether bf16-activation linears run here: the AMX path (built for it, tile state granted) or AVX512-BF16.
+bool bf16_available();
 
 // Registers LeanForward (lean_forward.cpp) in the module.
 void bind_lean_forward(pybind11::module_& m);

@@ -21,6 +21,9 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "cpu_kernels.h"
 
@@ -65,6 +68,119 @@ void exp_inplace(float* x, int64_t n) {
   }
 }
 
+#if defined(__AVX512F__)
+// out lane i = the sum of v[i]'s 16 lanes, by the same tree of adds for every i (lanes l and l + 2 first, then the
+// pairs, then the four 128-bit groups), so a dot product's bits do not depend on which slot of a block it took.
+inline __m512 transpose_sum16(const __m512* v) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit group: [v2i(0+2), v2i+1(0+2), v2i(1+3), v2i+1(1+3)]
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit group: the group's partial sums of v4i .. v4i+3
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 s0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xdd));
+  const __m512 s1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s0, s1, 0x88), _mm512_shuffle_f32x4(s0, s1, 0xdd));
+}
+
+// exp_inplace's polynomial on 16 lanes.
+inline __m512 exp16(__m512 x) {
+  const __m512 v = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_fmadd_ps(v, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(_mm512_sub_ps(v, _mm512_mul_ps(k, _mm512_set1_ps(0.693145751953125f))),
+                                 _mm512_mul_ps(k, _mm512_set1_ps(1.42860682030941723212e-6f)));
+  __m512 p = _mm512_set1_ps(1.0f / 40320);
+  const float c[] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+  for (float ci : c) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(ci));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+  const __m512 e = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), e, _mm512_setzero_ps());
+}
+
+inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
+
+// acc[g] = sum over t of w_g[t] * V[keys[t]] for GN query heads at once (each V row is read once for all of them):
+// GN * DV independent accumulator chains, each adding the keys in list order.
+template <int DV, int GN>
+inline void weighted_values(const float* p, int64_t n, const float* inv, const float* vh, const int64_t* keys,
+                            float* out) {
+  constexpr int64_t D = 16 * DV;
+  __m512 acc[GN][DV], w[GN];
+  for (int g = 0; g < GN; ++g)
+    for (int j = 0; j < DV; ++j) acc[g][j] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) {
+    const float* vt = vh + keys[t] * D;
+    for (int g = 0; g < GN; ++g) w[g] = _mm512_mul_ps(_mm512_set1_ps(p[g * n + t]), _mm512_set1_ps(inv[g]));
+    for (int j = 0; j < DV; ++j) {
+      const __m512 v = _mm512_loadu_ps(vt + 16 * j);
+      for (int g = 0; g < GN; ++g) acc[g][j] = _mm512_fmadd_ps(w[g], v, acc[g][j]);
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int j = 0; j < DV; ++j) _mm512_storeu_ps(out + g * D + 16 * j, acc[g][j]);
+}
+
+// One decode row's attention for one kv head and its G query heads, head size 16 * DV, over the keys it sees.
+// keys: the cache rows it attends, in position order (the whole past, then its ancestors-or-self among the new
+// rows: entries a mask shuts out contribute nothing and are left out); add: their additive mask values (nullptr: 0).
+// Why it is the same in every pass: a row's result depends only on its own key list, and that list is the same for
+// a draft node as for the AR step that would decode the same token after the same accepted tokens (prefix, then
+// the path in order); every sum below runs over the list's index, never over cache positions or other rows.
+// p: scratch of G * n floats.
+template <int DV>
+void attend_row(const float* q0, int64_t G, const float* kh, const float* vh, const int64_t* keys,
+                const float* add, int64_t n, float scale, float* p, float* out) {
+  constexpr int64_t D = 16 * DV;
+  constexpr int kGroup = 16 / DV;  // query heads per pass over the values (16 accumulators)
+  float inv[64];
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 q[DV];
+    for (int j = 0; j < DV; ++j) q[j] = _mm512_loadu_ps(q0 + g * D + 16 * j);
+    float* pg = p + g * n;
+    __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t t0 = 0; t0 < n; t0 += 16) {
+      const int64_t m = std::min<int64_t>(16, n - t0);
+      __m512 part[16];
+      // A full block without a branch per key (the array stays in registers); the last one pads with the list's
+      // first key and its lanes are dropped below.
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) {
+        const float* kt = kh + keys[i < m ? t0 + i : 0] * D;
+        __m512 acc = _mm512_mul_ps(q[0], _mm512_loadu_ps(kt));
+        for (int j = 1; j < DV; ++j) acc = _mm512_fmadd_ps(q[j], _mm512_loadu_ps(kt + 16 * j), acc);
+        part[i] = acc;
+      }
+      const __mmask16 live = tail_mask(m);
+      __m512 sc = _mm512_mul_ps(transpose_sum16(part), _mm512_set1_ps(scale));
+      if (add != nullptr) sc = _mm512_add_ps(sc, _mm512_maskz_loadu_ps(live, add + t0));
+      _mm512_mask_storeu_ps(pg + t0, live, sc);
+      mx = _mm512_mask_max_ps(mx, live, mx, sc);
+    }
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t0 = 0; t0 < n; t0 += 16) {
+      const __mmask16 live = tail_mask(n - t0);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, pg + t0), top));
+      _mm512_mask_storeu_ps(pg + t0, live, e);
+      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(live, e));
+    }
+    inv[g] = 1.0f / _mm512_reduce_add_ps(sum);
+  }
+  for (int64_t g = 0; g < G; g += kGroup) {
+    const float* pg = p + g * n;
+    float* og = out + g * D;
+    switch (std::min<int64_t>(kGroup, G - g)) {
+      case 1: weighted_values<DV, 1>(pg, n, inv + g, vh, keys, og); break;
+      case 2: weighted_values<DV, (kGroup >= 2 ? 2 : 1)>(pg, n, inv + g, vh, keys, og); break;
+      case 3: weighted_values<DV, (kGroup >= 3 ? 3 : 1)>(pg, n, inv + g, vh, keys, og); break;
+      default: weighted_values<DV, kGroup>(pg, n, inv + g, vh, keys, og); break;
+    }
+  }
+}
+#endif
+
 void rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t H, float eps) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * H;
@@ -98,11 +214,11 @@ class LeanForward {
   LeanForward(torch::Tensor embed, std::vector<torch::Tensor> ln1, std::vector<torch::Tensor> wqkv,
               std::vector<torch::Tensor> wo, std::vector<torch::Tensor> ln2, std::vector<torch::Tensor> wgu,
               std::vector<torch::Tensor> wd, torch::Tensor norm, torch::Tensor head, int64_t heads, int64_t kv_heads,
-              int64_t head_dim, double eps, bool bf16_amx)
+              int64_t head_dim, double eps, bool bf16)
       : embed_(embed.contiguous()), ln1_(ln1), wqkv_(wqkv), wo_(wo), ln2_(ln2), wgu_(wgu), wd_(wd),
         norm_(norm.contiguous()), head_(head.contiguous()), H_(heads), Hkv_(kv_heads), D_(head_dim),
-        eps_((float)eps), scale_(1.0f / std::sqrt((float)head_dim)), amx_(bf16_amx) {
-    TORCH_CHECK(!amx_ || amx_available(), "bf16_amx: AMX tiles are not available here");
+        eps_((float)eps), scale_(1.0f / std::sqrt((float)head_dim)), bf16_(bf16) {
+    TORCH_CHECK(!bf16_ || bf16_available(), "bf16: bf16-activation linears (AMX or AVX512-BF16) are not available here");
     TORCH_CHECK(embed_.scalar_type() == torch::kFloat32 && embed_.dim() == 2, "embed must be float32 [V, hidden]");
     const size_t L = ln1.size();
     TORCH_CHECK(wqkv.size() == L && wo.size() == L && ln2.size() == L && wgu.size() == L && wd.size() == L,
@@ -151,16 +267,17 @@ class LeanForward {
     torch::Tensor h = torch::empty_like(x);
     torch::Tensor o = torch::empty({N, H * D}, x.options());
     float* xp = x.data_ptr<float>();
+    const KeyLists keys = key_lists(segs, N);  // the same for every layer
     for (size_t i = 0; i < ln1_.size(); ++i) {
       rms_norm(xp, ln1_[i].data_ptr<float>(), h.data_ptr<float>(), N, Hd, eps_);
-      torch::Tensor qkv = block_linear(h, wqkv_[i], amx_);  // [N, (H + 2 Hkv) D]
+      torch::Tensor qkv = block_linear(h, wqkv_[i], bf16_);  // [N, (H + 2 Hkv) D]
       float* qp = qkv.data_ptr<float>();
       for (int64_t n = 0; n < N; ++n)
         rope(qp + n * wq, H + Hkv, D, cp + pos[n] * D, sp + pos[n] * D);  // q and k heads are adjacent
-      attend_all(i, segs, qp, wq, o.data_ptr<float>());
-      add_into(x, block_linear(o, wo_[i], amx_));
+      attend_all(i, segs, keys, qp, wq, o.data_ptr<float>());
+      add_into(x, block_linear(o, wo_[i], bf16_));
       rms_norm(xp, ln2_[i].data_ptr<float>(), h.data_ptr<float>(), N, Hd, eps_);
-      torch::Tensor gu = block_linear(h, wgu_[i], amx_);  // [N, 2 I]
+      torch::Tensor gu = block_linear(h, wgu_[i], bf16_);  // [N, 2 I]
       const int64_t I = gu.size(1) / 2;
       torch::Tensor act = torch::empty({N, I}, x.options());
       const float* g = gu.data_ptr<float>();
@@ -170,7 +287,7 @@ class LeanForward {
           const float gv = g[n * 2 * I + j];
           a[n * I + j] = gv / (1.0f + std::exp(-gv)) * g[n * 2 * I + I + j];
         }
-      add_into(x, block_linear(act, wd_[i], amx_));
+      add_into(x, block_linear(act, wd_[i], bf16_));
     }
     // The rows whose logits are asked for, normed.
     std::vector<int64_t> keep;
@@ -181,7 +298,7 @@ class LeanForward {
     torch::Tensor sel = (int64_t)keep.size() == N ? x : x.index_select(0, torch::tensor(keep, ids.options()));
     torch::Tensor fin = torch::empty_like(sel);
     rms_norm(sel.data_ptr<float>(), norm_.data_ptr<float>(), fin.data_ptr<float>(), sel.size(0), Hd, eps_);
-    return {block_linear(fin, head_, amx_), fin};
+    return {block_linear(fin, head_, bf16_), fin};
   }
 
  private:
@@ -206,21 +323,75 @@ class LeanForward {
     }
   }
 
-  // Layer i's attention of every segment -> o [N, H D]. Short segments: one job per (row, kv head), spread over
-  // the threads; each job's G query heads read each key and value row once. A row's result does not depend on the
-  // other rows of the pass (the same loop order for every row). Long segments: ATen's blocked matmul.
-  void attend_all(size_t i, const std::vector<Segment>& segs, const float* qkv, int64_t wq, float* o) const {
+  // Which rows take the vectorized row kernel (attend_row): every decode row (an AR step, a draft tree: a mask, or a
+  // single row) where it is built for this head size. Their results are then the same bits in any pass, whatever
+  // the other rows, for every weight format; prompt chunks keep the rule below. Returns, per row of the pass, the
+  // keys it attends (offsets into idx; rows not taking the kernel get none) and whether its mask adds non-zero values.
+  struct KeyLists {
+    std::vector<int64_t> idx, off;  // keys of row n: idx[off[n] .. off[n + 1])
+    std::vector<float> add;         // their additive mask values, parallel to idx
+    std::vector<char> has_add;      // per row: some kept mask value is not 0
+  };
+
+  bool row_kernel() const {
+#if defined(__AVX512F__)
+    return (D_ == 64 || D_ == 128) && H_ / Hkv_ <= 64;  // attend_row: its head sizes, G <= 64
+#else
+    return false;
+#endif
+  }
+
+  KeyLists key_lists(const std::vector<Segment>& segs, int64_t N) const {
+    KeyLists kl;
+    kl.off.assign(N + 1, 0);
+    kl.has_add.assign(N, 0);
+    if (!row_kernel()) return kl;
+    for (const Segment& s : segs) {
+      const bool decode_rows = s.mask.defined() || s.q == 1;
+      for (int64_t r = 0; r < s.q; ++r) {
+        const int64_t row = s.start + r;
+        kl.off[row] = (int64_t)kl.idx.size();
+        if (decode_rows) {
+          const int64_t S = s.past + s.q;
+          if (!s.mask.defined()) {
+            for (int64_t t = 0; t <= s.past + r; ++t) {
+              kl.idx.push_back(t);
+              kl.add.push_back(0.0f);
+            }
+          } else {
+            const float* m = s.mask.data_ptr<float>() + r * S;
+            // A value this negative makes exp() exactly 0 after the max is subtracted: the key contributes nothing.
+            for (int64_t t = 0; t < S; ++t)
+              if (m[t] > -1e30f) {
+                kl.idx.push_back(t);
+                kl.add.push_back(m[t]);
+                kl.has_add[row] |= m[t] != 0.0f;
+              }
+          }
+        }
+        kl.off[row + 1] = (int64_t)kl.idx.size();
+      }
+    }
+    return kl;
+  }
+
+  // Layer i's attention of every segment -> o [N, H D]. Decode rows: attend_row per (row, kv head), spread over the
+  // threads. Other short segments: the scalar loops, one job per (row, kv head); each job's G query heads read each
+  // key and value row once, and a row's result does not depend on the other rows of the pass (the same loop order
+  // for every row). Long prompt chunks: ATen's blocked matmul.
+  void attend_all(size_t i, const std::vector<Segment>& segs, const KeyLists& kl, const float* qkv, int64_t wq,
+                  float* o) const {
     const int64_t H = H_, Hkv = Hkv_, D = D_, G = H / Hkv;
     std::vector<std::pair<int64_t, int64_t>> jobs;  // (segment, row)
     int64_t work = 0;
     for (size_t j = 0; j < segs.size(); ++j) {
       write_kv(i, segs[j], qkv, wq);
       const int64_t S = segs[j].past + segs[j].q;
-      // With bf16 activations (amx_) the next linear rounds every row to bf16, which turns the last-bit differences
+      // With bf16 activations (bf16_) the next linear rounds every row to bf16, which turns the last-bit differences
       // between the loop and the matmul into visible ones; so decode rows (an AR step, a draft tree) always take
       // the loops, and a row gets the same bits in any pass. Prompt chunks (causal, several rows) may take the matmul.
       const bool decode_rows = segs[j].mask.defined() || segs[j].q == 1;
-      if (segs[j].q * S * H > kLoopAttentionWork && !(amx_ && decode_rows)) {
+      if (segs[j].q * S * H > kLoopAttentionWork && !(decode_rows && (bf16_ || row_kernel()))) {
         attend_matmul(i, segs[j], qkv, wq, o);
         continue;
       }
@@ -237,11 +408,25 @@ class LeanForward {
       for (int64_t job = a; job < b; ++job) {
         const Segment& s = segs[jobs[job / Hkv].first];
         const int64_t r = jobs[job / Hkv].second, h = job % Hkv, S = s.past + s.q;
-        const int64_t seen = s.mask.defined() ? S : s.past + r + 1;  // causal without a mask
-        const float* mask = s.mask.defined() ? s.mask.data_ptr<float>() + r * S : nullptr;
         const float* kh = s.k.data_ptr<float>() + i * s.k.stride(0) + h * s.k.stride(1);
         const float* vh = s.v.data_ptr<float>() + i * s.v.stride(0) + h * s.v.stride(1);
         const float* q0 = qkv + (s.start + r) * wq + h * G * D;  // query heads h G .. h G + G - 1
+        const int64_t row = s.start + r, nk = kl.off[row + 1] - kl.off[row];
+#if defined(__AVX512F__)
+        if (nk > 0) {
+          p.resize(G * nk);
+          const int64_t* keys = kl.idx.data() + kl.off[row];
+          const float* add = kl.has_add[row] ? kl.add.data() + kl.off[row] : nullptr;
+          float* out = o + row * H * D + h * G * D;
+          if (D == 64)
+            attend_row<4>(q0, G, kh, vh, keys, add, nk, scale_, p.data(), out);
+          else
+            attend_row<8>(q0, G, kh, vh, keys, add, nk, scale_, p.data(), out);
+          continue;
+        }
+#endif
+        const int64_t seen = s.mask.defined() ? S : s.past + r + 1;  // causal without a mask
+        const float* mask = s.mask.defined() ? s.mask.data_ptr<float>() + r * S : nullptr;
         p.resize(G * seen);
         for (int64_t t = 0; t < seen; ++t) {
           const float* kt = kh + t * D;
@@ -306,7 +491,7 @@ class LeanForward {
   torch::Tensor norm_, head_;
   int64_t H_, Hkv_, D_, hidden_ = 0;
   float eps_, scale_;
-  bool amx_;  // linears with bf16 activations on AMX tiles (the q4_1_bf16 format)
+  bool bf16_;  // linears with bf16 activations (the q4_1_bf16 format)
 };
 
 }  // namespace
@@ -320,6 +505,6 @@ void bind_lean_forward(pybind11::module_& m) {
            pybind11::arg("embed"), pybind11::arg("ln1"), pybind11::arg("wqkv"), pybind11::arg("wo"),
            pybind11::arg("ln2"), pybind11::arg("wgu"), pybind11::arg("wd"), pybind11::arg("norm"),
            pybind11::arg("head"), pybind11::arg("heads"), pybind11::arg("kv_heads"), pybind11::arg("head_dim"),
-           pybind11::arg("eps"), pybind11::arg("bf16_amx") = false)
+           pybind11::arg("eps"), pybind11::arg("bf16") = false)
       .def("forward", &LeanForward::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

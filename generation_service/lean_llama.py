@@ -178,7 +178,7 @@ class _Layer:
 
 class LeanLlama:
     _prepack = True  # keep oneDNN-packed fp32 copies for multi-row passes (subclasses with other weights: False)
-    amx = False  # the fused forward's linears take bf16 activations on AMX tiles (LeanLlamaQ4 in q4_1_bf16)
+    bf16 = False  # the fused forward's linears take bf16 activations (LeanLlamaQ4 in q4_1_bf16)
 
     def __init__(self, model, dtype: torch.dtype):
         cfg = model.config
@@ -272,7 +272,7 @@ class LeanLlama:
         w, head = self._fused_weights()
         self.fused = k.LeanForward(self.embed.contiguous(), [ly.ln1 for ly in self.layers], w["wqkv"], w["wo"],
                                    [ly.ln2 for ly in self.layers], w["wgu"], w["wd"], self.norm, head, self.heads,
-                                   self.kv_heads, self.head_dim, self.eps, self.amx)
+                                   self.kv_heads, self.head_dim, self.eps, self.bf16)
 
     def can_prefill_bf16(self) -> bool:
         """Whether set_prefill_bf16(True) would change anything: fp32 activations on a CPU with oneDNN linears."""

@@ -255,6 +255,135 @@ torch::Tensor linear_rows(const torch::Tensor& x, const uint8_t* wp, int64_t N, 
 }
 
 
+#if defined(__AVX512BF16__)
+// bf16 activations with AVX512-BF16 dot products (Zen 4 / Zen 5, Cooper Lake: CPUs without AMX tiles):
+// out[M, N] = bf16(x)[M, K] @ bf16(W)[N, K]^T, fp32 accumulation. Why: past a few rows a pass is arithmetic-bound, and
+// one VDPBF16PS multiplies 32 pairs into 16 fp32 sums where fp32 FMAs take two instructions for the same 32 products
+// (measured on a 2-core Zen 4 below, in the calibration table). Exactness: every (weight row, row of x) has its own
+// accumulator, which takes block after block in K order, each block as one VDPBF16PS (lane i adds x[2i] w[2i] +
+// x[2i+1] w[2i+1]); the 16 lanes are summed at the end in a fixed order. No other row of x takes part, so a row gets
+// the same bits in a 1-row step, in a tree pass and in any batch (lossless speculation within the format). The
+// values are the q4_1_bf16 format's: x and the decoded weights rounded to bf16 (round to nearest even), products
+// summed in fp32; the order of the sums differs from the AMX path's, so the two CPUs' bits differ in the last places.
+//
+// Two weight sources share one tile routine: GGUF blocks decoded on the fly (passes of a few rows, where each decoded
+// block is used by every row of the tile), and a chunk of weight rows decoded once into an L2-resident bf16 buffer
+// (passes of more rows than one tile, which would otherwise decode every block once per tile of x).
+constexpr int kTileBf16 = 8;        // rows of x per pass over a weight row
+constexpr int64_t kBufRows = 16;    // weight rows decoded per buffer (K = 1536: 48 KB)
+
+template <class B>
+struct BlockSrc {  // weight rows as GGUF blocks
+  static constexpr int64_t bytes = B::bytes;
+  static constexpr bool prefetch = true;
+  static inline __m512bh load(const uint8_t* blk) {
+    __m512 w0, w1;
+    B::decode(blk, w0, w1);
+    return _mm512_cvtne2ps_pbh(w1, w0);  // elements 0..31 in order: w0 -> the low half
+  }
+};
+
+struct BufSrc {  // weight rows already decoded to bf16, 64 bytes per block
+  static constexpr int64_t bytes = 64;
+  static constexpr bool prefetch = false;
+  static inline __m512bh load(const uint8_t* blk) { return (__m512bh)_mm512_loadu_si512((const void*)blk); }
+};
+
+// out[n + r * ldo] = dot(x row r, weight row n) for n < NR, r < R; x: bf16 rows of ldx elements.
+template <class S, int NR, int R>
+inline void tile_dot_bf16(const uint16_t* x, int64_t ldx, const uint8_t* row, int64_t row_bytes, int64_t nb,
+                          float* out, int64_t ldo) {
+  __m512 acc[NR][R];
+  for (int n = 0; n < NR; ++n)
+    for (int r = 0; r < R; ++r) acc[n][r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    if (S::prefetch)  // as the fp32 path: the rows kPrefetchRows ahead, one request per line starting in this block
+      for (int64_t line = (b * S::bytes + 63) / 64 * 64; line < (b + 1) * S::bytes; line += 64)
+        for (int n = 0; n < NR; ++n)
+          _mm_prefetch((const char*)(row + (n + kPrefetchRows) * row_bytes + line), _MM_HINT_T1);
+    __m512bh w[NR];
+    for (int n = 0; n < NR; ++n) w[n] = S::load(row + n * row_bytes + b * S::bytes);
+    const uint16_t* xb = x + b * kBlock;
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void*)(xb + r * ldx));
+      for (int n = 0; n < NR; ++n) acc[n][r] = _mm512_dpbf16_ps(acc[n][r], xv, w[n]);
+    }
+  }
+  for (int n = 0; n < NR; ++n)
+    for (int r = 0; r < R; ++r) out[n + r * ldo] = _mm512_reduce_add_ps(acc[n][r]);
+}
+
+template <class S, int NR>
+void rows_dot_bf16(const uint16_t* x, int64_t ldx, int rows, const uint8_t* w, int64_t row_bytes, int64_t nb,
+                   float* out, int64_t ldo) {
+  switch (rows) {
+    case 1: tile_dot_bf16<S, NR, 1>(x, ldx, w, row_bytes, nb, out, ldo); break;
+    case 2: tile_dot_bf16<S, NR, 2>(x, ldx, w, row_bytes, nb, out, ldo); break;
+    case 3: tile_dot_bf16<S, NR, 3>(x, ldx, w, row_bytes, nb, out, ldo); break;
+    case 4: tile_dot_bf16<S, NR, 4>(x, ldx, w, row_bytes, nb, out, ldo); break;
+    case 5: tile_dot_bf16<S, NR, 5>(x, ldx, w, row_bytes, nb, out, ldo); break;
+    case 6: tile_dot_bf16<S, NR, 6>(x, ldx, w, row_bytes, nb, out, ldo); break;
+    case 7: tile_dot_bf16<S, NR, 7>(x, ldx, w, row_bytes, nb, out, ldo); break;
+    default: tile_dot_bf16<S, NR, 8>(x, ldx, w, row_bytes, nb, out, ldo); break;
+  }
+}
+
+// Weight rows [n0, n1) against every tile of x, NR rows at a time (more weight rows per tile when x has few rows:
+// more independent chains and weight streams in flight).
+template <class S>
+void chunk_dot_bf16(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t n0,
+                    int64_t n1, float* op, int64_t N) {
+  const int64_t nb = K / kBlock;
+  for (int64_t r = 0; r < M; r += kTileBf16) {
+    const int rows = (int)std::min<int64_t>(kTileBf16, M - r);
+    int64_t n = n0;
+    if (rows <= 4)
+      for (; n + 4 <= n1; n += 4)
+        rows_dot_bf16<S, 4>(x + r * K, K, rows, w + (n - n0) * row_bytes, row_bytes, nb, op + r * N + n, N);
+    for (; n + 2 <= n1; n += 2)
+      rows_dot_bf16<S, 2>(x + r * K, K, rows, w + (n - n0) * row_bytes, row_bytes, nb, op + r * N + n, N);
+    for (; n < n1; ++n)
+      rows_dot_bf16<S, 1>(x + r * K, K, rows, w + (n - n0) * row_bytes, row_bytes, nb, op + r * N + n, N);
+  }
+}
+
+template <class B>
+torch::Tensor linear_rows_bf16dp(const torch::Tensor& x, const uint8_t* wp, int64_t N, int64_t row_bytes) {
+  const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
+  // x rounded to bf16 once (round to nearest even), rows of K elements.
+  std::vector<uint16_t> xb(M * K);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* s = xp + m * K + b * kBlock;
+      _mm512_storeu_si512((void*)(xb.data() + m * K + b * kBlock),
+                          (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + 16), _mm512_loadu_ps(s)));
+    }
+  auto out = torch::empty({M, N}, x.options());
+  float* op = out.data_ptr<float>();
+  if (M <= kTileBf16) {  // one tile of x: decode each block once, right where it is used
+    at::parallel_for(0, N, kChunk, [&](int64_t c0, int64_t c1) {
+      for (int64_t n0 = c0; n0 < c1; n0 += kChunk)
+        chunk_dot_bf16<BlockSrc<B>>(xb.data(), M, K, wp + n0 * row_bytes, row_bytes, n0, std::min(c1, n0 + kChunk),
+                                    op, N);
+    });
+    return out;
+  }
+  at::parallel_for(0, N, kBufRows, [&](int64_t c0, int64_t c1) {
+    std::vector<uint16_t> buf(kBufRows * K);
+    for (int64_t n0 = c0; n0 < c1; n0 += kBufRows) {
+      const int64_t n1 = std::min(c1, n0 + kBufRows);
+      for (int64_t n = n0; n < n1; ++n)
+        for (int64_t b = 0; b < nb; ++b)
+          _mm512_storeu_si512((void*)(buf.data() + (n - n0) * K + b * kBlock),
+                              (__m512i)BlockSrc<B>::load(wp + n * row_bytes + b * B::bytes));
+      chunk_dot_bf16<BufSrc>(xb.data(), M, K, (const uint8_t*)buf.data(), K * 2, n0, n1, op, N);
+    }
+  });
+  return out;
+}
+#endif
+
 #if defined(RAGSERVE_AMX)
 // bf16 activations on AMX tiles (Sapphire Rapids and later): out[M, N] = bf16(x)[M, K] @ bf16(W)[N, K]^T, fp32
 // accumulation. Why: a pass over q rows with fp32 FMAs costs ~1.3 AR steps per 8 rows on this path (arithmetic), while
@@ -426,39 +555,48 @@ torch::Tensor dequantize(torch::Tensor packed, int64_t K) {
 
 }  // namespace
 
-bool amx_available() {
+std::string bf16_kernel() {
 #if defined(RAGSERVE_AMX)
-  return amx_permitted();
+  if (amx_permitted()) return "amx";
+#endif
+#if defined(__AVX512BF16__)
+  return "avx512_bf16";
 #else
-  return false;
+  return "";
 #endif
 }
+
+bool bf16_available() { return !bf16_kernel().empty(); }
 
 namespace {
 
 template <class B>
-torch::Tensor rows_for(const torch::Tensor& x, const uint8_t* wp, int64_t N, int64_t row_bytes, bool bf16_amx) {
+torch::Tensor rows_for(const torch::Tensor& x, const uint8_t* wp, int64_t N, int64_t row_bytes, bool bf16) {
+  if (!bf16) return linear_rows<B>(x, wp, N, row_bytes);
 #if defined(RAGSERVE_AMX)
-  if (bf16_amx) return linear_rows_amx<B>(x, wp, N, row_bytes);
+  if (amx_permitted()) return linear_rows_amx<B>(x, wp, N, row_bytes);
 #endif
-  TORCH_CHECK(!bf16_amx, "bf16 activations need AMX tiles, which these kernels were not built for");
-  return linear_rows<B>(x, wp, N, row_bytes);
+#if defined(__AVX512BF16__)
+  return linear_rows_bf16dp<B>(x, wp, N, row_bytes);
+#else
+  TORCH_CHECK(false, "bf16 activations need AMX tiles or AVX512-BF16, which these kernels were not built for");
+#endif
 }
 
 }  // namespace
 
-torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& w, bool bf16_amx) {
+torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& w, bool bf16) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous() && x.size(1) % kBlock == 0,
               "x must be contiguous float32 [M, K], K a multiple of 32, got ", x.sizes());
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "weight must be a contiguous matrix");
   const int64_t K = x.size(1), nb = K / kBlock;
   if (w.scalar_type() == torch::kFloat32) {
     TORCH_CHECK(w.size(1) == K, "fp32 weight has ", w.size(1), " inputs, x ", K);
-    return rows_for<F32>(x, (const uint8_t*)w.data_ptr<float>(), w.size(0), K * 4, bf16_amx);
+    return rows_for<F32>(x, (const uint8_t*)w.data_ptr<float>(), w.size(0), K * 4, bf16);
   }
   TORCH_CHECK(w.scalar_type() == torch::kUInt8, "weight must be float32 or GGUF blocks (uint8)");
-  if (w.size(1) == nb * Q41::bytes) return rows_for<Q41>(x, w.data_ptr<uint8_t>(), w.size(0), w.size(1), bf16_amx);
-  if (w.size(1) == nb * Q80::bytes) return rows_for<Q80>(x, w.data_ptr<uint8_t>(), w.size(0), w.size(1), bf16_amx);
+  if (w.size(1) == nb * Q41::bytes) return rows_for<Q41>(x, w.data_ptr<uint8_t>(), w.size(0), w.size(1), bf16);
+  if (w.size(1) == nb * Q80::bytes) return rows_for<Q80>(x, w.data_ptr<uint8_t>(), w.size(0), w.size(1), bf16);
   TORCH_CHECK(false, "a packed row of ", w.size(1), " bytes is neither Q4_1 nor Q8_0 for K = ", K);
 }
 
@@ -467,15 +605,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_0_linear", &linear<Q80>, "x[M, K] float32 @ Q8_0 weight[N, K]^T -> [M, N]");
   m.def("f32_linear", [](const torch::Tensor& x, const torch::Tensor& w) { return block_linear(x, w, false); },
         "x[M, K] float32 @ float32 weight[N, K]^T -> [M, N] (the block kernel's tiling)");
-  m.def("block_linear", &block_linear, pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bf16_amx") = false,
-        "x[M, K] float32 @ W^T, W dense float32 or Q4_1 / Q8_0 blocks; bf16_amx: bf16 activations on AMX tiles");
-  m.def("amx", &amx_available, "whether bf16_amx linears run here (built for AMX and granted the tile state)");
+  m.def("block_linear", &block_linear, pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bf16") = false,
+        "x[M, K] float32 @ W^T, W dense float32 or Q4_1 / Q8_0 blocks; bf16: bf16 activations (AMX or AVX512-BF16)");
+  m.def("bf16", &bf16_kernel, "what runs bf16-activation linears here: 'amx' (built for AMX and granted the tile "
+        "state), 'avx512_bf16' (built for AVX512-BF16), or '' (neither: the q4_1_bf16 format is not offered)");
   m.def("q4_1_dequantize", &dequantize<Q41>, "Q4_1 weight -> float32 [N, K]");
   m.def("q8_0_dequantize", &dequantize<Q80>, "Q8_0 weight -> float32 [N, K]");
   bind_lean_forward(m);
   m.def("isa", []() {
 #if defined(RAGSERVE_AMX)
     return std::string("avx512+amx");
+#elif defined(__AVX512BF16__)
+    return std::string("avx512+bf16");
 #elif defined(__AVX512F__)
     return std::string("avx512");
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)

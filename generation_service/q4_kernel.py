@@ -1,7 +1,7 @@
 """The CPU kernel extension: built once per machine, loaded, or reported missing.
 
 Two sources, one module: q4_kernel.cpp (linears straight from GGUF blocks, Q4_1 / Q8_0, and the same tiling over
-dense fp32 weights; on CPUs with AMX also the bf16-activation path of the q4_1_bf16 format) and lean_forward.cpp (LeanForward: the whole decoder pass of lean_llama.py in one call).
+dense fp32 weights; on CPUs with AMX or AVX512-BF16 also the bf16-activation path of the q4_1_bf16 format) and lean_forward.cpp (LeanForward: the whole decoder pass of lean_llama.py in one call).
 
 Built with torch's C++ extension loader (g++ and ninja) for this CPU (-march=native: AVX-512 here, AVX2 on an AVX2
 box, scalar elsewhere), into $RAGSERVE_HOME/kernels/<hash of source, torch version, compiler flags, CPU flags>/,
@@ -43,6 +43,9 @@ LEVELS = {
     # x86-64-v4 + AMX tiles and AVX512-BF16 (the q4_1_bf16 format's kernel): Sapphire Rapids and later.
     "sapphirerapids": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "f16c", "bmi2",
                        "movbe", "avx512_bf16", "amx_tile", "amx_bf16"),
+    # x86-64-v4 + AVX512-BF16 dot products (q4_1_bf16 without AMX): Zen 4, Zen 5, Cooper Lake.
+    "x86-64-v4-bf16": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "f16c", "bmi2",
+                       "movbe", "avx512_bf16"),
     "x86-64-v4": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "f16c", "bmi2", "movbe"),
     "x86-64-v3": ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"),
 }
@@ -64,8 +67,12 @@ def build_dir(march: str = "native") -> Path:
     return ragserve_home() / "kernels" / f"prebuilt-{march}-{h.hexdigest()[:16]}"
 
 
+# Levels GCC has no -march name for: a base level plus instruction-set flags.
+_MARCH = {"x86-64-v4-bf16": ("-march=x86-64-v4", "-mavx512bf16")}
+
+
 def _cflags(march: str) -> tuple[str, ...]:
-    return ("-O3", f"-march={march}", "-fno-math-errno", "-fopenmp")
+    return ("-O3", *_MARCH.get(march, (f"-march={march}",)), "-fno-math-errno", "-fopenmp")
 
 
 def _name(out: Path) -> str:

@@ -42,8 +42,8 @@ log = logging.getLogger(__name__)
 BLOCK = 32
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
 FORMAT = "q4_1"  # the --dtype value
-# The same weights with bf16 activations on AMX tiles (q4_kernel.cpp): every pass, prefill included, runs the block
-# kernel, whose rows do not depend on the pass size. Only where kernel().amx() (Sapphire Rapids and later).
+# The same weights with bf16 activations (q4_kernel.cpp: AMX tiles, or AVX512-BF16 dot products): every pass, prefill
+# included, runs the block kernel, whose rows do not depend on the pass size. Only where kernel().bf16() names one.
 FORMAT_BF16 = "q4_1_bf16"
 FORMATS = (FORMAT, FORMAT_BF16)
 # Passes with at least this many rows use the dense fp32 copies (LeanLlamaQ4). Measured on a 2-core Zen 5 (min ms of
@@ -83,7 +83,7 @@ class BlockWeight:
     packed: torch.Tensor  # uint8 [N, in_features / 32 * BLOCK_BYTES[kind]], GGUF's layout
     in_features: int
     dense: torch.Tensor | None = None  # fp32 dequantized copy, used for every call when the kernel is unavailable
-    amx: bool = False  # bf16 activations on AMX tiles (the q4_1_bf16 format)
+    bf16: bool = False  # bf16 activations (the q4_1_bf16 format)
 
     def __post_init__(self) -> None:
         if self.kind not in BLOCK_BYTES:
@@ -103,7 +103,7 @@ class BlockWeight:
         """x: float32 [M, in_features] -> [M, out_features]."""
         if self.dense is not None:
             return F.linear(x, self.dense)
-        return kernel().block_linear(x.contiguous(), self.packed, self.amx)
+        return kernel().block_linear(x.contiguous(), self.packed, self.bf16)
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, in_features], exactly the dequantized GGUF values."""
@@ -121,7 +121,7 @@ class BlockWeight:
         if len(kinds) != 1 or len({p.in_features for p in parts}) != 1:
             raise ValueError(f"cannot fuse {[(p.kind, p.in_features) for p in parts]}")
         return BlockWeight(parts[0].kind, torch.cat([p.packed for p in parts]), parts[0].in_features,
-                           amx=parts[0].amx)
+                           bf16=parts[0].bf16)
 
 
 # -- reading the GGUF ------------------------------------------------------------------------------------------------
@@ -202,13 +202,13 @@ class LeanLlamaQ4(LeanLlama):
 
     _prepack = False  # packed below, from the GGUF's values rather than the checkpoint's
 
-    def __init__(self, model, layers: list[dict[str, BlockWeight]], embed: BlockWeight, amx: bool = False):
+    def __init__(self, model, layers: list[dict[str, BlockWeight]], embed: BlockWeight, bf16: bool = False):
         k = kernel()
-        if amx and (k is None or not k.amx()):
-            raise ValueError(f"{FORMAT_BF16} needs AMX tiles (Sapphire Rapids or later) and the CPU kernels built "
-                             "for them; this machine has not")
+        if bf16 and (k is None or not k.bf16()):
+            raise ValueError(f"{FORMAT_BF16} needs AMX tiles or AVX512-BF16 (Sapphire Rapids, Cooper Lake, Zen 4 or "
+                             "later) and the CPU kernels built for them; this machine has not")
         super().__init__(model, torch.float32)
-        self.amx = amx
+        self.bf16 = bf16
         if len(layers) != len(self.layers):
             raise ValueError(f"GGUF has {len(layers)} layers, the model {len(self.layers)}")
         if model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
@@ -217,11 +217,11 @@ class LeanLlamaQ4(LeanLlama):
             raise ValueError(f"GGUF embedding is {(embed.out_features, embed.in_features)}, the model's "
                              f"{tuple(self.embed.shape)}")
         have_kernel = k is not None
-        self.pack = _onednn_linear_available() and not amx
+        self.pack = _onednn_linear_available() and not bf16
         # Without the kernel every pass runs dense (the fp32 lean forward's split: GEMV for 1 row, oneDNN for more);
-        # with bf16 activations every pass runs the kernel (AMX is fast at any size, and rows stay pass-invariant).
-        self.dense_min_rows = (1 << 62) if amx else DENSE_MIN_ROWS if have_kernel else _PACK_MIN_ROWS
-        if amx:  # every pass runs fused, whose attention gives decode rows the same bits in any pass
+        # with bf16 activations every pass runs the kernel (rows stay pass-invariant).
+        self.dense_min_rows = (1 << 62) if bf16 else DENSE_MIN_ROWS if have_kernel else _PACK_MIN_ROWS
+        if bf16:  # every pass runs fused, whose attention gives decode rows the same bits in any pass
             self.fused_max_rows = 1 << 62
         self.differs_from_checkpoint = 0  # weight matrices whose GGUF values are not the safetensors' (logged)
         with torch.no_grad():
@@ -238,7 +238,7 @@ class LeanLlamaQ4(LeanLlama):
                         ly.packed[name] = torch.ops.mkldnn._reorder_linear_weight(getattr(ly, name), _PACK_HINT_ROWS)
                     if not have_kernel:
                         w.dense = getattr(ly, name)
-                    w.amx = amx
+                    w.bf16 = bf16
                 ly.quant = q
             dense = embed.dequantize()
             if not torch.equal(dense, self.embed):
@@ -246,25 +246,23 @@ class LeanLlamaQ4(LeanLlama):
                 self.embed = self.lm_head = dense
         if not have_kernel:
             embed.dense = self.embed
-        embed.amx = amx
+        embed.bf16 = bf16
         self.embed_blocks = embed
         self._build_fused()
         if self.differs_from_checkpoint:
             log.warning("q4_1: %d weight matrices of the GGUF differ from the model's safetensors; serving the GGUF's "
                         "(the hf forward of this model would compute something else)", self.differs_from_checkpoint)
 
-    def can_prefill_bf16(self) -> bool:
-        return not self.amx and super().can_prefill_bf16()
 
     @classmethod
-    def from_gguf(cls, model, path: str | os.PathLike, amx: bool = False) -> "LeanLlamaQ4":
+    def from_gguf(cls, model, path: str | os.PathLike, bf16: bool = False) -> "LeanLlamaQ4":
         why = cls.supports(model)
         if why:
             raise ValueError(f"the q4_1 format runs on the lean forward, which does not support this model: {why}")
         if kernel() is None:
             log.warning("q4_1: block kernel unavailable; serving the dequantized weights in fp32")
         layers, embed = read_gguf(path, model.config)
-        return cls(model, layers, embed, amx=amx)
+        return cls(model, layers, embed, bf16=bf16)
 
     def _fused_weights(self) -> tuple[dict[str, list[torch.Tensor]], torch.Tensor]:
         return ({n: [ly.quant[n].packed if ly.quant[n].dense is None else ly.quant[n].dense for ly in self.layers]
@@ -289,4 +287,4 @@ def lean_for_format(model, model_dir: str | os.PathLike, weights: str, forward: 
         raise ValueError(f"forward hf cannot serve {weights}: block-quantized weights run on the lean forward only")
     if next(model.parameters()).device.type != "cpu":
         raise ValueError(f"{weights} runs on the CPU only (the block kernel is a CPU kernel)")
-    return LeanLlamaQ4.from_gguf(model, find_gguf(model_dir), amx=weights == FORMAT_BF16)
+    return LeanLlamaQ4.from_gguf(model, find_gguf(model_dir), bf16=weights == FORMAT_BF16)

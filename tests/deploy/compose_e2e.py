@@ -282,9 +282,9 @@ def check_stack(stack: Stack, report: Report) -> dict:
 
         client = GenerationClient(gen_target, credentials=creds, metadata=meta)
         worker = client.info()
-        level = cpu_level()  # the image carries kernels for x86-64-v4 and -v3: a CPU of either level loads them
+        level = cpu_level()  # the image carries kernels for every level of q4_kernel.LEVELS: a CPU of one loads it
         report.check("worker loaded the image's prebuilt CPU kernels", (not level) or (
-            "prebuilt-" + level in worker.kernels and worker.fused == (worker.dtype in ("fp32", "q4_1"))),
+            "prebuilt-" + level in worker.kernels and worker.fused == (worker.dtype in ("fp32", "q4_1", "q4_1_bf16"))),
             f"host level {level or 'none'}; kernels {worker.kernels or 'none'}; dtype {worker.dtype}, "
             f"fused {worker.fused}")
         params = dict(max_new_tokens=48, ignore_eos=True)

@@ -26,9 +26,9 @@ def tmq4():
 
 @pytest.fixture(scope="session")
 def tmq4bf16():
-    """q4_1's blocks with bf16 activations on AMX tiles (skipped where the CPU has none)."""
+    """q4_1's blocks with bf16 activations (AMX tiles or AVX512-BF16; skipped where the CPU has neither)."""
     from generation_service.q4_kernel import kernel
 
-    if kernel() is None or not kernel().amx():
-        pytest.skip("no AMX tiles on this CPU")
+    if kernel() is None or not kernel().bf16():
+        pytest.skip("no AMX tiles or AVX512-BF16 on this CPU")
     return real_model("q4_1_bf16")

@@ -147,6 +147,59 @@ def test_a_row_gets_the_same_bits_in_a_step_and_in_a_small_tree(lean):
     assert not torch.equal(outs[0], torch.zeros_like(outs[0]))
 
 
+def _row_attention_kernel(lean) -> bool:
+    return kernel().isa().startswith("avx512") and lean.head_dim in (64, 128)
+
+
+# (past, draft nodes, other sequences in the pass): big trees used to take ATen's matmul attention, whose rows
+# differ from an AR step's in the last bits.
+PATH_SCENARIOS = {
+    "small tree alone": (50, 6, 0),
+    "deep tree past the matmul threshold": (300, 40, 0),
+    "tree beside an AR row and another tree": (120, 24, 2),
+}
+
+
+@pytest.mark.parametrize("name", list(PATH_SCENARIOS))
+def test_every_tree_row_equals_the_ar_steps_of_its_path(lean, name):
+    """With the per-row attention kernel (AVX-512) a decode row's logits depend only on its token, its position and
+    the keys it sees: each node of a tree pass == the AR step that decodes the same token after the same accepted
+    path, bit for bit, whatever else is in the pass."""
+    if not _row_attention_kernel(lean):
+        pytest.skip("no per-row attention kernel on this CPU")
+    past, nodes, others = PATH_SCENARIOS[name]
+    rng = np.random.default_rng(past + nodes)
+    prefix = torch.from_numpy(rng.integers(0, 30000, past))
+    parents = np.array([-1] + [int(rng.integers(max(-1, i - 3), i)) for i in range(nodes - 1)], np.int32)
+    tokens = rng.integers(0, 30000, nodes)
+    cache = lean.new_cache(64)
+    lean.forward(prefix, torch.arange(past), cache)
+    depth = np.zeros(nodes + 1, np.int64)
+    for i, p in enumerate(parents):
+        depth[i + 1] = depth[p + 1] + 1
+    seg = Segment(torch.tensor([7] + tokens.tolist()), torch.from_numpy(past + depth), cache,
+                  tree_mask(parents, past, torch.float32)[0, 0])
+    extra = []
+    for j in range(others):
+        c = lean.new_cache(64)
+        lean.forward(torch.from_numpy(rng.integers(0, 30000, 40 + j)), torch.arange(40 + j), c)
+        q = 1 if j == 0 else 9
+        extra.append(Segment(torch.from_numpy(rng.integers(0, 30000, q)), torch.arange(40 + j, 40 + j + q), c,
+                             _mask(40 + j, q, rng) if q > 1 else None))
+    tree = lean.forward_batch([seg] + extra)[0]  # [1 + nodes, V]
+    leaf = int(np.argmax(depth))  # the deepest row: its path is every ancestor
+    path = [leaf]
+    while path[-1] > 0:
+        path.append(int(parents[path[-1] - 1]) + 1)
+    path = path[::-1]  # rows from the root
+    ids = [7] + tokens.tolist()
+    ar = lean.new_cache(64)
+    lean.forward(prefix, torch.arange(past), ar)
+    for k, row in enumerate(path):
+        step = lean.forward(torch.tensor([ids[row]]), torch.tensor([past + k]), ar)[0]
+        assert torch.equal(step, tree[row]), (k, row, float((step - tree[row]).abs().max()))  # Not merely close
+
+
 @pytest.mark.parametrize("m,n,k", [(1, 96, 64), (3, 40, 128), (9, 17, 576), (20, 5, 32)])
 def test_f32_linear_matches_matmul(m, n, k):
     ext = kernel()

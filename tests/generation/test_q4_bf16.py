@@ -1,7 +1,7 @@
-"""The q4_1_bf16 format (q4_kernel.cpp's AMX path): the GGUF's Q4_1 / Q8_0 blocks with bf16 activations on AMX tiles.
-The kernel against a brute-force matmul of the bf16-rounded operands, bit-identical rows whatever else is in the
-pass (what makes speculation and batching lossless), the real model against q4_1, and the refusal where the CPU has
-no AMX. Skipped on CPUs without AMX (the format is not offered there)."""
+"""The q4_1_bf16 format (q4_kernel.cpp's AMX and AVX512-BF16 paths): the GGUF's Q4_1 / Q8_0 blocks with bf16
+activations. The kernel against a brute-force matmul of the bf16-rounded operands, bit-identical rows whatever else is
+in the pass (what makes speculation and batching lossless), the real model against q4_1, and the refusal where the CPU
+has neither. Skipped on CPUs without either (the format is not offered there)."""
 
 from __future__ import annotations
 
@@ -19,14 +19,14 @@ from generation_service.q4_weights import BlockWeight, dequantize
 from generation_service.speculative import prefill, verify_tree
 from tests.generation.test_q4 import random_blocks
 
-needs_amx = pytest.mark.skipif(kernel() is None or not kernel().amx(), reason="no AMX tiles on this CPU")
+needs_bf16 = pytest.mark.skipif(kernel() is None or not kernel().bf16(), reason="no AMX tiles or AVX512-BF16 here")
 
 
 def bf16(a: np.ndarray) -> np.ndarray:
     return torch.from_numpy(np.ascontiguousarray(a, np.float32)).bfloat16().double().numpy()
 
 
-@needs_amx
+@needs_bf16
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(kind=st.sampled_from(["q4_1", "q8_0"]), m=st.sampled_from([1, 2, 15, 16, 17, 33, 96, 97, 130]),
        n=st.integers(1, 70), blocks=st.integers(1, 12), seed=st.integers(0, 2**32 - 1))
@@ -34,7 +34,7 @@ def test_kernel_matches_bf16_rounded_matmul(kind, m, n, blocks, seed):
     rng = np.random.default_rng(seed)
     k = 32 * blocks
     packed = random_blocks(rng, kind, n, k)
-    w = BlockWeight(kind, torch.from_numpy(packed), k, amx=True)
+    w = BlockWeight(kind, torch.from_numpy(packed), k, bf16=True)
     x = rng.standard_normal((m, k)).astype(np.float32)
     got = w(torch.from_numpy(x)).numpy()
     xr, wr = bf16(x), bf16(dequantize(kind, packed, k))
@@ -51,16 +51,16 @@ def test_kernel_matches_bf16_rounded_matmul(kind, m, n, blocks, seed):
     assert np.array_equal(w(torch.from_numpy(mixed)).numpy()[-1], got[-1])
 
 
-def test_q4_1_bf16_is_refused_without_amx(monkeypatch):
+def test_q4_1_bf16_is_refused_without_a_bf16_kernel(monkeypatch):
     real = kernel()
     if real is None:
         pytest.skip("no CPU kernels here")
-    monkeypatch.setattr(q4_weights, "kernel", lambda: types.SimpleNamespace(amx=lambda: False))
-    with pytest.raises(ValueError, match="AMX"):
-        q4_weights.LeanLlamaQ4(None, [], None, amx=True)
+    monkeypatch.setattr(q4_weights, "kernel", lambda: types.SimpleNamespace(bf16=lambda: ""))
+    with pytest.raises(ValueError, match="AVX512-BF16"):
+        q4_weights.LeanLlamaQ4(None, [], None, bf16=True)
 
 
-@needs_amx
+@needs_bf16
 @pytest.mark.model
 def test_logits_near_q4_1_and_rows_invariant(tmq4bf16, tmq4):
     rng = np.random.default_rng(0)
@@ -79,7 +79,7 @@ def test_logits_near_q4_1_and_rows_invariant(tmq4bf16, tmq4):
     assert torch.equal(tree[0], one[0])
 
 
-@needs_amx
+@needs_bf16
 @pytest.mark.model
 def test_q4_1_bf16_loads_only_on_the_lean_forward():
     with pytest.raises(ValueError, match="lean forward only"):

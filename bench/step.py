@@ -42,7 +42,7 @@ from generation_service.speculative import prefill
 
 ROWS = (1, 4, 16, 64)
 PREFIX = 200
-FORMATS = ("fp32", "bf16", "q4_1")
+FORMATS = ("fp32", "bf16", "q4_1", "q4_1_bf16")
 FORWARDS = ("lean", "lean-ops", "hf")
 BATCH = 8
 

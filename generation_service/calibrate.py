@@ -12,6 +12,8 @@ ms of one pass after 200 tokens, 2 threads:
     EPYC AVX2 only          fp32     68   167   230     555
     Sapphire Rapids  q4_1 (fp32 act.)  7.8  31.9  123    210
     Sapphire Rapids  q4_1_bf16 (AMX)  10.3  23.8   88    134
+    EPYC Zen 4       q4_1 (fp32 act.)  7.0  31.9  126    170 (bf16 prompt linears)
+    EPYC Zen 4  q4_1_bf16 (AVX512-BF16) 7.0  26.7   85    165 (bf16 prompt linears)
 
 So the worker measures, at start, the curve of every candidate (dtype x torch threads) and serves with the one
 that decodes fastest; a restart reads the result from a cache file and takes seconds.

@@ -22,9 +22,8 @@ FLAG_HELP = {
     "host": "address the gRPC port binds to (0.0.0.0 = every interface)",
     "port": "gRPC port (0 = a free port)",
     "model": "local Hugging Face model directory (\"\" = SmolLM2-135M-Instruct, prepared on first use)",
-    "dtype": "auto (the fastest measured here; q4_1 among them when the model has its Q4_1 GGUF) | bf16 | fp32 | "
-             "q4_1 (the GGUF's exact 4-bit weights, lean forward only) | q4_1_bf16 (the same weights, bf16 "
-             "activations: CPUs with AMX or AVX512-BF16)",
+    "dtype": "auto (the fastest measured here) | bf16 | fp32 | q4_1 (the model's Q4_1 GGUF weights, exactly) | "
+             "q4_1_bf16 (the same, bf16 activations: AMX or AVX512-BF16)",
     "forward": "auto (lean for Llama-family models, else transformers) | lean | hf",
     "prefill_precision": "linears of prompt chunks: auto (bf16 where calibration measures it faster) | fp32 | bf16; "
                          "decode rows keep the serving dtype, so speculation stays lossless",

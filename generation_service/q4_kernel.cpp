@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
@@ -201,19 +202,26 @@ inline void tile_dot(const float* x, int64_t ldx, const uint8_t* row, int64_t ro
 #endif
 }
 
+// f(std::integral_constant<int, R>{}) with R = rows (1..8, more counts as 8): a tile's row count as a template
+// argument, so its accumulators are registers.
+template <class F>
+inline void with_rows(int rows, F&& f) {
+  switch (rows) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+
 template <class B, int NR>
 void rows_dot(const float* x, int64_t ldx, int rows, const uint8_t* w, int64_t row_bytes, int64_t nb, float* out,
               int64_t ldo) {
-  switch (rows) {
-    case 1: tile_dot<B, NR, 1>(x, ldx, w, row_bytes, nb, out, ldo); break;
-    case 2: tile_dot<B, NR, 2>(x, ldx, w, row_bytes, nb, out, ldo); break;
-    case 3: tile_dot<B, NR, 3>(x, ldx, w, row_bytes, nb, out, ldo); break;
-    case 4: tile_dot<B, NR, 4>(x, ldx, w, row_bytes, nb, out, ldo); break;
-    case 5: tile_dot<B, NR, 5>(x, ldx, w, row_bytes, nb, out, ldo); break;
-    case 6: tile_dot<B, NR, 6>(x, ldx, w, row_bytes, nb, out, ldo); break;
-    case 7: tile_dot<B, NR, 7>(x, ldx, w, row_bytes, nb, out, ldo); break;
-    default: tile_dot<B, NR, 8>(x, ldx, w, row_bytes, nb, out, ldo); break;
-  }
+  with_rows(rows, [&](auto r) { tile_dot<B, NR, decltype(r)::value>(x, ldx, w, row_bytes, nb, out, ldo); });
 }
 
 void check(const torch::Tensor& x, const torch::Tensor& packed, int64_t block_bytes) {
@@ -316,16 +324,7 @@ inline void tile_dot_bf16(const uint16_t* x, int64_t ldx, const uint8_t* row, in
 template <class S, int NR>
 void rows_dot_bf16(const uint16_t* x, int64_t ldx, int rows, const uint8_t* w, int64_t row_bytes, int64_t nb,
                    float* out, int64_t ldo) {
-  switch (rows) {
-    case 1: tile_dot_bf16<S, NR, 1>(x, ldx, w, row_bytes, nb, out, ldo); break;
-    case 2: tile_dot_bf16<S, NR, 2>(x, ldx, w, row_bytes, nb, out, ldo); break;
-    case 3: tile_dot_bf16<S, NR, 3>(x, ldx, w, row_bytes, nb, out, ldo); break;
-    case 4: tile_dot_bf16<S, NR, 4>(x, ldx, w, row_bytes, nb, out, ldo); break;
-    case 5: tile_dot_bf16<S, NR, 5>(x, ldx, w, row_bytes, nb, out, ldo); break;
-    case 6: tile_dot_bf16<S, NR, 6>(x, ldx, w, row_bytes, nb, out, ldo); break;
-    case 7: tile_dot_bf16<S, NR, 7>(x, ldx, w, row_bytes, nb, out, ldo); break;
-    default: tile_dot_bf16<S, NR, 8>(x, ldx, w, row_bytes, nb, out, ldo); break;
-  }
+  with_rows(rows, [&](auto r) { tile_dot_bf16<S, NR, decltype(r)::value>(x, ldx, w, row_bytes, nb, out, ldo); });
 }
 
 // Weight rows [n0, n1) against every tile of x, NR rows at a time (more weight rows per tile when x has few rows:

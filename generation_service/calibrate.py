@@ -71,7 +71,6 @@ import logging
 import math
 import os
 import queue
-import tempfile
 import threading
 import time
 from concurrent.futures import Future
@@ -100,6 +99,7 @@ from generation_service.model import (
 )
 from generation_service.q4_kernel import build_dir, kernel
 from generation_service.speculative import prefill, verify_tree
+from ragcore.files import write_json_atomic
 from ragcore.machine import cpu_info
 from ragcore.model_files import ragserve_home, resolve_model_dir
 
@@ -400,15 +400,7 @@ def load_cache(path: Path, key: dict) -> Calibration | None:
 
 def save_cache(path: Path, cal: Calibration) -> None:
     """Atomic write: a crash mid-write leaves the old file or none, never a truncated one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(cal.to_json(), fh, indent=1)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_json_atomic(path, cal.to_json())
     cal.path = str(path)
 
 

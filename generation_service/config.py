@@ -65,6 +65,8 @@ FLAG_HELP = {
     "kb_target": "knowledge service target(s) for RAG requests (\"\" = no RAG)",
     "kb_timeout_ms": "deadline of a sequential RAG retrieval, ms",
     "kb_spec_timeout_ms": "deadline of a speculative RAG call; a slower one falls back to sequential, ms",
+    "acceptance_state": "draft-acceptance evidence kept across restarts: auto (per model, in RAGSERVE_HOME/"
+                        "calibration) | off | a file path",
 }
 
 
@@ -149,6 +151,10 @@ class GenerationConfig(config_util.ShellConfig):
     kb_target: str = "127.0.0.1:50051"
     kb_timeout_ms: float = 10_000.0
     kb_spec_timeout_ms: float = 2_000.0
+    # The pooled draft-acceptance evidence (draft_budget.SharedCalibration) is written every 2000 passes and at
+    # stop, and read at start, so a restarted worker sizes its first trees from what drafts were worth before
+    # (engine/scheduler.py): auto = acceptance-<model identity>.json in the calibration cache | off | a file.
+    acceptance_state: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -157,6 +163,8 @@ class GenerationConfig(config_util.ShellConfig):
             raise ValueError(f"prefill_precision: {self.prefill_precision!r} is not auto, fp32 or bf16")
         if self.forward not in ("auto", "lean", "hf"):
             raise ValueError(f"forward: {self.forward!r} is not auto, lean or hf")
+        if not self.acceptance_state.strip():
+            raise ValueError("acceptance_state: empty; auto, off or a file path")
         if self.calibration not in ("auto", "force", "off"):
             raise ValueError(f"calibration: {self.calibration!r} is not auto, force or off")
         if self.threads < 0:

@@ -62,6 +62,7 @@ DEPTH_BUCKETS = np.array([2, 3, 5])  # a node's depth in its tree: 1 | 2 | 3-4 |
 MAX_BACKOFF = 16  # steps a useless remote source is skipped, at most
 USELESS_BEFORE_BACKOFF = 2
 N_SOURCES = len(SOURCES)
+STATE_VERSION = 1  # SharedCalibration.to_json's layout
 LOCAL_CONTEXT = SOURCES.index("context")
 LOCAL_SOURCES = frozenset({LOCAL_CONTEXT})  # drafted in process, never an RPC
 
@@ -246,6 +247,25 @@ class SharedCalibration:
         depth = np.searchsorted(DEPTH_BUCKETS, node_depths(parents), side="right")  # [n]
         _, nb, nd = self.shape
         return (np.arange(N_SOURCES) * nb + source_buckets)[None, :] * nd + depth[:, None]
+
+    def to_json(self) -> dict:
+        """The evidence as plain data (a worker keeps it across restarts: engine/scheduler.py)."""
+        return {"version": STATE_VERSION, "sources": list(SOURCES), "suffix_buckets": SUFFIX_BUCKETS.tolist(),
+                "depth_buckets": DEPTH_BUCKETS.tolist(), "predicted": self.predicted.tolist(),
+                "accepted": self.accepted.tolist()}
+
+    def restore(self, data: dict) -> None:
+        """Take the evidence of to_json() (ValueError when it is not such data, or of another layout)."""
+        layout = (data.get("version"), data.get("sources"), data.get("suffix_buckets"), data.get("depth_buckets"))
+        if layout != (STATE_VERSION, list(SOURCES), SUFFIX_BUCKETS.tolist(), DEPTH_BUCKETS.tolist()):
+            raise ValueError(f"acceptance evidence of another layout: {layout}")
+        arrays = []
+        for name in ("predicted", "accepted"):
+            a = np.asarray(data.get(name), np.float64)
+            if a.shape != self.shape or not np.all(np.isfinite(a)) or np.any(a < 0):
+                raise ValueError(f"{name} must be finite, >= 0 and of shape {self.shape}")
+            arrays.append(a)
+        self.predicted, self.accepted = arrays
 
     def add(self, cells: np.ndarray, raw: np.ndarray, accepted_cells: np.ndarray) -> None:
         """One verified tree: the flat cell and raw share of each node, the cells of the accepted ones."""

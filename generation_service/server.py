@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -30,8 +31,10 @@ from generation_service.calibrate import (
     Choice,
     ModelThread,
     apply_prefill_precision,
+    cache_dir,
     calibrated_model,
     format_table,
+    model_identity,
     served_prefill_precision,
     shown_flags,
 )
@@ -152,6 +155,16 @@ class RetrievalLink:
         return RemoteDrafter(self.client, source, deadline=deadline)
 
 
+def acceptance_path(cfg: GenerationConfig, tm) -> Path | None:
+    """Where the worker keeps its pooled draft-acceptance evidence (cfg.acceptance_state): auto = per model in
+    the calibration cache directory, off = nowhere, else the given file."""
+    if cfg.acceptance_state == "off":
+        return None
+    if cfg.acceptance_state == "auto":
+        return cache_dir() / f"acceptance-{model_identity(Path(tm.model_dir))}.json"
+    return Path(cfg.acceptance_state)
+
+
 class Worker:
     """The model side of the servicer: the continuous-batching engine (engine/scheduler.py) and what it needs to
     run every mode — drafters on the retrieval link, the RAG and kNN-LM backends."""
@@ -163,7 +176,8 @@ class Worker:
         self.rag = rag  # ralm_service.RagBackend when a KB target is configured
         self.engine = Engine(tm, max_batch=cfg.max_batch, prefill_chunk=cfg.prefill_chunk,
                              kv_cache_mb=cfg.kv_cache_mb, queue_size=cfg.queue_size, drafter=self._drafter,
-                             loop=self._loop_request, learn=link.learn, model_thread=model_thread, threads=threads)
+                             loop=self._loop_request, learn=link.learn, model_thread=model_thread, threads=threads,
+                             acceptance_path=acceptance_path(cfg, tm))
 
     @property
     def model_thread(self) -> ModelThread:

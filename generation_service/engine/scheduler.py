@@ -33,12 +33,14 @@ tests/ralm/test_engine.py and tests/knnlm/test_engine.py check this).
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -57,11 +59,13 @@ from generation_service.model import TargetModel, forward_batch, forward_batch_h
 from generation_service.ralm import passage_budget
 from generation_service.speculative import FINISH_CANCELLED, StreamChunk, TextOutput
 from ragcore.errors import ResourceExhausted, ServiceError
+from ragcore.files import write_json_atomic
 
 log = logging.getLogger(__name__)
 
 SLAB_MAX_ROWS = 4096  # rows per slab slot; a request needing more gets its own cache (attended on its own)
 GATE_LOG_PASSES = 2000  # how often the draft gate's arm shares and rates are logged (about a line a minute busy)
+SAVE_PASSES = 2000  # how often the pooled acceptance evidence is written (and at stop)
 
 
 def kv_bytes_per_row(tm: TargetModel) -> int:
@@ -158,11 +162,13 @@ class Engine:
     def __init__(self, tm: TargetModel, *, max_batch: int, prefill_chunk: int, kv_cache_mb: int, queue_size: int,
                  drafter: Callable[[object], object], loop: Callable[[object], object],
                  learn: Callable[[np.ndarray, list[int]], None] | None = None,
-                 model_thread: ModelThread | None = None, threads: ThreadGovernor | None = None):
+                 model_thread: ModelThread | None = None, threads: ThreadGovernor | None = None,
+                 acceptance_path: Path | None = None):
         """drafter(job): the job's Drafter (None = AR); loop(job): the request of a RAG / kNN-LM job (an object with
         effects(), final_chunk() and chunk: ralm.RagRequest, knnlm.KnnRequest); learn(prompt, completion): called
         (on a helper thread) for finished jobs that asked to learn; threads: picks torch's intra-op threads per
-        pass from measured pass times (None = keep the model thread's count)."""
+        pass from measured pass times (None = keep the model thread's count); acceptance_path: where the pooled
+        acceptance evidence is kept across restarts (None = it starts empty and is not kept)."""
         self.tm = tm
         self.threads = threads
         self._idle = IdleMeter() if threads is not None else None
@@ -179,6 +185,8 @@ class Engine:
         self.segment_ms = 0.0
         self.gate = DraftGate()
         self.calibration = SharedCalibration()  # every request's acceptance evidence: the prior of the next ones
+        self.acceptance_path = acceptance_path
+        self._load_acceptance()
         self.passes = 0  # batched passes run (stats, tests)
         self.peak_batch = 0  # most sequences in one pass so far
         # The running requests' caches, in slots 0..n-1 of one slab: each pass attends them in one chain of ops
@@ -236,11 +244,38 @@ class Engine:
         # Joined, not abandoned: the process exits after this returns, and a thread still inside a forward
         # pass or a datastore insert while the interpreter finalizes aborts it (SIGABRT instead of exit 0).
         self.model_thread.stop(wait=True, timeout_s=timeout_s)
+        self.save_acceptance()  # the model thread, the only writer of the evidence, has ended
         for pool in (self.draft_pool, self.retrieval_pool):
             pool.shutdown(wait=True, cancel_futures=True)
         self.learner.shutdown(wait=True)  # finished requests' outputs still reach the datastore
 
     # -------------------------------------------------------------------------------------- model thread
+
+    def _load_acceptance(self) -> None:
+        """The evidence an earlier run of this worker kept: its first requests then size trees from what drafts
+        of each kind were worth, not from raw shares (which a cold worker trusts until each cell has been tested;
+        the demo's first code completion ran 0.84x `ar` cold and 1.34x warm). A missing, unreadable or foreign
+        file starts empty."""
+        if self.acceptance_path is None:
+            return
+        try:
+            self.calibration.restore(json.loads(self.acceptance_path.read_text()))
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, AttributeError) as e:  # AttributeError: JSON that is not an object
+            log.warning("acceptance evidence %s unusable (%s); starting without it", self.acceptance_path, e)
+            return
+        log.info("acceptance evidence from %s: %.0f predicted, %.0f accepted draft tokens (decayed)",
+                 self.acceptance_path, self.calibration.predicted.sum(), self.calibration.accepted.sum())
+
+    def save_acceptance(self) -> None:
+        """Keep the pooled acceptance evidence (atomic; on the model thread, or after it ended)."""
+        if self.acceptance_path is None or not self.calibration.predicted.any():
+            return
+        try:
+            write_json_atomic(self.acceptance_path, self.calibration.to_json())
+        except OSError as e:  # a read-only home must not stop the serving
+            log.warning("cannot keep the acceptance evidence in %s: %s", self.acceptance_path, e)
 
     def _measure(self) -> float:
         try:
@@ -396,6 +431,8 @@ class Engine:
         if self.threads is not None:
             self.threads.record(n_threads, pass_rows, (time.perf_counter() - t_pass) * 1e3)
         self.passes += 1
+        if self.passes % SAVE_PASSES == 0:
+            self.save_acceptance()
         if self.passes % GATE_LOG_PASSES == 0:
             if self.gate.steps:
                 log.info("engine: draft gate after %d passes: %s", self.passes, self.gate.report())

@@ -55,7 +55,8 @@ def fuzz_retrieval(datastore):
 def fuzz_generation(tm, fuzz_retrieval):
     from generation_service.server import build_server
 
-    cfg = GenerationConfig(port=0, retrieval=fuzz_retrieval.address, dtype="fp32", **GEN_LIMITS)
+    cfg = GenerationConfig(port=0, retrieval=fuzz_retrieval.address, dtype="fp32", acceptance_state="off",
+                           **GEN_LIMITS)
     running, servicer = build_server(cfg, tm=tm)
     raw = Raw(running.address)
     yield raw

@@ -1,6 +1,8 @@
 """Cost-aware tree size: brute force over every subtree size on measured curves, ancestor closure, per-source
 calibration, skipping useless remote drafts, and recovery after a bad stretch."""
 
+import json
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -260,3 +262,36 @@ def test_a_pooled_cell_that_stopped_being_tested_recovers():
     verified.append(pooled_step(shared, sure, 8, suffix=1))  # ... until they are tested again
     assert shared.alpha[CTX, 0].max() > low
     assert verified == [8]  # Not 0 forever
+
+
+def test_pooled_evidence_survives_a_round_trip():
+    shared = SharedCalibration()
+    sure = chain([1.0] * 8, CTX)
+    for _ in range(40):
+        pooled_step(shared, sure, 0, suffix=1)
+    kept = json.loads(json.dumps(shared.to_json()))  # what the worker writes and reads back
+    restarted = SharedCalibration()
+    restarted.restore(kept)
+    assert np.array_equal(restarted.alpha, shared.alpha)
+    assert pooled_step(restarted, sure, 0, suffix=1) == 0  # the restarted worker's first tree: Not 8 (cold)
+
+
+def _state(**change):
+    data = SharedCalibration().to_json()
+    data["predicted"][0][0][0] = 3.0
+    return {**data, **change}
+
+
+@pytest.mark.parametrize("case, data", [
+    ("another layout version", _state(version=99)),
+    ("other depth buckets", _state(depth_buckets=[2, 3])),
+    ("a negative count", _state(accepted=(-np.ones(SharedCalibration.shape)).tolist())),
+    ("a NaN", _state(predicted=np.full(SharedCalibration.shape, np.nan).tolist())),
+    ("a wrong shape", _state(predicted=[[1.0]])),
+    ("no arrays", {"version": 1}),
+])
+def test_foreign_pooled_evidence_is_refused(case, data):
+    shared = SharedCalibration()
+    with pytest.raises(ValueError):
+        shared.restore(data)
+    assert not shared.predicted.any()  # Not half-restored

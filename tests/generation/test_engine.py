@@ -285,3 +285,48 @@ def test_a_pass_asks_remote_sources_of_one_client_in_one_call(tm32):
     # Several requests in one call (not always all three: a source whose trees never help is skipped for a while,
     # draft_budget.py, and the draft gate tries passes without remote drafts).
     assert max(n for _, n in log) >= 2
+
+
+def test_the_pooled_acceptance_evidence_outlives_the_engine(tm32, tmp_path):
+    """A restarted worker starts from what drafts were worth before (a cold one trusts raw shares); an unreadable
+    file is ignored, never fatal."""
+    path = tmp_path / "acceptance.json"
+    path.write_text("{not json")
+    drafters: dict[int, object] = {}
+    engine = _engine(tm32, drafters, acceptance_path=path)
+    try:
+        assert not engine.calibration.predicted.any()  # the broken file was ignored
+        job = _job(encode(tm32, "a b c a b c a b c a b c a b c a b"), SamplingParams(max_new_tokens=N_NEW,
+                                                                                   ignore_eos=True), "pld")
+        drafters[id(job)] = PromptLookupDrafter()
+        engine.submit(job)
+        _collect(job)
+    finally:
+        engine.stop()
+    learned = engine.calibration.predicted.copy()
+    assert learned.sum() > 0  # trees were verified, so there is evidence to keep
+    restarted = _engine(tm32, {}, acceptance_path=path)
+    try:
+        assert np.array_equal(restarted.calibration.predicted, learned)  # Not empty: read back at start
+    finally:
+        restarted.stop()
+    nowhere = _engine(tm32, {})
+    try:
+        assert not nowhere.calibration.predicted.any()  # acceptance_path None: nothing kept, nothing read
+    finally:
+        nowhere.stop()
+
+
+@pytest.mark.parametrize("setting, expected", [
+    ("auto", "calibration/acceptance-"),  # per model, beside the cost-curve cache; Not in the working directory
+    ("off", None),
+    ("/tmp/mine.json", "/tmp/mine.json"),
+])
+def test_where_the_worker_keeps_its_acceptance_evidence(tm32, setting, expected):
+    from generation_service.config import GenerationConfig
+    from generation_service.server import acceptance_path
+
+    got = acceptance_path(GenerationConfig(acceptance_state=setting), tm32)
+    assert (got is None) if expected is None else expected in str(got)
+    with pytest.raises(ValueError, match="acceptance_state"):
+        GenerationConfig(acceptance_state=" ")

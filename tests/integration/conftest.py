@@ -74,7 +74,10 @@ def draft_stub(retrieval):
 def start_generation(tm, retrieval_address: str, **overrides):
     from generation_service.server import build_server
 
-    cfg = GenerationConfig(port=0, retrieval=retrieval_address, dtype="fp32", **overrides)
+    # acceptance_state off: a test's trees must not depend on what earlier test servers (or the user's own worker,
+    # which keeps its evidence per model in RAGSERVE_HOME) learned; the engine tests cover keeping it.
+    cfg = GenerationConfig(port=0, retrieval=retrieval_address, dtype="fp32", **{"acceptance_state": "off",
+                                                                              **overrides})
     running, servicer = build_server(cfg, tm=tm)
     return running, servicer
 

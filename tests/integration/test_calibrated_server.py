@@ -39,7 +39,7 @@ def test_the_worker_serves_with_its_calibration_or_the_user_s_flags(calibrated_h
 
     monkeypatch.setenv("RAGSERVE_HOME", calibrated_home.calibration.path.rsplit("/calibration/", 1)[0])
     cfg = GenerationConfig(port=0, retrieval=retrieval.address, model=str(default_model_dir()), device="cpu",
-                           **flags)
+                           acceptance_state="off", **flags)
     running, servicer = build_server(cfg)
     try:
         with GenerationClient(running.address) as c:

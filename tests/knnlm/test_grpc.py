@@ -20,7 +20,7 @@ def _server(tm, ds_path, retrieval_address: str):
     from generation_service.server import build_server
 
     cfg = GenerationConfig(port=0, retrieval=retrieval_address, dtype="bf16", knnlm_datastore=str(ds_path),
-                           knnlm_timeout_ms=3000, default_decoding="ar")
+                           knnlm_timeout_ms=3000, default_decoding="ar", acceptance_state="off")
     running, _ = build_server(cfg, tm=tm)
     return running
 

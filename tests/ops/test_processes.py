@@ -36,7 +36,7 @@ def topology(datastore, tmp_path_factory):
     state = tmp_path_factory.mktemp("run") / "launcher.json"
     topo = launcher.up(datastore=str(datastore.path), dtype="fp32", state=state, replicas=2, metrics=True,
                        timeout_s=600, extra_generation=["--retry-after-s", "0.2", "--draft-timeout-ms", "1000",
-                                                        "--threads", "2"],
+                                                        "--threads", "2", "--acceptance-state", "off"],
                        extra_retrieval=["--workers", "2"])
     yield topo, state
     launcher.down(state=state, grace_s=10)

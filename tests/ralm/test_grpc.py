@@ -19,7 +19,8 @@ STRIDE = 2
 def _start(tm, kb_target: str):
     from generation_service.server import build_server
 
-    cfg = GenerationConfig(port=0, retrieval="", kb_target=kb_target, kb_timeout_ms=2000, retry_after_s=0.2)
+    cfg = GenerationConfig(port=0, retrieval="", kb_target=kb_target, kb_timeout_ms=2000, retry_after_s=0.2,
+                           acceptance_state="off")
     return build_server(cfg, tm=tm)
 
 

@@ -224,7 +224,7 @@ class SharedCalibration:
     of its continuation, while the model accepts depth d only after 1..d-1. Tested cells fade by SHARED_DECAY per
     tree, the others by SHARED_IDLE_DECAY: a cell whose estimate fell so low that its nodes are no longer chosen
     still comes back to be tested. Updated on the engine's thread after each pass; requests read it when they
-    size a tree.
+    size a tree. to_json / restore carry it across a worker's restarts (the engine keeps it in a file).
     """
 
     shape = (N_SOURCES, len(SUFFIX_BUCKETS) + 1, len(DEPTH_BUCKETS) + 1)

@@ -254,7 +254,7 @@ class Engine:
     def _load_acceptance(self) -> None:
         """The evidence an earlier run of this worker kept: its first requests then size trees from what drafts
         of each kind were worth, not from raw shares (which a cold worker trusts until each cell has been tested;
-        the demo's first code completion ran 0.84x `ar` cold and 1.34x warm). A missing, unreadable or foreign
+        in process the demo's first code completion ran 0.84x `ar` cold, 1.34x warm). A missing, unreadable or foreign
         file starts empty."""
         if self.acceptance_path is None:
             return

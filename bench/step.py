@@ -15,7 +15,8 @@ hf = transformers. q4_1 runs on the lean forward only (the hf forward would comp
 The llama.cpp anchors (llama-cpp-python, optional: `pip install -e '.[anchor]'`, a source build) decode the shipped
 Q4_1 GGUF and an F32 GGUF written from it (its blocks dequantized: the values of our fp32 safetensors, with the same
 metadata): ms per token of single-token decode steps after the same 200-token prefix, same thread count.
-Results: bench/results/step-<cpuclass>.json (cpu class as bench/serving.py names it) and a printed table.
+Results: bench/results/step-<cpuclass>[-<kernel level>].json (cpu class as bench/serving.py names it) and a printed
+table. --kernel-level x86-64-v3 runs the AVX2 build of the kernels (what an AVX2-only CPU loads) on this one.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from generation_service.calibrate import ModelThread
 from generation_service.engine.steps import tree_segment
 from generation_service.lean_llama import KVSlab
 from generation_service.model import TargetModel, cache_length, forward_batch, load_model, new_cache, set_threads
+from generation_service.q4_kernel import LEVELS, load_level
 from generation_service.speculative import prefill
 
 ROWS = (1, 4, 16, 64)
@@ -249,7 +251,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=7, help="timed rounds (after one warm-up round)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = every core this process may use)")
     ap.add_argument("--no-anchor", action="store_true", help="skip the llama.cpp anchor")
-    ap.add_argument("--json", default="", help="output file (default bench/results/step-<cpuclass>.json)")
+    ap.add_argument("--kernel-level", default="", help=f"run the CPU kernels built for this x86-64 level instead of "
+                    f"this CPU's best ({', '.join(LEVELS)}; e.g. x86-64-v3: an AVX2 machine's kernels)")
+    ap.add_argument("--json", default="", help="output file (default bench/results/step-<cpuclass>[-<level>].json)")
     args = ap.parse_args(argv)
     args.formats = [f for f in args.formats.split(",") if f]
     args.forwards = [f for f in args.forwards.split(",") if f]
@@ -257,12 +261,18 @@ def main(argv: list[str] | None = None) -> None:
     bad = [f for f in args.formats if f not in FORMATS] + [f for f in args.forwards if f not in FORWARDS]
     if bad or not args.rows or args.rows[0] < 1 or args.reps < 1:
         ap.error(f"bad --formats/--forwards/--rows/--reps: {bad or args.rows or args.reps}")
+    if args.kernel_level:
+        if args.kernel_level not in LEVELS:
+            ap.error(f"--kernel-level: one of {', '.join(LEVELS)}")
+        load_level(args.kernel_level)
     mt = ModelThread("bench-step")  # every pass on one thread, as in the server (calibrate.ModelThread)
     try:
         res = mt.call(run, args)
     finally:
         mt.stop(wait=True)
-    out = Path(args.json or Path(__file__).parent / "results" / f"step-{res['cpu_class']}.json")
+    res["kernel_level"] = args.kernel_level or "this CPU's best"
+    suffix = f"-{args.kernel_level}" if args.kernel_level else ""
+    out = Path(args.json or Path(__file__).parent / "results" / f"step-{res['cpu_class']}{suffix}.json")
     write_json(out, res)
     print_table(res)
     print(f"\nwrote {out}")

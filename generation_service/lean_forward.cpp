@@ -21,7 +21,7 @@
 #include <cstring>
 #include <limits>
 #include <vector>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -68,61 +68,146 @@ void exp_inplace(float* x, int64_t n) {
   }
 }
 
+// The per-row attention kernel (attend_row) over one of two vector widths, behind the same few operations: 16 lanes
+// with AVX-512, 8 with AVX2 + FMA. Within one build every row takes the same instructions, which is all the
+// pass-invariance below needs; the two widths round differently from each other.
 #if defined(__AVX512F__)
-// out lane i = the sum of v[i]'s 16 lanes, by the same tree of adds for every i (lanes l and l + 2 first, then the
-// pairs, then the four 128-bit groups), so a dot product's bits do not depend on which slot of a block it took.
-inline __m512 transpose_sum16(const __m512* v) {
-  __m512 a[8], b[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit group: [v2i(0+2), v2i+1(0+2), v2i(1+3), v2i+1(1+3)]
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // per 128-bit group: the group's partial sums of v4i .. v4i+3
-    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+#define RAGSERVE_ROW_KERNEL 1
+struct Simd {
+  using V = __m512;
+  static constexpr int kLanes = 16;
+  static constexpr int kAccumulators = 16;  // registers weighted_values keeps (of 32)
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static float reduce_max(V v) { return _mm512_reduce_max_ps(v); }
+  static float reduce_add(V v) { return _mm512_reduce_add_ps(v); }
+  // The first m lanes (m >= kLanes: all) of p; the others read as 0 and are not written.
+  static V load_first(const float* p, int64_t m) { return _mm512_maskz_loadu_ps(mask(m), p); }
+  static void store_first(float* p, V v, int64_t m) { _mm512_mask_storeu_ps(p, mask(m), v); }
+  static V max_first(V acc, V v, int64_t m) { return _mm512_mask_max_ps(acc, mask(m), acc, v); }
+  static V keep_first(V v, int64_t m) { return _mm512_maskz_mov_ps(mask(m), v); }
+  // out lane i = the sum of v[i]'s 16 lanes, by the same tree of adds for every i (lanes l and l + 2 first, then
+  // the pairs, then the four 128-bit groups), so a dot product's bits do not depend on which slot it took.
+  static V transpose_sum(const V* v) {
+    __m512 a[8], b[4];
+    for (int i = 0; i < 8; ++i)  // per 128-bit group: [v2i(0+2), v2i+1(0+2), v2i(1+3), v2i+1(1+3)]
+      a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) {  // per 128-bit group: the group's partial sums of v4i .. v4i+3
+      const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+      b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    const __m512 s0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xdd));
+    const __m512 s1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(s0, s1, 0x88), _mm512_shuffle_f32x4(s0, s1, 0xdd));
   }
-  const __m512 s0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xdd));
-  const __m512 s1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xdd));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(s0, s1, 0x88), _mm512_shuffle_f32x4(s0, s1, 0xdd));
-}
+  static V floor(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+  static V pow2(V k) {  // 2^k for integral k in float range, built in the exponent bits
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23));
+  }
+  static V zero_below(V e, V x, float lo) {  // e, 0 where x < lo
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(lo), _CMP_LT_OQ), e, _mm512_setzero_ps());
+  }
 
-// exp_inplace's polynomial on 16 lanes.
-inline __m512 exp16(__m512 x) {
-  const __m512 v = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 k = _mm512_roundscale_ps(_mm512_fmadd_ps(v, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_sub_ps(_mm512_sub_ps(v, _mm512_mul_ps(k, _mm512_set1_ps(0.693145751953125f))),
-                                 _mm512_mul_ps(k, _mm512_set1_ps(1.42860682030941723212e-6f)));
-  __m512 p = _mm512_set1_ps(1.0f / 40320);
+ private:
+  static __mmask16 mask(int64_t m) { return m >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << m) - 1); }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+#define RAGSERVE_ROW_KERNEL 1
+struct Simd {
+  using V = __m256;
+  static constexpr int kLanes = 8;
+  static constexpr int kAccumulators = 8;  // registers weighted_values keeps (of 16)
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static float reduce_max(V v) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+  }
+  static float reduce_add(V v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+  }
+  static V load_first(const float* p, int64_t m) { return _mm256_maskload_ps(p, mask(m)); }
+  static void store_first(float* p, V v, int64_t m) { _mm256_maskstore_ps(p, mask(m), v); }
+  static V max_first(V acc, V v, int64_t m) {
+    return _mm256_blendv_ps(acc, _mm256_max_ps(acc, v), _mm256_castsi256_ps(mask(m)));
+  }
+  static V keep_first(V v, int64_t m) { return _mm256_and_ps(v, _mm256_castsi256_ps(mask(m))); }
+  // out lane i = the sum of v[i]'s 8 lanes by one tree of adds for every i: adjacent pairs, then pairs of pairs
+  // (hadd), then the two 128-bit halves.
+  static V transpose_sum(const V* v) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+  }
+  static V floor(V x) { return _mm256_floor_ps(x); }
+  static V pow2(V k) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23));
+  }
+  static V zero_below(V e, V x, float lo) {
+    return _mm256_blendv_ps(e, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_set1_ps(lo), _CMP_LT_OQ));
+  }
+
+ private:
+  static __m256i mask(int64_t m) {  // lanes < m all ones
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)std::min<int64_t>(m, 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+};
+#endif
+
+#if defined(RAGSERVE_ROW_KERNEL)
+using V = Simd::V;
+constexpr int kLanes = Simd::kLanes;
+
+// exp_inplace's polynomial on a vector.
+inline V exp_lanes(V x) {
+  const V v = Simd::max(x, Simd::set1(-87.0f));
+  const V k = Simd::floor(Simd::fmadd(v, Simd::set1(1.44269504088896341f), Simd::set1(0.5f)));
+  const V r = Simd::sub(Simd::sub(v, Simd::mul(k, Simd::set1(0.693145751953125f))),
+                        Simd::mul(k, Simd::set1(1.42860682030941723212e-6f)));
+  V p = Simd::set1(1.0f / 40320);
   const float c[] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
-  for (float ci : c) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(ci));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
-  const __m512 e = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), e, _mm512_setzero_ps());
+  for (float ci : c) p = Simd::fmadd(p, r, Simd::set1(ci));
+  return Simd::zero_below(Simd::mul(p, Simd::pow2(k)), x, -87.0f);
 }
 
-inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
-
-// acc[g] = sum over t of w_g[t] * V[keys[t]] for GN query heads at once (each V row is read once for all of them):
-// GN * DV independent accumulator chains, each adding the keys in list order.
-template <int DV, int GN>
+// acc[g] = sum over t of w_g[t] * V[keys[t]] over the CW vectors of columns from c0, for GN query heads at once (each
+// V row is read once for all of them): GN * CW independent accumulator chains, each adding the keys in list order.
+template <int CW, int GN>
 inline void weighted_values(const float* p, int64_t n, const float* inv, const float* vh, const int64_t* keys,
-                            float* out) {
-  constexpr int64_t D = 16 * DV;
-  __m512 acc[GN][DV], w[GN];
+                            int64_t D, int64_t c0, float* out) {
+  V acc[GN][CW], w[GN];
   for (int g = 0; g < GN; ++g)
-    for (int j = 0; j < DV; ++j) acc[g][j] = _mm512_setzero_ps();
+    for (int j = 0; j < CW; ++j) acc[g][j] = Simd::zero();
   for (int64_t t = 0; t < n; ++t) {
-    const float* vt = vh + keys[t] * D;
-    for (int g = 0; g < GN; ++g) w[g] = _mm512_mul_ps(_mm512_set1_ps(p[g * n + t]), _mm512_set1_ps(inv[g]));
-    for (int j = 0; j < DV; ++j) {
-      const __m512 v = _mm512_loadu_ps(vt + 16 * j);
-      for (int g = 0; g < GN; ++g) acc[g][j] = _mm512_fmadd_ps(w[g], v, acc[g][j]);
+    const float* vt = vh + keys[t] * D + c0;
+    for (int g = 0; g < GN; ++g) w[g] = Simd::mul(Simd::set1(p[g * n + t]), Simd::set1(inv[g]));
+    for (int j = 0; j < CW; ++j) {
+      const V v = Simd::load(vt + kLanes * j);
+      for (int g = 0; g < GN; ++g) acc[g][j] = Simd::fmadd(w[g], v, acc[g][j]);
     }
   }
   for (int g = 0; g < GN; ++g)
-    for (int j = 0; j < DV; ++j) _mm512_storeu_ps(out + g * D + 16 * j, acc[g][j]);
+    for (int j = 0; j < CW; ++j) Simd::store(out + g * D + c0 + kLanes * j, acc[g][j]);
 }
 
-// One decode row's attention for one kv head and its G query heads, head size 16 * DV, over the keys it sees.
+// One decode row's attention for one kv head and its G query heads, head size kLanes * DV, over the keys it sees.
 // keys: the cache rows it attends, in position order (the whole past, then its ancestors-or-self among the new
 // rows: entries a mask shuts out contribute nothing and are left out); add: their additive mask values (nullptr: 0).
 // Why it is the same in every pass: a row's result depends only on its own key list, and that list is the same for
@@ -132,50 +217,52 @@ inline void weighted_values(const float* p, int64_t n, const float* inv, const f
 template <int DV>
 void attend_row(const float* q0, int64_t G, const float* kh, const float* vh, const int64_t* keys,
                 const float* add, int64_t n, float scale, float* p, float* out) {
-  constexpr int64_t D = 16 * DV;
-  constexpr int kGroup = 16 / DV;  // query heads per pass over the values (16 accumulators)
+  constexpr int64_t D = kLanes * DV;
+  constexpr int CW = DV < Simd::kAccumulators ? DV : Simd::kAccumulators;  // column vectors per pass over V
+  constexpr int kGroup = Simd::kAccumulators / CW;                         // query heads per pass over V
   float inv[64];
   for (int64_t g = 0; g < G; ++g) {
-    __m512 q[DV];
-    for (int j = 0; j < DV; ++j) q[j] = _mm512_loadu_ps(q0 + g * D + 16 * j);
+    V q[DV];
+    for (int j = 0; j < DV; ++j) q[j] = Simd::load(q0 + g * D + kLanes * j);
     float* pg = p + g * n;
-    __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t t0 = 0; t0 < n; t0 += 16) {
-      const int64_t m = std::min<int64_t>(16, n - t0);
-      __m512 part[16];
+    V mx = Simd::set1(-std::numeric_limits<float>::infinity());
+    for (int64_t t0 = 0; t0 < n; t0 += kLanes) {
+      const int64_t m = std::min<int64_t>(kLanes, n - t0);
+      V part[kLanes];
       // A full block without a branch per key (the array stays in registers); the last one pads with the list's
       // first key and its lanes are dropped below.
 #pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i) {
+      for (int i = 0; i < kLanes; ++i) {
         const float* kt = kh + keys[i < m ? t0 + i : 0] * D;
-        __m512 acc = _mm512_mul_ps(q[0], _mm512_loadu_ps(kt));
-        for (int j = 1; j < DV; ++j) acc = _mm512_fmadd_ps(q[j], _mm512_loadu_ps(kt + 16 * j), acc);
+        V acc = Simd::mul(q[0], Simd::load(kt));
+        for (int j = 1; j < DV; ++j) acc = Simd::fmadd(q[j], Simd::load(kt + kLanes * j), acc);
         part[i] = acc;
       }
-      const __mmask16 live = tail_mask(m);
-      __m512 sc = _mm512_mul_ps(transpose_sum16(part), _mm512_set1_ps(scale));
-      if (add != nullptr) sc = _mm512_add_ps(sc, _mm512_maskz_loadu_ps(live, add + t0));
-      _mm512_mask_storeu_ps(pg + t0, live, sc);
-      mx = _mm512_mask_max_ps(mx, live, mx, sc);
+      V sc = Simd::mul(Simd::transpose_sum(part), Simd::set1(scale));
+      if (add != nullptr) sc = Simd::add(sc, Simd::load_first(add + t0, m));
+      Simd::store_first(pg + t0, sc, m);
+      mx = Simd::max_first(mx, sc, m);
     }
-    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t t0 = 0; t0 < n; t0 += 16) {
-      const __mmask16 live = tail_mask(n - t0);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, pg + t0), top));
-      _mm512_mask_storeu_ps(pg + t0, live, e);
-      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(live, e));
+    const V top = Simd::set1(Simd::reduce_max(mx));
+    V sum = Simd::zero();
+    for (int64_t t0 = 0; t0 < n; t0 += kLanes) {
+      const int64_t m = std::min<int64_t>(kLanes, n - t0);
+      const V e = exp_lanes(Simd::sub(Simd::load_first(pg + t0, m), top));
+      Simd::store_first(pg + t0, e, m);
+      sum = Simd::add(sum, Simd::keep_first(e, m));
     }
-    inv[g] = 1.0f / _mm512_reduce_add_ps(sum);
+    inv[g] = 1.0f / Simd::reduce_add(sum);
   }
   for (int64_t g = 0; g < G; g += kGroup) {
     const float* pg = p + g * n;
     float* og = out + g * D;
-    switch (std::min<int64_t>(kGroup, G - g)) {
-      case 1: weighted_values<DV, 1>(pg, n, inv + g, vh, keys, og); break;
-      case 2: weighted_values<DV, (kGroup >= 2 ? 2 : 1)>(pg, n, inv + g, vh, keys, og); break;
-      case 3: weighted_values<DV, (kGroup >= 3 ? 3 : 1)>(pg, n, inv + g, vh, keys, og); break;
-      default: weighted_values<DV, kGroup>(pg, n, inv + g, vh, keys, og); break;
+    for (int64_t c0 = 0; c0 < D; c0 += kLanes * CW) {
+      switch (std::min<int64_t>(kGroup, G - g)) {
+        case 1: weighted_values<CW, 1>(pg, n, inv + g, vh, keys, D, c0, og); break;
+        case 2: weighted_values<CW, (kGroup >= 2 ? 2 : 1)>(pg, n, inv + g, vh, keys, D, c0, og); break;
+        case 3: weighted_values<CW, (kGroup >= 3 ? 3 : 1)>(pg, n, inv + g, vh, keys, D, c0, og); break;
+        default: weighted_values<CW, kGroup>(pg, n, inv + g, vh, keys, D, c0, og); break;
+      }
     }
   }
 }
@@ -334,7 +421,7 @@ class LeanForward {
   };
 
   bool row_kernel() const {
-#if defined(__AVX512F__)
+#if defined(RAGSERVE_ROW_KERNEL)
     return (D_ == 64 || D_ == 128) && H_ / Hkv_ <= 64;  // attend_row: its head sizes, G <= 64
 #else
     return false;
@@ -387,11 +474,11 @@ class LeanForward {
     for (size_t j = 0; j < segs.size(); ++j) {
       write_kv(i, segs[j], qkv, wq);
       const int64_t S = segs[j].past + segs[j].q;
-      // With bf16 activations (bf16_) the next linear rounds every row to bf16, which turns the last-bit differences
-      // between the loop and the matmul into visible ones; so decode rows (an AR step, a draft tree) always take
-      // the loops, and a row gets the same bits in any pass. Prompt chunks (causal, several rows) may take the matmul.
+      // Decode rows (an AR step, a draft tree) always take the row kernel or the loops, never the matmul, whose
+      // rows differ from an AR step's in the last bits (and bf16 activations round those into visible ones): a row
+      // gets the same bits in any pass. Prompt chunks (causal, several rows) may take the matmul.
       const bool decode_rows = segs[j].mask.defined() || segs[j].q == 1;
-      if (segs[j].q * S * H > kLoopAttentionWork && !(decode_rows && (bf16_ || row_kernel()))) {
+      if (segs[j].q * S * H > kLoopAttentionWork && !decode_rows) {
         attend_matmul(i, segs[j], qkv, wq, o);
         continue;
       }
@@ -412,16 +499,16 @@ class LeanForward {
         const float* vh = s.v.data_ptr<float>() + i * s.v.stride(0) + h * s.v.stride(1);
         const float* q0 = qkv + (s.start + r) * wq + h * G * D;  // query heads h G .. h G + G - 1
         const int64_t row = s.start + r, nk = kl.off[row + 1] - kl.off[row];
-#if defined(__AVX512F__)
+#if defined(RAGSERVE_ROW_KERNEL)
         if (nk > 0) {
           p.resize(G * nk);
           const int64_t* keys = kl.idx.data() + kl.off[row];
           const float* add = kl.has_add[row] ? kl.add.data() + kl.off[row] : nullptr;
           float* out = o + row * H * D + h * G * D;
           if (D == 64)
-            attend_row<4>(q0, G, kh, vh, keys, add, nk, scale_, p.data(), out);
+            attend_row<64 / kLanes>(q0, G, kh, vh, keys, add, nk, scale_, p.data(), out);
           else
-            attend_row<8>(q0, G, kh, vh, keys, add, nk, scale_, p.data(), out);
+            attend_row<128 / kLanes>(q0, G, kh, vh, keys, add, nk, scale_, p.data(), out);
           continue;
         }
 #endif
@@ -507,4 +594,11 @@ void bind_lean_forward(pybind11::module_& m) {
            pybind11::arg("head"), pybind11::arg("heads"), pybind11::arg("kv_heads"), pybind11::arg("head_dim"),
            pybind11::arg("eps"), pybind11::arg("bf16") = false)
       .def("forward", &LeanForward::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("row_attention", []() {
+#if defined(RAGSERVE_ROW_KERNEL)
+    return std::string(Simd::kLanes == 16 ? "avx512" : "avx2");
+#else
+    return std::string("");
+#endif
+  }, "the vector width of the per-row attention kernel of decode rows ('avx512', 'avx2'), or '' (scalar loops)");
 }

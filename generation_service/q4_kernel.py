@@ -90,8 +90,23 @@ def build(march: str = "native") -> ModuleType:
                               build_directory=str(out), verbose=False)
 
 
+_level_override = ""  # load_level's choice
+
+
+def load_level(level: str) -> None:
+    """Make kernel() load the variant for `level` (one of LEVELS; built here when missing) instead of the best one
+    for this CPU: a machine of that level's kernels, run on this one (benchmarks, tests). Call before kernel()."""
+    global _level_override
+    if level not in LEVELS:
+        raise ValueError(f"unknown x86-64 level {level!r}; one of {', '.join(LEVELS)}")
+    if kernel.cache_info().currsize:
+        raise RuntimeError("the CPU kernels are already loaded in this process")
+    build(level)
+    _level_override = level
+
+
 def _load_prebuilt() -> ModuleType | None:
-    level = cpu_level()
+    level = _level_override or cpu_level()
     if not level:
         return None
     out = build_dir(level)
@@ -109,6 +124,8 @@ def kernel() -> ModuleType | None:
     """The compiled module (q4_1_linear, q8_0_linear, f32_linear, the dequantizers, LeanForward, isa): a prebuilt
     variant for this CPU's level when one is installed (container images), else built here for this CPU; None when
     neither works (no compiler, no ninja, a failed build): the reason is logged once."""
+    if _level_override:
+        return _load_prebuilt()  # load_level built it; a failure here is the caller's to see
     try:
         module = _load_prebuilt()
         if module is not None:

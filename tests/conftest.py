@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from ragcore.model_files import default_model_dir, is_model_dir
@@ -11,6 +13,14 @@ from retrieval_service.knowledge import sparse
 # A test session is a process main: the settings each service's main makes (ragcore/process.py).
 offline_process()
 sparse.prepare_process()
+
+# The CPU kernels of a lower x86-64 level than this CPU's (test_portable_kernels runs the fused-forward tests on the
+# AVX2 build of an AVX-512 machine), or the best one for this CPU when unset.
+KERNEL_LEVEL = os.environ.get("RAGSERVE_TEST_KERNEL_LEVEL", "")
+if KERNEL_LEVEL:
+    from generation_service import q4_kernel
+
+    q4_kernel.load_level(KERNEL_LEVEL)
 
 
 def real_model(dtype: str, forward: str = "auto"):

@@ -147,10 +147,6 @@ def test_a_row_gets_the_same_bits_in_a_step_and_in_a_small_tree(lean):
     assert not torch.equal(outs[0], torch.zeros_like(outs[0]))
 
 
-def _row_attention_kernel(lean) -> bool:
-    return kernel().isa().startswith("avx512") and lean.head_dim in (64, 128)
-
-
 # (past, draft nodes, other sequences in the pass): big trees used to take ATen's matmul attention, whose rows
 # differ from an AR step's in the last bits.
 PATH_SCENARIOS = {
@@ -162,11 +158,11 @@ PATH_SCENARIOS = {
 
 @pytest.mark.parametrize("name", list(PATH_SCENARIOS))
 def test_every_tree_row_equals_the_ar_steps_of_its_path(lean, name):
-    """With the per-row attention kernel (AVX-512) a decode row's logits depend only on its token, its position and
-    the keys it sees: each node of a tree pass == the AR step that decodes the same token after the same accepted
-    path, bit for bit, whatever else is in the pass."""
-    if not _row_attention_kernel(lean):
-        pytest.skip("no per-row attention kernel on this CPU")
+    """In the fused pass a decode row's logits depend only on its token, its position and the keys it sees (the
+    per-row attention kernel, AVX-512 or AVX2, or the scalar loops): each node of a tree pass == the AR step that
+    decodes the same token after the same accepted path, bit for bit, whatever else is in the pass."""
+    if lean.fused is None:
+        pytest.skip("the fused forward is not built here")
     past, nodes, others = PATH_SCENARIOS[name]
     rng = np.random.default_rng(past + nodes)
     prefix = torch.from_numpy(rng.integers(0, 30000, past))
@@ -198,6 +194,17 @@ def test_every_tree_row_equals_the_ar_steps_of_its_path(lean, name):
     for k, row in enumerate(path):
         step = lean.forward(torch.tensor([ids[row]]), torch.tensor([past + k]), ar)[0]
         assert torch.equal(step, tree[row]), (k, row, float((step - tree[row]).abs().max()))  # Not merely close
+
+
+# isa() -> the per-row attention kernel that build has: not a scalar fallback where the vector units exist.
+ROW_KERNELS = {"avx512+amx": "avx512", "avx512+bf16": "avx512", "avx512": "avx512", "avx2": "avx2", "scalar": ""}
+
+
+def test_row_attention_kernel_matches_the_build():
+    ext = kernel()
+    if ext is None:
+        pytest.skip("the CPU kernel extension is not built here")
+    assert ext.row_attention() == ROW_KERNELS[ext.isa()], ext.isa()
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 96, 64), (3, 40, 128), (9, 17, 576), (20, 5, 32)])

@@ -10,8 +10,9 @@
 //   rms(x) = w * (x * 1 / sqrt(mean(x^2) + eps));  rope(t) = t * cos + rotate_half(t) * sin
 //   attention: query head h reads kv head h / G; scores * scale + mask (additive; none = causal over the new rows),
 //   softmax in fp32; out = probs @ values;  mlp = down(silu(gate) * up).
-// Attention of short segments (q * S small) runs in loops here; longer ones use ATen's matmul (blocked GEMM), as
-// the Python path does.
+// Decode rows (AR steps, draft trees) attend in the per-row vector kernel (AVX-512 or AVX2), else in scalar loops;
+// prompt chunks with q * S small in the loops, longer ones through ATen's matmul (blocked GEMM), as the Python path
+// does. exp (softmax, SiLU) is a polynomial here, so its values differ from torch's in the last bits.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -86,6 +87,8 @@ struct Simd {
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V min(V a, V b) { return _mm512_min_ps(a, b); }
+  static V div(V a, V b) { return _mm512_div_ps(a, b); }
   static float reduce_max(V v) { return _mm512_reduce_max_ps(v); }
   static float reduce_add(V v) { return _mm512_reduce_add_ps(v); }
   // The first m lanes (m >= kLanes: all) of p; the others read as 0 and are not written.
@@ -133,6 +136,8 @@ struct Simd {
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V min(V a, V b) { return _mm256_min_ps(a, b); }
+  static V div(V a, V b) { return _mm256_div_ps(a, b); }
   static float reduce_max(V v) {
     __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     x = _mm_max_ps(x, _mm_movehl_ps(x, x));
@@ -185,6 +190,16 @@ inline V exp_lanes(V x) {
   const float c[] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
   for (float ci : c) p = Simd::fmadd(p, r, Simd::set1(ci));
   return Simd::zero_below(Simd::mul(p, Simd::pow2(k)), x, -87.0f);
+}
+
+// out = silu(g) * u = g / (1 + e^-g) * u over n values (the MLP's activation; std::exp would be a scalar call each).
+inline void silu_mul(const float* g, const float* u, float* out, int64_t n) {
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const int64_t m = std::min<int64_t>(kLanes, n - j);
+    const V gv = Simd::load_first(g + j, m);
+    const V e = exp_lanes(Simd::min(Simd::sub(Simd::zero(), gv), Simd::set1(88.0f)));  // e^88 is still a float
+    Simd::store_first(out + j, Simd::mul(Simd::div(gv, Simd::add(Simd::set1(1.0f), e)), Simd::load_first(u + j, m)), m);
+  }
 }
 
 // acc[g] = sum over t of w_g[t] * V[keys[t]] over the CW vectors of columns from c0, for GN query heads at once (each
@@ -265,6 +280,10 @@ void attend_row(const float* q0, int64_t G, const float* kh, const float* vh, co
       }
     }
   }
+}
+#else
+inline void silu_mul(const float* g, const float* u, float* out, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) out[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
 }
 #endif
 
@@ -369,11 +388,7 @@ class LeanForward {
       torch::Tensor act = torch::empty({N, I}, x.options());
       const float* g = gu.data_ptr<float>();
       float* a = act.data_ptr<float>();
-      for (int64_t n = 0; n < N; ++n)
-        for (int64_t j = 0; j < I; ++j) {
-          const float gv = g[n * 2 * I + j];
-          a[n * I + j] = gv / (1.0f + std::exp(-gv)) * g[n * 2 * I + I + j];
-        }
+      for (int64_t n = 0; n < N; ++n) silu_mul(g + n * 2 * I, g + n * 2 * I + I, a + n * I, I);
       add_into(x, block_linear(act, wd_[i], bf16_));
     }
     // The rows whose logits are asked for, normed.

@@ -72,23 +72,27 @@ void exp_inplace(float* x, int64_t n) {
 // The per-row attention kernel (attend_row) over one of two vector widths, behind the same few operations: 16 lanes
 // with AVX-512, 8 with AVX2 + FMA. Within one build every row takes the same instructions, which is all the
 // pass-invariance below needs; the two widths round differently from each other.
+// The lane-wise operations both widths spell alike (_mm512_add_ps, _mm256_add_ps, ...).
+#define RAGSERVE_SIMD_LANEWISE(P)                                 \
+  static V zero() { return P##_setzero_ps(); }                    \
+  static V set1(float x) { return P##_set1_ps(x); }               \
+  static V load(const float* p) { return P##_loadu_ps(p); }       \
+  static void store(float* p, V v) { P##_storeu_ps(p, v); }       \
+  static V add(V a, V b) { return P##_add_ps(a, b); }             \
+  static V sub(V a, V b) { return P##_sub_ps(a, b); }             \
+  static V mul(V a, V b) { return P##_mul_ps(a, b); }             \
+  static V div(V a, V b) { return P##_div_ps(a, b); }             \
+  static V fmadd(V a, V b, V c) { return P##_fmadd_ps(a, b, c); } \
+  static V max(V a, V b) { return P##_max_ps(a, b); }             \
+  static V min(V a, V b) { return P##_min_ps(a, b); }
+
 #if defined(__AVX512F__)
 #define RAGSERVE_ROW_KERNEL 1
 struct Simd {
   using V = __m512;
   static constexpr int kLanes = 16;
   static constexpr int kAccumulators = 16;  // registers weighted_values keeps (of 32)
-  static V zero() { return _mm512_setzero_ps(); }
-  static V set1(float x) { return _mm512_set1_ps(x); }
-  static V load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
-  static V add(V a, V b) { return _mm512_add_ps(a, b); }
-  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
-  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
-  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  static V max(V a, V b) { return _mm512_max_ps(a, b); }
-  static V min(V a, V b) { return _mm512_min_ps(a, b); }
-  static V div(V a, V b) { return _mm512_div_ps(a, b); }
+  RAGSERVE_SIMD_LANEWISE(_mm512)
   static float reduce_max(V v) { return _mm512_reduce_max_ps(v); }
   static float reduce_add(V v) { return _mm512_reduce_add_ps(v); }
   // The first m lanes (m >= kLanes: all) of p; the others read as 0 and are not written.
@@ -127,17 +131,7 @@ struct Simd {
   using V = __m256;
   static constexpr int kLanes = 8;
   static constexpr int kAccumulators = 8;  // registers weighted_values keeps (of 16)
-  static V zero() { return _mm256_setzero_ps(); }
-  static V set1(float x) { return _mm256_set1_ps(x); }
-  static V load(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
-  static V add(V a, V b) { return _mm256_add_ps(a, b); }
-  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
-  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
-  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  static V max(V a, V b) { return _mm256_max_ps(a, b); }
-  static V min(V a, V b) { return _mm256_min_ps(a, b); }
-  static V div(V a, V b) { return _mm256_div_ps(a, b); }
+  RAGSERVE_SIMD_LANEWISE(_mm256)
   static float reduce_max(V v) {
     __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     x = _mm_max_ps(x, _mm_movehl_ps(x, x));

@@ -93,6 +93,16 @@ def sample_from(ids: torch.Tensor, probs: torch.Tensor, u: float) -> int:
     return int(ids[min(i, ids.shape[0] - 1)])
 
 
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """The first maximum of each row of logits [q, V] ([V]: a list of one). On the CPU through numpy: torch's argmax
+    dispatches a parallel reduction, ~45 us per 49K-wide row against numpy's ~4 (2-core EPYC), and with 8 requests
+    decoding it took 11 % of the model thread (py-spy). The index is the same: the first maximum (a NaN first)."""
+    x = logits.float()  # exact; torch's bf16 argmax is a slow scalar loop (1.2 ms for 2 x 49152)
+    if x.device.type != "cpu":
+        return x.argmax(dim=-1).reshape(-1).tolist()
+    return np.asarray(x.numpy().argmax(axis=-1)).reshape(-1).tolist()
+
+
 class Sampler:
     """Picks the emitted token from one logits row; owns the request's random stream (one draw per token)."""
 
@@ -106,7 +116,7 @@ class Sampler:
     def pick(self, logits: torch.Tensor) -> int:
         """logits: [V] for the position being emitted -> token id."""
         if self.greedy:
-            return int(torch.argmax(logits.float()))  # exact cast; bf16 argmax is a slow scalar loop
+            return argmax_rows(logits)[0]
         self.draws += 1
         u = float(self._rng.random())
         ids, probs = process_logits(logits, self.params.temperature, self.params.top_k, self.params.top_p)

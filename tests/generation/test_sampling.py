@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from generation_service.sampling import Sampler, SamplingParams, process_logits, sample_from
+from generation_service.sampling import Sampler, SamplingParams, argmax_rows, process_logits, sample_from
 
 
 def ref_process(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> dict[int, float]:
@@ -88,3 +88,38 @@ def test_params_unseeded_sampling_picks_a_seed():
     p = SamplingParams(temperature=1.0)
     assert p.seed is None and 0 <= p.seed_used < 2**64
     assert SamplingParams(stop="END").stop == ("END",)
+
+
+def ref_argmax(row: list[float]) -> int:
+    """The first index of the maximum, NaN counting as the largest (torch's and the AR loop's rule)."""
+    nan = [i for i, v in enumerate(row) if v != v]
+    return nan[0] if nan else min(i for i, v in enumerate(row) if v == max(row))
+
+
+# (rows, expected picks, a pick the rule must not give)
+ARGMAX_SCENARIOS = {
+    "tie goes to the first": ([[1.0, 3.0, 3.0, 2.0]], [1], [2]),
+    "negative and positive zero are a tie": ([[0.0, -0.0, 0.0]], [0], [1]),
+    "NaN wins, the first one": ([[1.0, float("nan"), 5.0, float("nan")]], [1], [2]),
+    "several rows at once": ([[0.0, 1.0], [2.0, -1.0], [5.0, 5.0]], [1, 0, 0], [0, 1, 1]),
+}
+
+
+@pytest.mark.parametrize("name", list(ARGMAX_SCENARIOS))
+def test_argmax_rows_scenarios(name):
+    rows, want, not_want = ARGMAX_SCENARIOS[name]
+    got = argmax_rows(torch.tensor(rows))
+    assert got == want and got != not_want
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.sampled_from([-2.0, -0.0, 0.0, 0.5, 1.0, 7.0, float("inf"), float("-inf")]),
+                         min_size=1, max_size=12).map(tuple), min_size=1, max_size=4).filter(
+                             lambda rows: len({len(r) for r in rows}) == 1),
+       st.sampled_from([torch.float32, torch.bfloat16]))
+def test_argmax_rows_matches_reference_and_torch(rows, dtype):
+    """Batched rows, a 1-D row and the sampler's greedy pick all give the reference's first maximum."""
+    x = torch.tensor(rows, dtype=dtype)
+    want = [ref_argmax(x[i].float().tolist()) for i in range(len(rows))]
+    assert argmax_rows(x) == want == x.float().argmax(dim=-1).tolist()
+    assert argmax_rows(x[0]) == want[:1] and Sampler(SamplingParams()).pick(x[0]) == want[0]

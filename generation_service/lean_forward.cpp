@@ -72,8 +72,12 @@ void exp_inplace(float* x, int64_t n) {
 // The per-row attention kernel (attend_row) over one of two vector widths, behind the same few operations: 16 lanes
 // with AVX-512, 8 with AVX2 + FMA. Within one build every row takes the same instructions, which is all the
 // pass-invariance below needs; the two widths round differently from each other.
-// The lane-wise operations both widths spell alike (_mm512_add_ps, _mm256_add_ps, ...).
-#define RAGSERVE_SIMD_LANEWISE(P)                                 \
+// What both widths declare alike: the vector type VT of LANES floats, the accumulator registers weighted_values
+// keeps (ACC), and the lane-wise operations (_mm512_add_ps, _mm256_add_ps, ...).
+#define RAGSERVE_SIMD_LANEWISE(P, VT, LANES, ACC)                 \
+  using V = VT;                                                   \
+  static constexpr int kLanes = LANES;                            \
+  static constexpr int kAccumulators = ACC;                       \
   static V zero() { return P##_setzero_ps(); }                    \
   static V set1(float x) { return P##_set1_ps(x); }               \
   static V load(const float* p) { return P##_loadu_ps(p); }       \
@@ -89,10 +93,7 @@ void exp_inplace(float* x, int64_t n) {
 #if defined(__AVX512F__)
 #define RAGSERVE_ROW_KERNEL 1
 struct Simd {
-  using V = __m512;
-  static constexpr int kLanes = 16;
-  static constexpr int kAccumulators = 16;  // registers weighted_values keeps (of 32)
-  RAGSERVE_SIMD_LANEWISE(_mm512)
+  RAGSERVE_SIMD_LANEWISE(_mm512, __m512, 16, 16)  // 16 accumulators of 32 registers
   static float reduce_max(V v) { return _mm512_reduce_max_ps(v); }
   static float reduce_add(V v) { return _mm512_reduce_add_ps(v); }
   // The first m lanes (m >= kLanes: all) of p; the others read as 0 and are not written.
@@ -128,10 +129,7 @@ struct Simd {
 #elif defined(__AVX2__) && defined(__FMA__)
 #define RAGSERVE_ROW_KERNEL 1
 struct Simd {
-  using V = __m256;
-  static constexpr int kLanes = 8;
-  static constexpr int kAccumulators = 8;  // registers weighted_values keeps (of 16)
-  RAGSERVE_SIMD_LANEWISE(_mm256)
+  RAGSERVE_SIMD_LANEWISE(_mm256, __m256, 8, 8)  // 8 accumulators of 16 registers
   static float reduce_max(V v) {
     __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     x = _mm_max_ps(x, _mm_movehl_ps(x, x));

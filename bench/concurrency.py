@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import shlex
 import sys
 import tempfile
 import threading
@@ -136,7 +137,8 @@ class Cell:
                     first = t if first is None else first
                     deltas.append((t, len(msg.token_ids)))
                 if msg.HasField("stats"):
-                    stats = {k: getattr(msg.stats, k) for k in STAT_FIELDS}
+                    stats = {k: getattr(msg.stats, k) for k in STAT_FIELDS if k != "prompt_tokens"}
+                    stats["prompt_tokens"] = msg.usage.prompt_tokens
         except grpc.RpcError as e:
             status = STOPPED if self.stop.is_set() and e.code() == grpc.StatusCode.CANCELLED else e.code().name
         return RequestRecord(self.method, cid, kind, start, self.now(), first, sum(n for _, n in deltas), status,
@@ -254,7 +256,7 @@ def plot(cells: dict[str, dict[int, dict]], path: Path, title: str) -> None:
 
 def print_table(cells: list[dict], targets: dict) -> None:
     print(f"\n{'method':<6} {'N':>3} {'tok/s':>7} {'stream':>7} {'done':>5} {'ms/tok p50':>10} {'p95':>7} "
-          f"{'TTFT p50':>9} {'p95':>7} {'load':>5} {'cores':>5} {'cpu ms/tok':>10} {'M':>5} {'nodes':>5} {'acc':>5} errors")
+          f"{'TTFT p50':>9} {'p95':>7} {'load':>5} {'cores':>5} {'cpu ms/tok':>10} {'M':>5} {'nodes':>5} {'acc':>5} {'cached':>6} errors")
     for c in sorted(cells, key=lambda c: (c["method"], c["concurrency"])):
         s = c["summary"]
         f = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
@@ -267,11 +269,11 @@ def print_table(cells: list[dict], targets: dict) -> None:
 
 
 def _spec(sp: dict | None) -> str:
-    """M, draft nodes verified per pass and their acceptance, as table cells."""
+    """M, draft nodes verified per pass, their acceptance and the prompt share from the prefix cache, as cells."""
     f = lambda v, p: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
     sp = sp or {}
     return (f"{f(sp.get('mean_accepted_length'), 2):>5} {f(sp.get('draft_nodes_per_step'), 1):>5} "
-            f"{f(sp.get('draft_acceptance'), 2):>5}")
+            f"{f(sp.get('draft_acceptance'), 2):>5} {f(sp.get('prompt_cached_share'), 2):>6}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -296,6 +298,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="overall bound, start-up included; cells that would end later are skipped (default 40)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="", help="the worker's --dtype ('' = its default, measured on this machine)")
+    ap.add_argument("--worker-args", default="",
+                    help="extra flags for the generation worker, e.g. '--prefix-cache-mb 0' (default: none)")
     ap.add_argument("--prompts", type=int, default=40, help="prompts of each kind in the mix (default 40)")
     ap.add_argument("--datastore", default=str(ragserve_home() / "datastores" / "code"),
                     help="datastore the retrieval service serves (default: the code datastore)")
@@ -328,11 +332,13 @@ def main(argv: list[str] | None = None) -> int:
               "settings": {"levels": args.levels, "methods": args.methods, "duration_s": args.duration_s,
                            "warmup_s": args.warmup_s, "max_minutes": args.max_minutes, "dtype": args.dtype,
                            "max_new_tokens": args.max_new_tokens, "prompts": len(prompts),
+                           "worker_args": args.worker_args,
                            "mix": "HumanEval raw prompt + 4 spaces / MT-Bench first turn, alternating"},
               "page_cache_warm_s": warm_page_cache(args.datastore), "cells": [], "skipped": [], "by_method": {},
               "targets": evaluate_targets({})}
     state = Path(tempfile.mkdtemp(prefix="bench-concurrency-")) / "launcher.json"
-    topo = launcher.up(datastore=args.datastore, state=state, dtype=args.dtype)  # default flags unless --dtype
+    topo = launcher.up(datastore=args.datastore, state=state, dtype=args.dtype,  # default flags unless told
+                       extra_generation=shlex.split(args.worker_args))
     try:
         target = topo.get("generation").address
         pids = {p.name: p.pid for p in topo.procs}

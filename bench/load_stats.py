@@ -58,7 +58,7 @@ class RequestRecord:
 
 # What a finished request's stats say about speculation (summed over a cell's finished requests).
 STAT_FIELDS = ("forward_steps", "draft_tokens_proposed", "draft_tokens_accepted", "skipped_drafts",
-               "degraded_steps", "draft_ms", "verify_ms", "prefill_ms")
+               "degraded_steps", "draft_ms", "verify_ms", "prefill_ms", "cached_prompt_tokens", "prompt_tokens")
 
 
 @dataclass(frozen=True)
@@ -161,7 +161,9 @@ def speculation_summary(done: Sequence[RequestRecord]) -> dict | None:
     return {"requests": len(with_stats), **total,
             "mean_accepted_length": _round(decoded / steps if steps else None),
             "draft_nodes_per_step": _round(total["draft_tokens_proposed"] / steps if steps else None),
-            "draft_acceptance": _round(_ratio(total["draft_tokens_accepted"], total["draft_tokens_proposed"]))}
+            "draft_acceptance": _round(_ratio(total["draft_tokens_accepted"], total["draft_tokens_proposed"])),
+            # the share of prompt tokens the worker's prefix cache supplied (not prefilled)
+            "prompt_cached_share": _round(_ratio(total["cached_prompt_tokens"], total["prompt_tokens"]))}
 
 
 # ---------------------------------------------------------------------------------------------------------------

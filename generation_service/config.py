@@ -46,6 +46,8 @@ FLAG_HELP = {
     "max_batch": "requests decoded together in every forward pass (continuous batching)",
     "prefill_chunk": "prompt tokens a new request prefills per pass beside the running ones",
     "kv_cache_mb": "memory for the running requests' KV caches, MB; a request that does not fit waits",
+    "prefix_cache_mb": "memory for finished prompts' KV rows, MB: a later request with the same prompt (or its first "
+                       "prefill_chunk-aligned part) skips that prefill; 0 = off",
     "queue_size": "requests that may wait for a batch slot; more get RESOURCE_EXHAUSTED",
     "max_concurrent_rpcs": "RPCs in flight before gRPC answers RESOURCE_EXHAUSTED (0 = unlimited)",
     "workers": "gRPC handler threads",
@@ -120,9 +122,12 @@ class GenerationConfig(config_util.ShellConfig):
     # cache does not fit waits; one that could never fit is refused). queue_size more may wait; beyond that,
     # RESOURCE_EXHAUSTED. On 2 CPU cores a pass of 8 one-row sequences costs ~2.5x one (the weights are read once
     # per pass), so throughput grows with the batch while each request slows down less than it would queue.
+    # prefix_cache_mb keeps finished prompts' KV rows (~46 KB per token in fp32 for the default model) for later
+    # requests with the same prompt (engine/prefix_cache.py).
     max_batch: int = 16
     prefill_chunk: int = 256
     kv_cache_mb: int = 2048
+    prefix_cache_mb: int = 512
     queue_size: int = 64
     max_concurrent_rpcs: int = 64
     workers: int = 32
@@ -176,3 +181,5 @@ class GenerationConfig(config_util.ShellConfig):
         for name in ("max_batch", "prefill_chunk", "kv_cache_mb", "queue_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: {getattr(self, name)} must be >= 1")
+        if self.prefix_cache_mb < 0:
+            raise ValueError(f"prefix_cache_mb: {self.prefix_cache_mb} must be >= 0 (0 = off)")

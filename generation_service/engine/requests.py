@@ -26,6 +26,7 @@ import torch
 
 from generation_service.draft_budget import DraftSizer, SharedCalibration, best_size, keep_best, subtree
 from generation_service.drafters import Drafter, DraftUnavailable
+from generation_service.engine.prefix_cache import PrefixCache, PrefixHit
 from generation_service.engine.steps import (
     DEFAULT_DRAFT_BUDGET,
     FINISH_CANCELLED,
@@ -53,11 +54,13 @@ class TreeRequest:
     def __init__(self, tm: TargetModel, prompt_ids, params: SamplingParams, *, drafter: Drafter | None = None,
                  draft_budget: int = DEFAULT_DRAFT_BUDGET, stats: SpeculationStats | None = None,
                  adaptive_budget: bool = True, prefill_chunk: int = PREFILL_CHUNK, cache=None,
-                 calibration: SharedCalibration | None = None):
+                 calibration: SharedCalibration | None = None, prefix_cache: PrefixCache | None = None):
         """adaptive_budget: verify only the cost-effective part of each draft tree and skip useless remote drafts
         (draft_budget.py); False = always verify up to draft_budget nodes. Either way the output is the same.
         cache: an empty KV cache to use (a batch's slab slot; it must hold kv_rows_needed()), else a new one.
-        calibration: acceptance evidence pooled over the worker's requests (the sizer's prior), None = none."""
+        calibration: acceptance evidence pooled over the worker's requests (the sizer's prior), None = none.
+        prefix_cache: the worker's prompt KV cache (engine/prefix_cache.py): the prompt takes what it holds of it
+        (all of it: first_step is then the first output step, no prefill pass) and leaves its own rows there."""
         self.prompt = check_prompt(tm, prompt_ids, params)
         if isinstance(draft_budget, bool) or not isinstance(draft_budget, (int, np.integer)) or draft_budget < 0:
             raise ValueError(f"draft_budget must be an integer >= 0 (0 = no drafting), got {draft_budget!r}")
@@ -75,11 +78,19 @@ class TreeRequest:
         self.budget = min(draft_budget, tm.step_cost.max_nodes) if self.sizer is not None else draft_budget
         self.cache = cache if cache is not None else new_cache(tm, capacity_for(n_prompt, params.max_new_tokens,
                                                                                  self.budget))
-        self._prefill = prefill_segments(torch.from_numpy(self.prompt.astype(np.int64)).to(tm.device), self.cache,
-                                         prefill_chunk)
         self.finish: str | None = None
         self.last = -1  # the last emitted token (not yet in the cache)
         self._t_prefill = 0.0
+        self._prefix_cache = prefix_cache
+        hit = prefix_cache.lookup(self.prompt) if prefix_cache is not None else None
+        self.stats.cached_prompt_tokens = hit.rows if hit is not None else 0
+        if hit is not None:
+            self._restore(hit)
+        rest = self.prompt[self.stats.cached_prompt_tokens:]
+        self._prefill = prefill_segments(torch.from_numpy(rest.astype(np.int64)).to(tm.device), self.cache,
+                                         prefill_chunk) if rest.shape[0] else []
+        # The first output step when the whole prompt came from the prefix cache (the engine sends it at once).
+        self.first_step = self._first(hit.logits) if hit is not None and hit.logits is not None else None
         # The current step's draft: the full checked tree, then the chosen part in verifier order.
         self._tree: tuple | None = None
         self.tokens, self.parents = _EMPTY, _EMPTY
@@ -113,8 +124,25 @@ class TreeRequest:
         if self._prefill:
             return None
         self.stats.prefill_ms = (time.perf_counter() - self._t_prefill) * 1e3
-        self.last = self.sampler.pick(logits[-1])
+        if self._prefix_cache is not None:
+            self._prefix_cache.store(self.prompt, self.cache.k, self.cache.v, logits[-1])
+        return self._first(logits[-1])
+
+    def _first(self, logits: torch.Tensor) -> tuple[list[int], str | None]:
+        """The first output step, from the last prompt row's logits [V]."""
+        self.last = self.sampler.pick(logits)
         return self._emit([self.last], self.params.max_new_tokens)
+
+    @torch.inference_mode()
+    def _restore(self, hit: PrefixHit) -> None:
+        """The prompt's first hit.rows rows from the prefix cache into this request's (empty) cache."""
+        c = self.cache
+        c.reserve(hit.rows)
+        c.k[:, :, :hit.rows] = hit.k[:, :, :hit.rows]
+        c.v[:, :, :hit.rows] = hit.v[:, :, :hit.rows]
+        c.length = hit.rows
+        if c.slab is not None:
+            c.slab.mark_written(c.slot, hit.rows)
 
     # ------------------------------------------------------------------------------------------------- decode
 

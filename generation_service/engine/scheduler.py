@@ -51,6 +51,7 @@ from generation_service.calibrate import ModelThread
 from generation_service.draft_budget import SharedCalibration, batch_sizes
 from generation_service.engine.draft_gate import LOCAL, NONE, REMOTE, DraftGate
 from generation_service.engine.effects import EffectRun, Emit, Pass, on_done
+from generation_service.engine.prefix_cache import PrefixCache
 from generation_service.engine.requests import TreeRequest
 from generation_service.engine.steps import SpeculationStats, is_prefill, prefill, tree_segment
 from generation_service.engine.threads import IdleMeter, ThreadGovernor
@@ -163,12 +164,14 @@ class Engine:
                  drafter: Callable[[object], object], loop: Callable[[object], object],
                  learn: Callable[[np.ndarray, list[int]], None] | None = None,
                  model_thread: ModelThread | None = None, threads: ThreadGovernor | None = None,
-                 acceptance_path: Path | None = None):
+                 acceptance_path: Path | None = None, prefix_cache_mb: int = 0):
         """drafter(job): the job's Drafter (None = AR); loop(job): the request of a RAG / kNN-LM job (an object with
         effects(), final_chunk() and chunk: ralm.RagRequest, knnlm.KnnRequest); learn(prompt, completion): called
         (on a helper thread) for finished jobs that asked to learn; threads: picks torch's intra-op threads per
         pass from measured pass times (None = keep the model thread's count); acceptance_path: where the pooled
-        acceptance evidence is kept across restarts (None = it starts empty and is not kept)."""
+        acceptance evidence is kept across restarts (None = it starts empty and is not kept); prefix_cache_mb:
+        memory for prompts' KV rows kept for later requests with the same prompt (engine/prefix_cache.py; 0 = off,
+        and off without the lean forward, whose cache layout it copies)."""
         self.tm = tm
         self.threads = threads
         self._idle = IdleMeter() if threads is not None else None
@@ -176,6 +179,8 @@ class Engine:
         self.prefill_chunk = max(1, prefill_chunk)
         self.kv_budget_rows = max(1, int(kv_cache_mb) * (1 << 20) // kv_bytes_per_row(tm))
         self.jobs: "queue.Queue" = queue.Queue(maxsize=queue_size)
+        self.prefix_cache = (PrefixCache(int(prefix_cache_mb) << 20, self.prefill_chunk)
+                             if prefix_cache_mb > 0 and tm.lean is not None else None)
         self._drafter, self._loop_request, self._learn = drafter, loop, learn
         self.running: list[_Running] = []
         self._waiting = None  # the next job, held back until the KV budget has room for it
@@ -326,7 +331,8 @@ class Engine:
                     cache = self.slab.cache(len(self._in_slab))
                 run.req = TreeRequest(self.tm, job.prompt_ids, job.params, drafter=self._drafter(job),
                                       draft_budget=job.budget, stats=SpeculationStats(decoding=job.decoding),
-                                      prefill_chunk=self.prefill_chunk, cache=cache, calibration=self.calibration)
+                                      prefill_chunk=self.prefill_chunk, cache=cache, calibration=self.calibration,
+                                      prefix_cache=self.prefix_cache)
                 if cache is not None:
                     self._in_slab.append(run)
                 run.out = TextOutput(self.tm.tokenizer, job.prompt_ids, job.params.stop)
@@ -335,6 +341,8 @@ class Engine:
             return
         self._kv_used += rows
         self.running.append(run)
+        if run.req is not None and run.req.first_step is not None:  # the whole prompt was in the prefix cache
+            self._feed(run, run.req.first_step)
 
     def _step(self) -> None:
         self._wake.clear()  # a completion from here on makes the wait below return at once
@@ -438,6 +446,8 @@ class Engine:
                 log.info("engine: draft gate after %d passes: %s", self.passes, self.gate.report())
             if self.threads is not None:
                 log.info("engine: threads after %d passes: %s", self.passes, self.threads.report())
+            if self.prefix_cache is not None:
+                log.info("engine: prefix cache after %d passes: %s", self.passes, self.prefix_cache.stats())
         self.peak_batch = max(self.peak_batch, len(segments))
         emitted = 0
         for r, lg in zip(decoding, logits):

@@ -48,6 +48,7 @@ class SpeculationStats:
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0
     skipped_drafts: int = 0  # steps that did not ask a useless remote source (draft_budget.py)
+    cached_prompt_tokens: int = 0  # prompt tokens restored from the worker's prefix cache (not prefilled)
     degraded: bool = False
     degraded_steps: int = 0
     degraded_reason: str = ""

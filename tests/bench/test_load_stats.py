@@ -5,6 +5,7 @@ import pytest
 from bench.load_stats import (
     MIN_SAMPLES,
     OK,
+    STAT_FIELDS,
     STOPPED,
     RequestRecord,
     Window,
@@ -16,6 +17,7 @@ from bench.load_stats import (
     fits,
     interleave,
     percentile,
+    speculation_summary,
     streamed_tokens,
     ttft_ms,
 )
@@ -208,3 +210,29 @@ def test_exactly_min_samples_counts():
     cells["rest"][8] = cell(270, 250, done=MIN_SAMPLES, ttft_samples=MIN_SAMPLES)
     t = evaluate_targets(cells)
     assert t["rest_scaling"]["passed"] is True and t["ttft"]["per_method"]["rest"]["passed"] is True
+
+
+def _with_stats(tokens, **stats):
+    base = dict.fromkeys(STAT_FIELDS, 0)
+    return RequestRecord("rest", 0, "code", 0.0, 1.0, 0.1, tokens, OK, (), {**base, **stats})
+
+
+@pytest.mark.parametrize("records, expected", [
+    ([], None),  # no request with stats: None, not zeros
+    # two requests, 10 + 6 tokens in 5 + 3 decode passes (the first token of each comes from its prompt)
+    ([_with_stats(10, forward_steps=5, draft_tokens_proposed=10, draft_tokens_accepted=4, prompt_tokens=100),
+      _with_stats(6, forward_steps=3, draft_tokens_proposed=6, draft_tokens_accepted=2, prompt_tokens=50,
+                  cached_prompt_tokens=50)],
+     {"mean_accepted_length": 1.75, "draft_nodes_per_step": 2.0, "draft_acceptance": 0.375,
+      "prompt_cached_share": 1 / 3}),  # Not 0.5 (the share of requests): a share of prompt tokens
+    ([_with_stats(4, forward_steps=3, prompt_tokens=0)],  # no prompt tokens reported: no share, not a division
+     {"mean_accepted_length": 1.0, "draft_nodes_per_step": 0.0, "draft_acceptance": None,
+      "prompt_cached_share": None}),
+])
+def test_speculation_summary(records, expected):
+    got = speculation_summary(records)
+    if expected is None:
+        assert got is None
+        return
+    for k, v in expected.items():
+        assert got[k] == (pytest.approx(v, abs=0.005) if v is not None else None), k  # 2 digits

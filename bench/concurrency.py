@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = prompt_mix(args.prompts)
     plan = cell_order(args.levels, args.methods)
     cell_s = args.warmup_s + args.duration_s
-    result = {"command": "python -m bench.concurrency " + " ".join(sys.argv[1:] if argv is None else argv),
+    result = {"command": "python -m bench.concurrency " + shlex.join(sys.argv[1:] if argv is None else argv),
               "machine": machine(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "loadavg_start": os.getloadavg(), "datastore": args.datastore,
               "settings": {"levels": args.levels, "methods": args.methods, "duration_s": args.duration_s,

@@ -309,6 +309,7 @@ def concurrency(name: str, d: dict) -> str:
     rows = [[c["method"], str(c["concurrency"]), _f(c["summary"]["tokens_per_s"], ".1f"),
              _f(c["summary"]["ms_per_token_p50"], ".0f"), _f(c["summary"]["ms_per_token_p95"], ".0f"),
              _f(c["summary"]["ttft_ms_p50"], ".0f"), _f(c["summary"]["ttft_ms_p95"], ".0f"),
+             _f((c["summary"].get("speculation") or {}).get("prompt_cached_share"), ".2f"),
              str(c["summary"]["requests_done"]), str(sum(c["summary"]["errors"].values()))]
             for c in sorted(d["cells"], key=lambda c: (c["method"], c["concurrency"]))]
     t = d["targets"]
@@ -322,9 +323,10 @@ def concurrency(name: str, d: dict) -> str:
     head = (f"**{m['cpu']} ({' '.join(m.get('cpu_flags', []))}), {m.get('cores', '?')} cores**; worker chose "
             f"{w.get('dtype', '?')}, {w.get('threads', '?')} threads; closed-loop clients, HumanEval + MT-Bench "
             f"prompts, {d['settings'].get('max_new_tokens', '?')} new tokens, "
-            f"{d['settings'].get('duration_s', '?')} s per cell")
+            f"{d['settings'].get('duration_s', '?')} s per cell"
+            + (f"; worker flags `{d['settings']['worker_args']}`" if d["settings"].get("worker_args") else ""))
     return head + "\n\n" + _table(["method", "clients", "tok/s (all)", "ms/token p50", "p95", "TTFT p50 ms", "p95",
-                                    "requests", "errors"], rows) + "\n\n" + "\n".join(f"- {v}" for v in verdicts) + \
+                                    "prompt cached", "requests", "errors"], rows) + "\n\n" + "\n".join(f"- {v}" for v in verdicts) + \
         "\n\n" + _source(name, d)
 
 

@@ -496,10 +496,12 @@ class LeanForward {
     const int64_t n = (int64_t)jobs.size() * Hkv;
     // A job is ~S * D * G * 2 multiply-adds; keep a thread's share above ~64K of them.
     const int64_t grain = std::max<int64_t>(1, (int64_t)jobs.size() * Hkv * 65536 / std::max<int64_t>(1, work * D * G * 2));
-    at::parallel_for(0, n, grain, [&](int64_t a, int64_t b) {
+    const std::vector<std::vector<int64_t>> bins = balance(segs, jobs, Hkv, n, grain);
+    at::parallel_for(0, (int64_t)bins.size(), 1, [&](int64_t a, int64_t b) {
       std::vector<float> p;
       std::vector<float> acc(G * D);
-      for (int64_t job = a; job < b; ++job) {
+      for (int64_t bin = a; bin < b; ++bin)
+      for (const int64_t job : bins[bin]) {
         const Segment& s = segs[jobs[job / Hkv].first];
         const int64_t r = jobs[job / Hkv].second, h = job % Hkv, S = s.past + s.q;
         const float* kh = s.k.data_ptr<float>() + i * s.k.stride(0) + h * s.k.stride(1);
@@ -549,6 +551,37 @@ class LeanForward {
         std::copy(acc.begin(), acc.end(), o + (s.start + r) * H * D + h * G * D);
       }
     });
+  }
+
+  // The attention jobs 0..n-1 ((row, kv head) = (jobs[j / Hkv], j % Hkv)) in one bin per thread that takes part,
+  // balanced by the keys each job reads: longest first, each to the least-loaded bin. Why: parallel_for's
+  // contiguous ranges gave one thread the first sequences of the pass and the other the last, so in a batch of
+  // ragged lengths (a running batch always is) the pass waited for the thread with the long ones. Which thread
+  // runs a job does not change its result (every job is its own loop), so outputs are the same bits either way.
+  static std::vector<std::vector<int64_t>> balance(const std::vector<Segment>& segs,
+                                                   const std::vector<std::pair<int64_t, int64_t>>& jobs, int64_t Hkv,
+                                                   int64_t n, int64_t grain) {
+    const int64_t T = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (n + grain - 1) / grain));
+    std::vector<std::vector<int64_t>> bins(T);
+    if (T == 1) {
+      bins[0].resize(n);
+      for (int64_t j = 0; j < n; ++j) bins[0][j] = j;
+      return bins;
+    }
+    std::vector<int64_t> order(n), cost(n);
+    for (int64_t j = 0; j < n; ++j) {
+      const Segment& s = segs[jobs[j / Hkv].first];
+      order[j] = j;
+      cost[j] = s.mask.defined() ? s.past + s.q : s.past + jobs[j / Hkv].second + 1;  // keys seen (an upper bound)
+    }
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+    std::vector<int64_t> load(T, 0);
+    for (const int64_t j : order) {
+      const int64_t t = std::min_element(load.begin(), load.end()) - load.begin();
+      bins[t].push_back(j);
+      load[t] += cost[j] + 16;  // + a job's fixed cost (its query, its output) in key-row units
+    }
+    return bins;
   }
 
   // [Hkv, G q, D] x [Hkv, D, S] through ATen's blocked matmul (keys/values already written).

@@ -147,6 +147,32 @@ def test_a_row_gets_the_same_bits_in_a_step_and_in_a_small_tree(lean):
     assert not torch.equal(outs[0], torch.zeros_like(outs[0]))
 
 
+@pytest.mark.parametrize("pasts", [
+    [40, 40, 40, 40, 300, 300, 300, 300],  # the long ones last: contiguous thread ranges would split them unevenly
+    [300, 5, 220, 17, 90, 260, 1, 130],    # ragged, as a running batch is
+])
+def test_an_ar_row_gets_the_same_bits_alone_and_in_a_ragged_batch(lean, pasts):
+    """Each pass spreads its (row, kv head) attention jobs over the threads by their lengths; which thread runs a
+    job must not change a bit of any row: every row of a batch of AR steps equals that sequence's step alone."""
+    rng = np.random.default_rng(5)
+    prefixes = [torch.from_numpy(rng.integers(0, 30000, p)) for p in pasts]
+    ids = [torch.tensor([int(t)]) for t in rng.integers(0, 30000, len(pasts))]
+
+    def caches():
+        out = []
+        for prefix in prefixes:
+            c = lean.new_cache(max(64, len(prefix) + 8))
+            lean.forward(prefix, torch.arange(len(prefix)), c)
+            out.append(c)
+        return out
+
+    alone = [lean.forward(i, torch.tensor([len(p)]), c)[0] for i, p, c in zip(ids, prefixes, caches())]
+    batch = lean.forward_batch([Segment(i, torch.tensor([len(p)]), c) for i, p, c in zip(ids, prefixes, caches())])
+    for a, b in zip(alone, batch):
+        assert torch.equal(a, b.reshape(a.shape))
+    assert not torch.equal(batch[0], batch[1])  # Not one row copied into every place
+
+
 # (past, draft nodes, other sequences in the pass): big trees used to take ATen's matmul attention, whose rows
 # differ from an AR step's in the last bits.
 PATH_SCENARIOS = {

@@ -48,6 +48,8 @@ FLAG_HELP = {
     "kv_cache_mb": "memory for the running requests' KV caches, MB; a request that does not fit waits",
     "prefix_cache_mb": "memory for finished prompts' KV rows, MB: a later request with the same prompt (or its first "
                        "prefill_chunk-aligned part) skips that prefill; 0 = off",
+    "stream_interval_ms": "a stream sends its tokens at most this often, ms (the first token and the end at once; "
+                          "tokens decoded in between go out together); 0 = one message per decoding step",
     "queue_size": "requests that may wait for a batch slot; more get RESOURCE_EXHAUSTED",
     "max_concurrent_rpcs": "RPCs in flight before gRPC answers RESOURCE_EXHAUSTED (0 = unlimited)",
     "workers": "gRPC handler threads",
@@ -123,11 +125,13 @@ class GenerationConfig(config_util.ShellConfig):
     # RESOURCE_EXHAUSTED. On 2 CPU cores a pass of 8 one-row sequences costs ~2.5x one (the weights are read once
     # per pass), so throughput grows with the batch while each request slows down less than it would queue.
     # prefix_cache_mb keeps finished prompts' KV rows (~46 KB per token in fp32 for the default model) for later
-    # requests with the same prompt (engine/prefix_cache.py).
+    # requests with the same prompt (engine/prefix_cache.py). stream_interval_ms bounds how often a stream's tokens
+    # wake its gRPC thread (engine/scheduler.py Engine._send).
     max_batch: int = 16
     prefill_chunk: int = 256
     kv_cache_mb: int = 2048
     prefix_cache_mb: int = 512
+    stream_interval_ms: float = 25.0
     queue_size: int = 64
     max_concurrent_rpcs: int = 64
     workers: int = 32
@@ -181,5 +185,7 @@ class GenerationConfig(config_util.ShellConfig):
         for name in ("max_batch", "prefill_chunk", "kv_cache_mb", "queue_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: {getattr(self, name)} must be >= 1")
+        if self.stream_interval_ms < 0:
+            raise ValueError(f"stream_interval_ms: {self.stream_interval_ms} must be >= 0 (0 = every step)")
         if self.prefix_cache_mb < 0:
             raise ValueError(f"prefix_cache_mb: {self.prefix_cache_mb} must be >= 0 (0 = off)")

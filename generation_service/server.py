@@ -177,7 +177,8 @@ class Worker:
         self.engine = Engine(tm, max_batch=cfg.max_batch, prefill_chunk=cfg.prefill_chunk,
                              kv_cache_mb=cfg.kv_cache_mb, queue_size=cfg.queue_size, drafter=self._drafter,
                              loop=self._loop_request, learn=link.learn, model_thread=model_thread, threads=threads,
-                             acceptance_path=acceptance_path(cfg, tm), prefix_cache_mb=cfg.prefix_cache_mb)
+                             acceptance_path=acceptance_path(cfg, tm), prefix_cache_mb=cfg.prefix_cache_mb,
+                             stream_interval_ms=cfg.stream_interval_ms)
 
     @property
     def model_thread(self) -> ModelThread:

@@ -203,6 +203,54 @@ def test_cancellation_frees_the_slot(tm32):
     assert not engine.model_thread.is_alive()
 
 
+def _chunks(job: Job, timeout_s: float = 600) -> list:
+    out, t_end = [], time.monotonic() + timeout_s
+    while (item := job.chunks.get(timeout=max(1.0, t_end - time.monotonic()))) is not None:
+        if isinstance(item, BaseException):
+            raise item
+        out.append(item)
+    return out
+
+
+@pytest.mark.parametrize("interval_ms, stream, expected_chunks", [
+    (0.0, True, "one per step"),      # Not merged: every step's token is its own message
+    (1e6, True, "first + final"),     # the first token at once, the rest with the end; Not held back entirely
+    (0.0, False, "one"),              # unary: one merged reply whatever the interval
+])
+def test_stream_interval_merges_chunks_and_loses_nothing(tm32, interval_ms, stream, expected_chunks):
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    prompt = encode(tm32, "def add(a, b):")
+    engine = _engine(tm32, {}, stream_interval_ms=interval_ms)
+    try:
+        job = _job(prompt, params, stream=stream)
+        engine.submit(job)
+        chunks = _chunks(job)
+    finally:
+        engine.stop()
+    want = [t for out, _ in decode(tm32, prompt, params, prefill_chunk=PREFILL) for t in out]
+    assert [t for c in chunks for t in c.token_ids] == want
+    assert chunks[-1].finish_reason == "length" and all(c.finish_reason is None for c in chunks[:-1])
+    assert "".join(c.text for c in chunks) == tm32.tokenizer.decode(want)
+    sizes = [len(c.token_ids) for c in chunks]
+    if expected_chunks == "one per step":
+        assert len(chunks) >= len(want) - 2 and max(sizes) <= 2  # a piece may wait for the next token's text
+    elif expected_chunks == "first + final":
+        assert len(chunks) == 2 and sizes[0] >= 1 and sizes[1] >= len(want) - 2
+    else:
+        assert sizes == [len(want)]
+
+
+@pytest.mark.parametrize("value, ok", [(0.0, True), (25.0, True), (-1.0, False)])
+def test_stream_interval_setting(value, ok):
+    from generation_service.config import GenerationConfig
+
+    if ok:
+        assert GenerationConfig(stream_interval_ms=value).stream_interval_ms == value
+    else:  # Not accepted silently: the error names the setting
+        with pytest.raises(ValueError, match="stream_interval_ms"):
+            GenerationConfig(stream_interval_ms=value)
+
+
 class _WeakChains:
     """In-process drafter: a 6-node chain every step, each node with a 3 % acceptance estimate."""
 

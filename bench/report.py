@@ -316,10 +316,12 @@ def concurrency(name: str, d: dict) -> str:
     verdicts = []
     for key in ("rest_scaling", "rest_vs_ar", "ttft"):
         v = t.get(key) or {}
-        fig = f" ({v['ratio']:.2f}×)" if "ratio" in v else ""
+        fig = f" ({v['ratio']:.2f}×)" if v.get("ratio") is not None else ""
         if "per_method" in v:
-            fig = " (" + ", ".join(f"{k} {x['ratio']:.2f}×" for k, x in v["per_method"].items()) + ")"
-        verdicts.append(f"{v.get('target', key)}: **{'met' if v.get('passed') else 'not met'}**{fig}")
+            figs = [f"{k} {x['ratio']:.2f}×" for k, x in v["per_method"].items() if x.get("ratio") is not None]
+            fig = f" ({', '.join(figs)})" if figs else ""
+        verdict = "not measured" if v.get("passed") is None else "met" if v["passed"] else "not met"
+        verdicts.append(f"{v.get('target', key)}: **{verdict}**{fig}")
     head = (f"**{m['cpu']} ({' '.join(m.get('cpu_flags', []))}), {m.get('cores', '?')} cores**; worker chose "
             f"{w.get('dtype', '?')}, {w.get('threads', '?')} threads; closed-loop clients, HumanEval + MT-Bench "
             f"prompts, {d['settings'].get('max_new_tokens', '?')} new tokens, "

@@ -62,3 +62,17 @@ def test_kb_build_line(edr, expected, not_expected):
     line = report._kb_build({"edr": edr, "sr": {"seconds": 9.0, "bytes": 9e5}}, {"python_mb": 2048.0})
     assert expected in line and not_expected not in line
     assert "sr 9 s, 1 MB on disk" in line and "peak RSS builder 2.0 GiB" in line
+
+
+@pytest.mark.parametrize("targets, expected, not_expected", [
+    ({"rest_scaling": {"target": "scaling", "ratio": None, "passed": None}}, "scaling: **not measured**",
+     "**not met**"),  # a run without 1 client says so; Not "not met"
+    ({"rest_scaling": {"target": "scaling", "ratio": 2.5, "passed": False}}, "scaling: **not met** (2.50×)",
+     "scaling: **not measured**"),
+    ({"ttft": {"target": "ttft", "passed": None, "per_method": {"ar": {"ratio": None}}}}, "ttft: **not measured**\n",
+     "ttft: **not measured** ()"),  # Not an empty figure list
+])
+def test_concurrency_verdicts(targets, expected, not_expected):
+    d = {"machine": {"cpu": "X"}, "settings": {}, "cells": [], "targets": targets, "command": "c"}
+    text = report.concurrency("concurrency-x.json", d)
+    assert expected in text and not_expected not in text

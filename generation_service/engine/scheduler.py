@@ -147,7 +147,7 @@ class _Running:
     waking: object = None  # the future the engine's wake-up is registered on
     closed: bool = False
     held: list[StreamChunk] = field(default_factory=list)  # chunks not handed to the gRPC thread yet
-    last_put: float = 0.0  # perf_counter() when a chunk was last handed over (0: never)
+    last_put: float | None = None  # perf_counter() when a chunk was last handed over (None: never)
     tokens: list[int] = field(default_factory=list)  # output tokens sent so far
 
     def prefill_rows(self) -> int:
@@ -548,7 +548,7 @@ class Engine:
             self._flush(run)
 
     def _due(self, run: _Running) -> bool:
-        return time.perf_counter() - run.last_put >= self.stream_interval_s
+        return run.last_put is None or time.perf_counter() - run.last_put >= self.stream_interval_s
 
     def _flush(self, run: _Running) -> None:
         held, run.held = run.held, []

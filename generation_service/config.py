@@ -48,8 +48,8 @@ FLAG_HELP = {
     "kv_cache_mb": "memory for the running requests' KV caches, MB; a request that does not fit waits",
     "prefix_cache_mb": "memory for finished prompts' KV rows, MB: a later request with the same prompt (or its first "
                        "prefill_chunk-aligned part) skips that prefill; 0 = off",
-    "stream_interval_ms": "a stream sends its tokens at most this often, ms (the first token and the end at once; "
-                          "tokens decoded in between go out together); 0 = one message per decoding step",
+    "stream_interval_ms": "a stream sends its tokens at most this often, ms (first token and end at once, tokens in "
+                          "between together); 0 = a message per step",
     "queue_size": "requests that may wait for a batch slot; more get RESOURCE_EXHAUSTED",
     "max_concurrent_rpcs": "RPCs in flight before gRPC answers RESOURCE_EXHAUSTED (0 = unlimited)",
     "workers": "gRPC handler threads",

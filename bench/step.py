@@ -79,7 +79,7 @@ def time_passes(variants: dict[str, TargetModel], rows: tuple[int, ...], reps: i
     caches = {}
     for name, tm in variants.items():
         slab = KVSlab(len(tm.lean.layers), tm.lean.kv_heads, tm.lean.head_dim, BATCH, PREFIX + max(rows) + 64,
-                      tm.lean.dtype, tm.lean.device) if tm.lean is not None else None
+                      tm.lean.kv_dtype, tm.lean.device) if tm.lean is not None else None
         caches[name] = [new_cache(tm, PREFIX + max(rows) + 8)] + [
             slab.cache(i) if slab is not None else new_cache(tm, PREFIX + max(rows) + 8) for i in range(BATCH)]
         for c in caches[name]:

@@ -15,6 +15,7 @@ PREFILL_PRECISIONS = ("auto", "fp32", "bf16")
 
 # --dtype values (model.DTYPES and model.WEIGHT_FORMATS, named here without importing torch).
 DTYPE_CHOICES = ("auto", "bf16", "fp32", "q4_1", "q4_1_bf16")
+KV_CACHE_DTYPES = ("auto", "fp16", "fp32")  # lean_llama.KV_DTYPES
 
 # One line per flag for `--help` (ragcore/config_util.py adds the default and the environment variable). Kept
 # out of the class so adding a field and describing it are separate one-line edits.
@@ -46,6 +47,8 @@ FLAG_HELP = {
     "max_batch": "requests decoded together in every forward pass (continuous batching)",
     "prefill_chunk": "prompt tokens a new request prefills per pass beside the running ones",
     "kv_cache_mb": "memory for the running requests' KV caches, MB; a request that does not fit waits",
+    "kv_cache_dtype": "how KV caches store keys/values: auto (fp16 where the fused forward runs, else the dtype's) | "
+                      "fp16 | fp32",
     "prefix_cache_mb": "memory for finished prompts' KV rows, MB: a later request with the same prompt (or its first "
                        "prefill_chunk-aligned part) skips that prefill; 0 = off",
     "stream_interval_ms": "a stream sends its tokens at most this often, ms (first token and end at once, tokens in "
@@ -124,12 +127,14 @@ class GenerationConfig(config_util.ShellConfig):
     # cache does not fit waits; one that could never fit is refused). queue_size more may wait; beyond that,
     # RESOURCE_EXHAUSTED. On 2 CPU cores a pass of 8 one-row sequences costs ~2.5x one (the weights are read once
     # per pass), so throughput grows with the batch while each request slows down less than it would queue.
-    # prefix_cache_mb keeps finished prompts' KV rows (~46 KB per token in fp32 for the default model) for later
+    # prefix_cache_mb keeps finished prompts' KV rows (~23 KB per token in fp16 for the default model) for later
     # requests with the same prompt (engine/prefix_cache.py). stream_interval_ms bounds how often a stream's tokens
     # wake its gRPC thread (engine/scheduler.py Engine._send).
     max_batch: int = 16
     prefill_chunk: int = 256
     kv_cache_mb: int = 2048
+    # fp16 halves what every decode row's attention reads (lean_llama.LeanLlama.set_kv_dtype); fp32 = exact fp32.
+    kv_cache_dtype: str = "auto"
     prefix_cache_mb: int = 512
     stream_interval_ms: float = 25.0
     queue_size: int = 64
@@ -185,6 +190,8 @@ class GenerationConfig(config_util.ShellConfig):
         for name in ("max_batch", "prefill_chunk", "kv_cache_mb", "queue_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: {getattr(self, name)} must be >= 1")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
         if self.stream_interval_ms < 0:
             raise ValueError(f"stream_interval_ms: {self.stream_interval_ms} must be >= 0 (0 = every step)")
         if self.prefix_cache_mb < 0:

@@ -33,15 +33,16 @@ namespace {
 // Attention of a segment runs in the loops below when q * S * heads is at most this (else ATen's matmul).
 constexpr int64_t kLoopAttentionWork = 1 << 12;
 
-inline float dot(const float* a, const float* b, int64_t n) {
+template <typename KV>
+inline float dot(const float* a, const KV* b, int64_t n) {
   float acc[16] = {0};
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
-    for (int l = 0; l < 16; ++l) acc[l] += a[i + l] * b[i + l];
+    for (int l = 0; l < 16; ++l) acc[l] += a[i + l] * (float)b[i + l];
   for (int w = 8; w >= 1; w /= 2)  // pairwise halving: vectorizes, unlike a scalar chain of 16 adds
     for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
   float s = acc[0];
-  for (; i < n; ++i) s += a[i] * b[i];
+  for (; i < n; ++i) s += a[i] * (float)b[i];
   return s;
 }
 
@@ -94,6 +95,7 @@ void exp_inplace(float* x, int64_t n) {
 #define RAGSERVE_ROW_KERNEL 1
 struct Simd {
   RAGSERVE_SIMD_LANEWISE(_mm512, __m512, 16, 16)  // 16 accumulators of 32 registers
+  static V load(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
   static float reduce_max(V v) { return _mm512_reduce_max_ps(v); }
   static float reduce_add(V v) { return _mm512_reduce_add_ps(v); }
   // The first m lanes (m >= kLanes: all) of p; the others read as 0 and are not written.
@@ -130,6 +132,7 @@ struct Simd {
 #define RAGSERVE_ROW_KERNEL 1
 struct Simd {
   RAGSERVE_SIMD_LANEWISE(_mm256, __m256, 8, 8)  // 8 accumulators of 16 registers
+  static V load(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }  // F16C
   static float reduce_max(V v) {
     __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     x = _mm_max_ps(x, _mm_movehl_ps(x, x));
@@ -196,14 +199,14 @@ inline void silu_mul(const float* g, const float* u, float* out, int64_t n) {
 
 // acc[g] = sum over t of w_g[t] * V[keys[t]] over the CW vectors of columns from c0, for GN query heads at once (each
 // V row is read once for all of them): GN * CW independent accumulator chains, each adding the keys in list order.
-template <int CW, int GN>
-inline void weighted_values(const float* p, int64_t n, const float* inv, const float* vh, const int64_t* keys,
+template <int CW, int GN, typename KV>
+inline void weighted_values(const float* p, int64_t n, const float* inv, const KV* vh, const int64_t* keys,
                             int64_t D, int64_t c0, float* out) {
   V acc[GN][CW], w[GN];
   for (int g = 0; g < GN; ++g)
     for (int j = 0; j < CW; ++j) acc[g][j] = Simd::zero();
   for (int64_t t = 0; t < n; ++t) {
-    const float* vt = vh + keys[t] * D + c0;
+    const KV* vt = vh + keys[t] * D + c0;
     for (int g = 0; g < GN; ++g) w[g] = Simd::mul(Simd::set1(p[g * n + t]), Simd::set1(inv[g]));
     for (int j = 0; j < CW; ++j) {
       const V v = Simd::load(vt + kLanes * j);
@@ -221,8 +224,8 @@ inline void weighted_values(const float* p, int64_t n, const float* inv, const f
 // a draft node as for the AR step that would decode the same token after the same accepted tokens (prefix, then
 // the path in order); every sum below runs over the list's index, never over cache positions or other rows.
 // p: scratch of G * n floats.
-template <int DV>
-void attend_row(const float* q0, int64_t G, const float* kh, const float* vh, const int64_t* keys,
+template <int DV, typename KV>
+void attend_row(const float* q0, int64_t G, const KV* kh, const KV* vh, const int64_t* keys,
                 const float* add, int64_t n, float scale, float* p, float* out) {
   constexpr int64_t D = kLanes * DV;
   constexpr int CW = DV < Simd::kAccumulators ? DV : Simd::kAccumulators;  // column vectors per pass over V
@@ -240,7 +243,7 @@ void attend_row(const float* q0, int64_t G, const float* kh, const float* vh, co
       // first key and its lanes are dropped below.
 #pragma GCC unroll 16
       for (int i = 0; i < kLanes; ++i) {
-        const float* kt = kh + keys[i < m ? t0 + i : 0] * D;
+        const KV* kt = kh + keys[i < m ? t0 + i : 0] * D;
         V acc = Simd::mul(q[0], Simd::load(kt));
         for (int j = 1; j < DV; ++j) acc = Simd::fmadd(q[j], Simd::load(kt + kLanes * j), acc);
         part[i] = acc;
@@ -303,7 +306,7 @@ void rope(float* t, int64_t heads, int64_t D, const float* cos, const float* sin
 
 struct Segment {
   int64_t start, q, past;
-  torch::Tensor k, v;  // [layers, kv_heads, capacity, D], rows contiguous
+  torch::Tensor k, v;  // [layers, kv_heads, capacity, D], rows contiguous; float32, or float16 (half the reads)
   torch::Tensor mask;  // additive float32 [q, past + q], or undefined (causal over the new rows)
 };
 
@@ -346,9 +349,12 @@ class LeanForward {
     int64_t start = 0;
     for (size_t j = 0; j < rows.size(); ++j) {
       Segment s{start, rows[j], past[j], ks[j], vs[j], masks[j].numel() ? masks[j].contiguous() : torch::Tensor()};
-      TORCH_CHECK(s.k.scalar_type() == torch::kFloat32 && s.k.dim() == 4 && s.k.stride(3) == 1 &&
-                      s.k.stride(2) == D && s.v.stride(3) == 1 && s.v.stride(2) == D,
-                  "cache must be float32 [layers, kv_heads, capacity, D] with contiguous rows");
+      TORCH_CHECK((s.k.scalar_type() == torch::kFloat32 || s.k.scalar_type() == torch::kHalf) &&
+                      s.v.scalar_type() == s.k.scalar_type() && s.k.scalar_type() == ks[0].scalar_type() &&
+                      s.k.dim() == 4 && s.k.stride(3) == 1 && s.k.stride(2) == D && s.v.stride(3) == 1 &&
+                      s.v.stride(2) == D,
+                  "caches must be float32 or float16 (one type for all) [layers, kv_heads, capacity, D] with "
+                  "contiguous rows");
       TORCH_CHECK(s.past + s.q <= s.k.size(2), "cache capacity exceeded");
       TORCH_CHECK(!s.mask.defined() || (s.mask.size(0) == s.q && s.mask.size(1) == s.past + s.q &&
                                         s.mask.scalar_type() == torch::kFloat32),
@@ -372,7 +378,10 @@ class LeanForward {
       float* qp = qkv.data_ptr<float>();
       for (int64_t n = 0; n < N; ++n)
         rope(qp + n * wq, H + Hkv, D, cp + pos[n] * D, sp + pos[n] * D);  // q and k heads are adjacent
-      attend_all(i, segs, keys, qp, wq, o.data_ptr<float>());
+      if (segs[0].k.scalar_type() == torch::kHalf)
+        attend_all<c10::Half>(i, segs, keys, qp, wq, o.data_ptr<float>());
+      else
+        attend_all<float>(i, segs, keys, qp, wq, o.data_ptr<float>());
       add_into(x, block_linear(o, wo_[i], bf16_));
       rms_norm(xp, ln2_[i].data_ptr<float>(), h.data_ptr<float>(), N, Hd, eps_);
       torch::Tensor gu = block_linear(h, wgu_[i], bf16_);  // [N, 2 I]
@@ -403,18 +412,25 @@ class LeanForward {
     for (int64_t j = 0; j < n; ++j) a[j] += b[j];
   }
 
-  // Layer i's keys/values of segment s's new rows into its cache.
+  // Layer i's keys/values of segment s's new rows into its cache (a float16 cache: rounded to nearest even; every
+  // row, this pass's own included, then attends the rounded values, so a row's result is the same in any pass).
+  template <typename KV>
   void write_kv(size_t i, const Segment& s, const float* qkv, int64_t wq) const {
     const int64_t H = H_, Hkv = Hkv_, D = D_;
-    float* kc = s.k.data_ptr<float>() + i * s.k.stride(0);
-    float* vc = s.v.data_ptr<float>() + i * s.v.stride(0);
+    KV* kc = s.k.data_ptr<KV>() + i * s.k.stride(0);
+    KV* vc = s.v.data_ptr<KV>() + i * s.v.stride(0);
     for (int64_t r = 0; r < s.q; ++r) {
       const float* row = qkv + (s.start + r) * wq;
       for (int64_t h = 0; h < Hkv; ++h) {
-        std::copy(row + (H + h) * D, row + (H + h + 1) * D, kc + h * s.k.stride(1) + (s.past + r) * D);
-        std::copy(row + (H + Hkv + h) * D, row + (H + Hkv + h + 1) * D, vc + h * s.v.stride(1) + (s.past + r) * D);
+        store_kv(row + (H + h) * D, D, kc + h * s.k.stride(1) + (s.past + r) * D);
+        store_kv(row + (H + Hkv + h) * D, D, vc + h * s.v.stride(1) + (s.past + r) * D);
       }
     }
+  }
+
+  static void store_kv(const float* x, int64_t n, float* out) { std::copy(x, x + n, out); }
+  static void store_kv(const float* x, int64_t n, c10::Half* out) {  // saturating, as lean_llama._stored
+    for (int64_t j = 0; j < n; ++j) out[j] = c10::Half(std::min(std::max(x[j], -65504.0f), 65504.0f));
   }
 
   // Which rows take the vectorized row kernel (attend_row): every decode row (an AR step, a draft tree: a mask, or a
@@ -473,13 +489,14 @@ class LeanForward {
   // threads. Other short segments: the scalar loops, one job per (row, kv head); each job's G query heads read each
   // key and value row once, and a row's result does not depend on the other rows of the pass (the same loop order
   // for every row). Long prompt chunks: ATen's blocked matmul.
+  template <typename KV>
   void attend_all(size_t i, const std::vector<Segment>& segs, const KeyLists& kl, const float* qkv, int64_t wq,
                   float* o) const {
     const int64_t H = H_, Hkv = Hkv_, D = D_, G = H / Hkv;
     std::vector<std::pair<int64_t, int64_t>> jobs;  // (segment, row)
     int64_t work = 0;
     for (size_t j = 0; j < segs.size(); ++j) {
-      write_kv(i, segs[j], qkv, wq);
+      write_kv<KV>(i, segs[j], qkv, wq);
       const int64_t S = segs[j].past + segs[j].q;
       // Decode rows (an AR step, a draft tree) always take the row kernel or the loops, never the matmul, whose
       // rows differ from an AR step's in the last bits (and bf16 activations round those into visible ones): a row
@@ -504,8 +521,8 @@ class LeanForward {
       for (const int64_t job : bins[bin]) {
         const Segment& s = segs[jobs[job / Hkv].first];
         const int64_t r = jobs[job / Hkv].second, h = job % Hkv, S = s.past + s.q;
-        const float* kh = s.k.data_ptr<float>() + i * s.k.stride(0) + h * s.k.stride(1);
-        const float* vh = s.v.data_ptr<float>() + i * s.v.stride(0) + h * s.v.stride(1);
+        const KV* kh = s.k.data_ptr<KV>() + i * s.k.stride(0) + h * s.k.stride(1);
+        const KV* vh = s.v.data_ptr<KV>() + i * s.v.stride(0) + h * s.v.stride(1);
         const float* q0 = qkv + (s.start + r) * wq + h * G * D;  // query heads h G .. h G + G - 1
         const int64_t row = s.start + r, nk = kl.off[row + 1] - kl.off[row];
 #if defined(RAGSERVE_ROW_KERNEL)
@@ -525,7 +542,7 @@ class LeanForward {
         const float* mask = s.mask.defined() ? s.mask.data_ptr<float>() + r * S : nullptr;
         p.resize(G * seen);
         for (int64_t t = 0; t < seen; ++t) {
-          const float* kt = kh + t * D;
+          const KV* kt = kh + t * D;
           for (int64_t g = 0; g < G; ++g) p[g * seen + t] = dot(q0 + g * D, kt, D) * scale_ + (mask ? mask[t] : 0.0f);
         }
         for (int64_t g = 0; g < G; ++g) {
@@ -541,11 +558,11 @@ class LeanForward {
         }
         std::fill(acc.begin(), acc.end(), 0.0f);
         for (int64_t t = 0; t < seen; ++t) {
-          const float* vt = vh + t * D;
+          const KV* vt = vh + t * D;
           for (int64_t g = 0; g < G; ++g) {
             const float w = p[g * seen + t];
             float* ag = acc.data() + g * D;
-            for (int64_t d = 0; d < D; ++d) ag[d] += w * vt[d];
+            for (int64_t d = 0; d < D; ++d) ag[d] += w * (float)vt[d];
           }
         }
         std::copy(acc.begin(), acc.end(), o + (s.start + r) * H * D + h * G * D);
@@ -556,8 +573,12 @@ class LeanForward {
   // The attention jobs 0..n-1 ((row, kv head) = (jobs[j / Hkv], j % Hkv)) in one bin per thread that takes part,
   // balanced by the keys each job reads: longest first, each to the least-loaded bin. Why: parallel_for's
   // contiguous ranges gave one thread the first sequences of the pass and the other the last, so in a batch of
-  // ragged lengths (a running batch always is) the pass waited for the thread with the long ones. Which thread
-  // runs a job does not change its result (every job is its own loop), so outputs are the same bits either way.
+  // ragged lengths (a running batch always is) the pass waited for the thread with the long ones.
+  // A draft tree's rows of one kv head go to a bin together, one after another (in runs of at most `per` rows, so a
+  // lone tree still spreads over the threads): every row reads the whole past of that head, and the rows after the
+  // first find it in the core's cache instead of memory (8 trees of 4 rows over 300 keys: the attention half as
+  // long). Which thread runs a job does not change its result (every job is its own loop), so outputs are the same
+  // bits either way.
   static std::vector<std::vector<int64_t>> balance(const std::vector<Segment>& segs,
                                                    const std::vector<std::pair<int64_t, int64_t>>& jobs, int64_t Hkv,
                                                    int64_t n, int64_t grain) {
@@ -568,18 +589,32 @@ class LeanForward {
       for (int64_t j = 0; j < n; ++j) bins[0][j] = j;
       return bins;
     }
-    std::vector<int64_t> order(n), cost(n);
-    for (int64_t j = 0; j < n; ++j) {
-      const Segment& s = segs[jobs[j / Hkv].first];
-      order[j] = j;
-      cost[j] = s.mask.defined() ? s.past + s.q : s.past + jobs[j / Hkv].second + 1;  // keys seen (an upper bound)
+    const int64_t per = std::max<int64_t>(1, n / (4 * T));
+    std::vector<std::vector<int64_t>> units;
+    std::vector<int64_t> cost;
+    for (size_t a = 0, b = 0; a < jobs.size(); a = b) {
+      while (b < jobs.size() && jobs[b].first == jobs[a].first) ++b;  // the rows of one segment
+      const Segment& s = segs[jobs[a].first];
+      for (int64_t h = 0; h < Hkv; ++h)
+        for (size_t r0 = a; r0 < b; r0 += per) {
+          units.emplace_back();
+          int64_t c = 0;
+          for (size_t r = r0; r < std::min(b, r0 + per); ++r) {
+            units.back().push_back((int64_t)r * Hkv + h);
+            // keys seen (an upper bound) + a job's fixed cost (its query, its output) in key-row units
+            c += (s.mask.defined() ? s.past + s.q : s.past + jobs[r].second + 1) + 16;
+          }
+          cost.push_back(c);
+        }
     }
+    std::vector<int64_t> order(units.size());
+    for (size_t u = 0; u < units.size(); ++u) order[u] = (int64_t)u;
     std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
     std::vector<int64_t> load(T, 0);
-    for (const int64_t j : order) {
+    for (const int64_t u : order) {
       const int64_t t = std::min_element(load.begin(), load.end()) - load.begin();
-      bins[t].push_back(j);
-      load[t] += cost[j] + 16;  // + a job's fixed cost (its query, its output) in key-row units
+      bins[t].insert(bins[t].end(), units[u].begin(), units[u].end());
+      load[t] += cost[u];
     }
     return bins;
   }
@@ -595,8 +630,8 @@ class LeanForward {
         const float* src = qkv + (s.start + r) * wq + hq * D;
         std::copy(src, src + D, qgp + (hq * q + r) * D);
       }
-    torch::Tensor keys = s.k.select(0, (int64_t)i).narrow(1, 0, S);  // [Hkv, S, D]
-    torch::Tensor values = s.v.select(0, (int64_t)i).narrow(1, 0, S);
+    torch::Tensor keys = s.k.select(0, (int64_t)i).narrow(1, 0, S).to(torch::kFloat32);  // [Hkv, S, D]
+    torch::Tensor values = s.v.select(0, (int64_t)i).narrow(1, 0, S).to(torch::kFloat32);
     torch::Tensor scores = torch::matmul(qg, keys.transpose(1, 2)).mul_(scale_);  // [Hkv, G q, S]
     torch::Tensor m = s.mask;
     if (!m.defined()) {

@@ -58,6 +58,8 @@ _PACK_MIN_ROWS = 2
 _PACK_HINT_ROWS = 16  # the batch size oneDNN blocks the packed weights for (any row count works)
 # With prefill_bf16 on, a prefill segment of at least this many rows runs its linears in bf16 (set_prefill_bf16).
 BF16_PREFILL_MIN_ROWS = 32
+KV_DTYPES = ("auto", "fp16", "fp32")
+FP16_MAX = 65504.0
 _BF16_PACK_HINT_ROWS = 128
 
 
@@ -222,6 +224,8 @@ class LeanLlama:
         # When a list: every forward appends the final hidden states it multiplies by the output layer, [1, q', D]
         # (kNN-LM keys; what a forward hook on transformers' lm_head sees).
         self.hidden_sink: list | None = None
+        # Keys and values as the caches store them: float16 where the fused forward runs (set_kv_dtype).
+        self.kv_dtype = dtype
         # The whole pass in one C++ call (lean_forward.cpp) for passes of fewer rows than this; None = ops in Python.
         self.fused = None
         self.fused_max_rows = FUSED_MAX_ROWS
@@ -254,7 +258,23 @@ class LeanLlama:
         return None if cls.supports(model) else cls(model, dtype)
 
     def new_cache(self, capacity: int = 256) -> KVCache:
-        return KVCache(len(self.layers), self.kv_heads, self.head_dim, capacity, self.dtype, self.device)
+        return KVCache(len(self.layers), self.kv_heads, self.head_dim, capacity, self.kv_dtype, self.device)
+
+    def set_kv_dtype(self, kind: str) -> torch.dtype:
+        """How caches made from now on store keys and values: 'fp16', 'fp32' (the activations' dtype), or 'auto'
+        (fp16 where the fused forward runs, else the activations' dtype). Why fp16: a decode row's attention reads
+        its whole past, and at 8 sequences of a few hundred tokens those reads are a third of the pass on a 2-core
+        CPU, bound by memory bandwidth; fp16 halves them. Every row (its own pass's included) attends the stored,
+        rounded values, so a row's result is still the same in any pass (batched == solo, tree == AR steps).
+        Values beyond fp16's range are stored as +-65504. Caches made before keep their type."""
+        if kind not in KV_DTYPES:
+            raise ValueError(f"kv cache dtype {kind!r} is not one of {', '.join(KV_DTYPES)}")
+        if kind == "fp16" and (self.fused is None or self.dtype != torch.float32):
+            raise ValueError("kv cache dtype fp16 needs the fused forward (fp32 activations on the CPU, the kernels "
+                             "built)")
+        half = kind == "fp16" or (kind == "auto" and self.fused is not None and self.dtype == torch.float32)
+        self.kv_dtype = torch.float16 if half else self.dtype
+        return self.kv_dtype
 
     def _fused_weights(self) -> tuple[dict[str, list[torch.Tensor]], torch.Tensor]:
         """The linears' weights as the fused kernel takes them (dense fp32 or GGUF blocks): per name the layers'
@@ -273,6 +293,7 @@ class LeanLlama:
         self.fused = k.LeanForward(self.embed.contiguous(), [ly.ln1 for ly in self.layers], w["wqkv"], w["wo"],
                                    [ly.ln2 for ly in self.layers], w["wgu"], w["wd"], self.norm, head, self.heads,
                                    self.kv_heads, self.head_dim, self.eps, self.bf16)
+        self.set_kv_dtype("auto")
 
     def can_prefill_bf16(self) -> bool:
         """Whether set_prefill_bf16(True) would change anything: fp32 activations on a CPU with oneDNN linears."""
@@ -474,9 +495,9 @@ class LeanLlama:
         H, Hkv, D, G = self.heads, self.kv_heads, self.head_dim, self.groups
         past = plan.past
         S = past + q
-        cache.k[i, :, past:S] = kh.transpose(0, 1)
-        cache.v[i, :, past:S] = vh.transpose(0, 1)
-        keys, values = cache.k[i, :, :S], cache.v[i, :, :S]  # [Hkv, S, D]
+        cache.k[i, :, past:S] = _stored(kh.transpose(0, 1), cache.k.dtype)
+        cache.v[i, :, past:S] = _stored(vh.transpose(0, 1), cache.v.dtype)
+        keys, values = cache.k[i, :, :S].to(self.dtype), cache.v[i, :, :S].to(self.dtype)  # [Hkv, S, D]
         if plan.causal_sdpa:  # prefill from an empty cache: memory-efficient causal attention
             # 4D inputs with keys/values expanded per query head (as transformers' repeat_kv): with 3D inputs
             # or enable_gqa SDPA falls back to its materializing math kernel on CPU (3.7x slower at 2000 tokens).
@@ -573,18 +594,25 @@ class _SlabGroup:
         H, Hkv, D, G = model.heads, model.kv_heads, model.head_dim, model.groups
         n, qmax, S = self.n_slots, self.qmax, self.smax
         k, v = self.slab.k[i], self.slab.v[i]  # [slots, Hkv, cap, D]
-        k[self.slot_idx, :, self.pos] = kh[self.rows]
-        v[self.slot_idx, :, self.pos] = vh[self.rows]
+        k[self.slot_idx, :, self.pos] = _stored(kh[self.rows], k.dtype)
+        v[self.slot_idx, :, self.pos] = _stored(vh[self.rows], v.dtype)
         q = torch.zeros(n, qmax, H, D, dtype=qh.dtype, device=qh.device)
         q[self.b_idx, self.r_idx] = qh[self.rows]
         qg = q.view(n, qmax, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(n * Hkv, G * qmax, D)
-        keys = k[self.lo:self.lo + n, :, :S].reshape(n * Hkv, S, D)
-        values = v[self.lo:self.lo + n, :, :S].reshape(n * Hkv, S, D)
+        keys = k[self.lo:self.lo + n, :, :S].reshape(n * Hkv, S, D).to(model.dtype)
+        values = v[self.lo:self.lo + n, :, :S].reshape(n * Hkv, S, D).to(model.dtype)
         scores = torch.matmul(qg, keys.transpose(1, 2)) * model.scale + self.mask  # [n Hkv, G qmax, S]
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(model.dtype)
         o = torch.matmul(probs, values)  # [n Hkv, G qmax, D]
         o = o.view(n, Hkv, G, qmax, D).permute(0, 3, 1, 2, 4).reshape(n, qmax, H * D)
         return o[self.b_idx, self.r_idx]
+
+
+def _stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as a cache of `dtype` stores it: fp16 saturates at +-65504 (as the fused kernel's write) instead of inf."""
+    if dtype == torch.float16 and x.dtype != dtype:
+        return x.clamp(-FP16_MAX, FP16_MAX).to(dtype)
+    return x.to(dtype)
 
 
 def _onednn_linear_available() -> bool:

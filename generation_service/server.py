@@ -417,6 +417,15 @@ def _open_knnlm(cfg: GenerationConfig, tm):
     return backend
 
 
+def apply_kv_cache_dtype(tm, kind: str) -> str:
+    """Set how the model's KV caches store keys/values (--kv-cache-dtype) -> the dtype's name, for the log."""
+    if tm.lean is not None:
+        return str(tm.lean.set_kv_dtype(kind)).removeprefix("torch.")
+    if kind == "fp16":
+        raise ValueError("kv_cache_dtype: fp16 needs the lean forward's fused pass (this model runs transformers')")
+    return f"{tm.dtype_name} (transformers')"
+
+
 def load_serving_model(cfg: GenerationConfig):
     """-> (TargetModel, Choice or None), loaded, calibrated and warmed. Run it on the model thread."""
     t0 = time.perf_counter()
@@ -432,9 +441,10 @@ def load_serving_model(cfg: GenerationConfig):
         cal = choice.calibration
         log.info("calibration (%s, %s; %s, %s):\n%s", cal.source, cal.path or "not cached", cal.key["cpu"],
                  " ".join(shown_flags()) or "no avx flags", format_table(choice))
-    log.info("model %s loaded in %s with %d threads, %s forward, %s prompt linears; warm-up took %.1f s "
+    kv = apply_kv_cache_dtype(tm, cfg.kv_cache_dtype)
+    log.info("model %s loaded in %s with %d threads, %s forward, %s prompt linears, %s KV cache; warm-up took %.1f s "
              "(start-up %.1f s)", tm.model_dir, tm.dtype_name, torch_threads(), tm.forward_name,
-             served_prefill_precision(tm), warmup(tm), time.perf_counter() - t0)
+             served_prefill_precision(tm), kv, warmup(tm), time.perf_counter() - t0)
     return tm, choice
 
 

@@ -76,7 +76,7 @@ def kv_bytes_per_row(tm: TargetModel) -> int:
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    itemsize = 2 if tm.dtype_name in ("bf16", "fp16") else 4
+    itemsize = tm.lean.kv_dtype.itemsize if tm.lean is not None else 2 if tm.dtype_name in ("bf16", "fp16") else 4
     return int(cfg.num_hidden_layers) * 2 * kv_heads * head_dim * itemsize
 
 
@@ -205,7 +205,7 @@ class Engine:
             cap = int(min(SLAB_MAX_ROWS, self.kv_budget_rows // self.max_batch) // 64 * 64)
             if cap >= 64:
                 lean = tm.lean
-                self.slab = KVSlab(len(lean.layers), lean.kv_heads, lean.head_dim, self.max_batch, cap, lean.dtype,
+                self.slab = KVSlab(len(lean.layers), lean.kv_heads, lean.head_dim, self.max_batch, cap, lean.kv_dtype,
                                    lean.device)
         self._in_slab: list[_Running] = []
         self.draft_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="draft")  # one call per retrieval client

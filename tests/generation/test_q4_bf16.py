@@ -28,7 +28,7 @@ def bf16(a: np.ndarray) -> np.ndarray:
 
 @needs_bf16
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(kind=st.sampled_from(["q4_1", "q8_0"]), m=st.sampled_from([1, 2, 15, 16, 17, 33, 96, 97, 130]),
+@given(kind=st.sampled_from(["q4_1", "q8_0"]), m=st.sampled_from([1, 2, 3, 4, 5, 15, 16, 17, 33, 96, 97, 130]),
        n=st.integers(1, 70), blocks=st.integers(1, 12), seed=st.integers(0, 2**32 - 1))
 def test_kernel_matches_bf16_rounded_matmul(kind, m, n, blocks, seed):
     rng = np.random.default_rng(seed)

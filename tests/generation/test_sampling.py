@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from generation_service.q4_kernel import kernel
 from generation_service.sampling import Sampler, SamplingParams, argmax_rows, process_logits, sample_from
 
 
@@ -123,3 +124,50 @@ def test_argmax_rows_matches_reference_and_torch(rows, dtype):
     want = [ref_argmax(x[i].float().tolist()) for i in range(len(rows))]
     assert argmax_rows(x) == want == x.float().argmax(dim=-1).tolist()
     assert argmax_rows(x[0]) == want[:1] and Sampler(SamplingParams()).pick(x[0]) == want[0]
+
+
+@pytest.fixture(scope="module")
+def cpu_kernel():
+    k = kernel()
+    if k is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    return k
+
+
+# Rows long enough for the kernel's vector loop (32+), with the maximum placed at lane and tail boundaries.
+def _row(n: int, at: dict[int, float]) -> list[float]:
+    row = [float(i % 7) - 3.0 for i in range(n)]
+    for i, v in at.items():
+        row[i] = v
+    return row
+
+
+KERNEL_ARGMAX_SCENARIOS = {  # (rows, expected picks, a pick the rule must not give)
+    "max in the tail": ([_row(49, {47: 9.0})], [47], [0]),
+    "max in the first lane block": ([_row(64, {3: 9.0})], [3], [47]),
+    "tie across lanes goes to the first": ([_row(64, {40: 9.0, 17: 9.0, 63: 9.0})], [17], [40]),
+    "tie between vector part and tail goes to the first": ([_row(50, {5: 9.0, 49: 9.0})], [5], [49]),
+    "NaN in the vector part wins over a larger max": ([_row(64, {20: float("nan"), 3: 99.0})], [20], [3]),
+    "NaN in the tail wins": ([_row(50, {48: float("nan"), 3: 99.0})], [48], [3]),
+    "all -inf: the first": ([[float("-inf")] * 40], [0], [39]),
+    "a vocabulary-wide row": ([_row(49152, {49151: 9.0, 30000: 9.0})], [30000], [49151]),
+    "rows differ": ([_row(40, {1: 9.0}), _row(40, {38: 9.0})], [1, 38], [38, 1]),
+}
+
+
+@pytest.mark.parametrize("name", list(KERNEL_ARGMAX_SCENARIOS))
+def test_kernel_argmax_rows_scenarios(name, cpu_kernel):
+    rows, want, not_want = KERNEL_ARGMAX_SCENARIOS[name]
+    got = cpu_kernel.argmax_rows(torch.tensor(rows)).tolist()
+    assert got == want and got != not_want and got == [ref_argmax(r) for r in rows]
+    assert argmax_rows(torch.tensor(rows)) == want  # the sampler's path takes the kernel once it is loaded
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 90), st.data())
+def test_kernel_argmax_rows_matches_reference(cpu_kernel, m, n, data):
+    """Brute force: any rows of few distinct values (ties everywhere), zeros of both signs, infinities, NaNs."""
+    values = st.sampled_from([-2.0, -0.0, 0.0, 0.5, 7.0, float("inf"), float("-inf"), float("nan")])
+    rows = [data.draw(st.lists(values, min_size=n, max_size=n)) for _ in range(m)]
+    got = cpu_kernel.argmax_rows(torch.tensor(rows, dtype=torch.float32)).tolist()
+    assert got == [ref_argmax(r) for r in rows] == np.asarray(rows, np.float32).argmax(axis=-1).tolist()

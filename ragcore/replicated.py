@@ -140,12 +140,13 @@ class ReplicatedClient:
         end = time.monotonic() + self.budget(deadline, timeout_s)
         pause = BUSY_BACKOFF_S
         while True:
-            err: Exception = self._failure("unavailable", "no replica tried")
+            err: Exception | None = None
             busy = False
             for r in self.healthy():
                 budget = min(self.budget(deadline, timeout_s), end - time.monotonic())
-                if budget <= 0:
-                    raise err
+                if budget <= 0:  # a busy machine can spend a short budget before the first replica is asked
+                    raise err or self._failure("unavailable", f"{self.what}: DEADLINE_EXCEEDED before a replica "
+                                                              "was asked")
                 self.calls += 1
                 try:
                     return getattr(r.stub, method)(request, timeout=budget, metadata=self.metadata)
@@ -156,7 +157,7 @@ class ReplicatedClient:
                     busy = busy or e.code() == _BUSY
             wait = min(pause, end - time.monotonic() - BUSY_BACKOFF_S)  # the last pause leaves time to ask again
             if not busy or wait <= 0:
-                raise err
+                raise err or self._failure("unavailable", "no replica tried")
             time.sleep(wait)
             pause = min(2 * pause, BUSY_BACKOFF_MAX_S)
 

@@ -186,6 +186,27 @@ def test_a_spent_deadline_makes_no_call(server):
         client.close()
 
 
+def test_a_budget_spent_before_any_replica_is_asked_says_deadline_exceeded(server, monkeypatch):
+    """A loaded machine can spend a short call budget before the first replica is asked (the RaLMSpec fault test's
+    0.1 ms calls under `make test`): the error names the deadline, Not "no replica tried"."""
+    running, _ = server
+    client = _client(running.address)
+    healthy = client.healthy
+
+    def slow_healthy():
+        time.sleep(0.01)
+        return healthy()
+
+    monkeypatch.setattr(client, "healthy", slow_healthy)
+    try:
+        with pytest.raises(Refused) as e:
+            client.call("Draft", _request(), timeout_s=0.001)
+        assert e.value.kind == "unavailable" and "DEADLINE_EXCEEDED" in str(e.value)
+        assert "no replica tried" not in str(e.value) and client.calls == 0
+    finally:
+        client.close()
+
+
 @pytest.mark.parametrize("case, busy, succeeds", [
     ("busy for a moment", 2, True),  # Not failed at the first RESOURCE_EXHAUSTED
     ("busy throughout", 10_000, False),  # fails once its time is spent, Not at once and Not never

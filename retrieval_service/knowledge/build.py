@@ -89,7 +89,7 @@ def build_kb(out: str | Path, passages: Iterable[P.Passage] | None = None, *,
              retrievers: Sequence[str] = RETRIEVERS, corpus: dict | None = None, limit: int | None = None,
              rst: bool = True, site: bool = True, code: bool = False, man: bool = False, headers: bool = False,
              words: int = P.DEFAULT_WORDS, workers: int = 2,
-             dtype: str = "float32", encoder_dtype: str = "float32", batch_size: int = 64, chunk: int = 4096,
+             dtype: str = "float32", encoder_dtype: str = "float32", batch_size: int = 32, chunk: int = 4096,
              hnsw_m: int = 32, hnsw_ef_construction: int = 200, threads: int = 2, omp_threads: int = 1,
              jvm_heap: str = "", force: bool = False, embeddings_from: str | Path | None = None,
              encoder: Encoder | None = None, progress: bool = True) -> dict:
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--float16", action="store_true", help="store embeddings as float16 (half the disk)")
     ap.add_argument("--encoder-dtype", choices=ENCODER_DTYPES, default="float32",
                     help="encoder compute dtype; bfloat16 is ~2x faster on avx512_bf16 CPUs (queries use the same)")
-    ap.add_argument("--batch-size", type=int, default=64, help="encoder batch size")
+    ap.add_argument("--batch-size", type=int, default=32, help="encoder batch size (32 encoded 1.1-1.4x faster than 64 with bf16 on 2 cores)")
     ap.add_argument("--chunk", type=int, default=4096, help="passages per resumable encoding chunk")
     ap.add_argument("--hnsw-m", type=int, default=32)
     ap.add_argument("--hnsw-ef-construction", type=int, default=200)

@@ -58,13 +58,21 @@ def stdlib_files() -> list[Path]:
     return _walk(Path(sysconfig.get_paths()["stdlib"]), frozenset({".py"}), _SKIP_DIRS)
 
 
-def site_packages_files() -> list[Path]:
-    """.py files of the running interpreter's installed site-packages."""
-    roots = dict.fromkeys(Path(sysconfig.get_paths()[k]).resolve() for k in ("purelib", "platlib"))
+# setuptools' editable-install shims (__editable___<project>_finder.py) hold only this checkout's paths, and every
+# `pip install -e .` rewrites them: in the corpus, reinstalling the project made its datastore "another corpus".
+_SHIM_PREFIX = "__editable__"
+
+
+def site_packages_files(roots: list[Path] | None = None) -> list[Path]:
+    """.py files of the running interpreter's installed site-packages (or of `roots`), editable-install shims
+    excluded."""
+    if roots is None:
+        roots = [Path(sysconfig.get_paths()[k]).resolve() for k in ("purelib", "platlib")]
     files: list[Path] = []
-    for root in roots:
+    for root in dict.fromkeys(roots):
         if root.is_dir():
-            files.extend(_walk(root, frozenset({".py"}), frozenset({"__pycache__", ".git"})))
+            files.extend(f for f in _walk(root, frozenset({".py"}), frozenset({"__pycache__", ".git"}))
+                         if not f.name.startswith(_SHIM_PREFIX))
     return list(dict.fromkeys(files))
 
 

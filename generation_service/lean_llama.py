@@ -121,8 +121,8 @@ class KVSlab:
 
     Sequences in neighbouring slots attend in one chain of ops per layer (their keys are one strided view of the
     slab), where separate caches need one chain per sequence: on a CPU that per-sequence chain (~10 small ops x
-    30 layers) costs more than the arithmetic of a small batch. The engine keeps its running sequences in slots
-    0..n-1 (move() fills the hole a finished one leaves).
+    30 layers) costs more than the arithmetic of a small batch (the fused forward takes each slot's view as a
+    cache of its own). A finished sequence's slot is free for the next one; holes are masked.
     """
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, slots: int, capacity: int, dtype: torch.dtype,
@@ -154,15 +154,6 @@ class KVSlab:
         c = KVCache.__new__(KVCache)
         c.k, c.v, c.length, c.slab, c.slot = self.k[:, slot], self.v[:, slot], 0, self, slot
         return c
-
-    @torch.inference_mode()
-    def move(self, cache: KVCache, slot: int) -> None:
-        """Copy `cache`'s rows into `slot` and make it live there."""
-        n = cache.length
-        self.k[:, slot, :, :n] = cache.k[:, :, :n]
-        self.v[:, slot, :, :n] = cache.v[:, :, :n]
-        cache.k, cache.v, cache.slot = self.k[:, slot], self.v[:, slot], slot
-        self.mark_written(slot, n)
 
 
 @dataclass

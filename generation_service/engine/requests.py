@@ -239,11 +239,12 @@ class TreeRequest:
         self._past = self.cache.get_seq_length()
         return tree_segment(self.tm, self.cache, self.last, self.tokens, self.parents)
 
-    def commit(self, logits: torch.Tensor) -> tuple[list[int], str | None]:
-        """After the pass of decode_segment(): accept, keep the accepted rows' KV -> (output tokens, finish)."""
+    def commit(self, logits: torch.Tensor, top: list[int] | None = None) -> tuple[list[int], str | None]:
+        """After the pass of decode_segment(): accept, keep the accepted rows' KV -> (output tokens, finish).
+        top: the greedy picks of the logits' rows if the caller took them already (steps.accept)."""
         remaining = self.remaining
         children = tree_children(self.tokens, self.parents) if self.tokens.shape[0] else {}
-        path, emitted = accept(logits, children, self.sampler, remaining)
+        path, emitted = accept(logits, children, self.sampler, remaining, top)
         gather_kv(self.cache, self._past, path)  # also when nothing was accepted: rejected and pad rows must go
         s = self.stats
         s.verify_ms += (time.perf_counter() - self._t_step) * 1e3

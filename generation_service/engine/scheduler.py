@@ -58,6 +58,7 @@ from generation_service.engine.threads import IdleMeter, ThreadGovernor
 from generation_service.lean_llama import KVSlab, capacity_for
 from generation_service.model import TargetModel, forward_batch, forward_batch_hidden, new_cache
 from generation_service.ralm import passage_budget
+from generation_service.sampling import argmax_each
 from generation_service.speculative import FINISH_CANCELLED, StreamChunk, TextOutput
 from ragcore.errors import ResourceExhausted, ServiceError
 from ragcore.files import write_json_atomic
@@ -198,8 +199,8 @@ class Engine:
         self._load_acceptance()
         self.passes = 0  # batched passes run (stats, tests)
         self.peak_batch = 0  # most sequences in one pass so far
-        # The running requests' caches, in slots 0..n-1 of one slab: each pass attends them in one chain of ops
-        # per layer. A request that needs more rows than a slot holds gets a cache of its own.
+        # The running requests' caches, in slots of one slab (the unfused forward attends neighbouring slots in one
+        # chain of ops per layer). A request that needs more rows than a slot holds gets a cache of its own.
         self.slab: KVSlab | None = None
         if tm.lean is not None and self.max_batch > 1:
             cap = int(min(SLAB_MAX_ROWS, self.kv_budget_rows // self.max_batch) // 64 * 64)
@@ -207,7 +208,10 @@ class Engine:
                 lean = tm.lean
                 self.slab = KVSlab(len(lean.layers), lean.kv_heads, lean.head_dim, self.max_batch, cap, lean.kv_dtype,
                                    lean.device)
-        self._in_slab: list[_Running] = []
+        # Which running request lives in each slot (None: free). A finished one leaves a hole the next one takes:
+        # moving the last user into it copied its whole KV (~3 ms at 8 clients under GIL contention, py-spy), and
+        # the fused forward attends every cache wherever it lives (the unfused one masks holes).
+        self._slot_users: list[_Running | None] = [None] * (self.slab.slots if self.slab is not None else 0)
         self.draft_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="draft")  # one call per retrieval client
         # RAG / kNN-LM Calls (blocking RPCs: searches, passages): at most one per request at a time.
         self.retrieval_pool = ThreadPoolExecutor(max_workers=self.max_batch, thread_name_prefix="retrieval")
@@ -331,14 +335,15 @@ class Engine:
                 run.out = TextOutput(self.tm.tokenizer, job.prompt_ids, job.params.stop, run.loop_request.chunk)
             else:
                 cache = None
-                if self.slab is not None and rows <= self.slab.capacity and len(self._in_slab) < self.slab.slots:
-                    cache = self.slab.cache(len(self._in_slab))
+                free = self._slot_users.index(None) if None in self._slot_users else -1
+                if self.slab is not None and rows <= self.slab.capacity and free >= 0:
+                    cache = self.slab.cache(free)
                 run.req = TreeRequest(self.tm, job.prompt_ids, job.params, drafter=self._drafter(job),
                                       draft_budget=job.budget, stats=SpeculationStats(decoding=job.decoding),
                                       prefill_chunk=self.prefill_chunk, cache=cache, calibration=self.calibration,
                                       prefix_cache=self.prefix_cache)
                 if cache is not None:
-                    self._in_slab.append(run)
+                    self._slot_users[free] = run
                 run.out = TextOutput(self.tm.tokenizer, job.prompt_ids, job.params.stop)
         except Exception as e:
             self._fail(run, e, started=False)
@@ -457,8 +462,10 @@ class Engine:
                 log.info("engine: prefix cache after %d passes: %s", self.passes, self.prefix_cache.stats())
         self.peak_batch = max(self.peak_batch, len(segments))
         emitted = 0
-        for r, lg in zip(decoding, logits):
-            step = r.req.commit(lg)
+        greedy = [r.req.sampler.greedy for r in decoding]
+        picks = iter(argmax_each([lg for g, lg in zip(greedy, logits) if g]))  # one call, the GIL kept
+        for r, lg, g in zip(decoding, logits, greedy):
+            step = r.req.commit(lg, next(picks) if g else None)
             emitted += len(step[0])
             self._feed(r, step)
         for r, lg, h in zip(loops, logits[len(decoding):], hidden[len(decoding):]):
@@ -581,12 +588,9 @@ class Engine:
         if run in self.running:
             self.running.remove(run)
             self._kv_used -= run.kv_rows
-        if run in self._in_slab:  # keep the slab's users in slots 0..n-1: the last one fills the hole
-            hole, last = self._in_slab.index(run), self._in_slab[-1]
-            if last is not run:
-                self.slab.move(last.req.cache, hole)
-                self._in_slab[hole] = last
-            self._in_slab.pop()
+        for slot, user in enumerate(self._slot_users):
+            if user is run:
+                self._slot_users[slot] = None
         if run.loop is not None and not run.loop.finished:
             run.loop.close()  # a stop sequence ended it, or it failed: cancel what it has in flight
 

@@ -122,15 +122,17 @@ def verify_tree(tm: TargetModel, cache, last: int, tokens: np.ndarray, parents: 
 
 
 def accept(logits: torch.Tensor, children: dict[tuple[int, int], int], sampler: Sampler,
-           limit: int) -> tuple[list[int], list[int]]:
+           limit: int, top: list[int] | None = None) -> tuple[list[int], list[int]]:
     """logits: [q, V] from verify_tree -> (accepted node indices, emitted tokens), len(emitted) = len(path) + 1.
 
     Row r holds the distribution after the context plus the path to row r. Every emitted token is picked from its
     own row exactly as the AR loop would pick it; a draft child is accepted only if it equals the pick. At most
     `limit` tokens are picked (the request's remaining budget), so no random draw is spent past the output.
+    top: greedy picks of the rows already taken (sampling.argmax_each over a batched pass), else computed here.
     """
     if sampler.greedy:
-        top = argmax_rows(logits)  # one reduction for all rows
+        if top is None:
+            top = argmax_rows(logits)  # one reduction for all rows
 
         def pick(row: int) -> int:
             return top[row]

@@ -180,6 +180,41 @@ def test_admission_queue_and_kv_bound(tm32):
         engine.stop()
 
 
+def test_a_finished_requests_slot_goes_to_the_next_one(tm32):
+    """A request that finishes leaves a hole in the KV slab; the next request takes it while the others stay where
+    they are (nothing is moved), and every output still equals its solo run."""
+    prompts = [encode(tm32, t) for t in humaneval_prompts(3)]
+    lengths = [3, 30, 12]  # A ends first (slot 0 free), B keeps slot 1, C joins later
+    mt = ModelThread("test-solo")
+    want = [mt.call(lambda p=p, n=n: [t for out, _ in decode(tm32, p, SamplingParams(max_new_tokens=n, ignore_eos=True),
+                                                             prefill_chunk=PREFILL) for t in out])
+            for p, n in zip(prompts, lengths)]
+    mt.stop(wait=True)
+    engine = _engine(tm32, {}, max_batch=3)
+    if engine.slab is None:
+        engine.stop()
+        pytest.skip("no KV slab for this model")
+    try:
+        a, b = (_job(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts[:2], lengths[:2]))
+        engine.submit(a)
+        engine.submit(b)
+        got_a = _collect(a)
+        c = _job(prompts[2], SamplingParams(max_new_tokens=lengths[2], ignore_eos=True))
+        engine.submit(c)
+        first = c.chunks.get(timeout=120)
+        assert first is not None and not isinstance(first, BaseException)
+        slots = [u.job if u is not None else None for u in engine._slot_users]
+        rest_c = _collect(c)
+        got = [got_a[0], _collect(b)[0], first.token_ids + rest_c[0]]
+    finally:
+        engine.stop()
+    assert slots[:2] == [c, b]  # Not [b, c]: B was not moved into the hole
+    for prompt, w, g in zip(prompts, want, got):
+        if g != w:
+            div = first_divergence(tm32, prompt, w, g)
+            assert div is not None and div.near_tie, div
+
+
 def test_cancellation_frees_the_slot(tm32):
     params = SamplingParams(max_new_tokens=400, ignore_eos=True)
     prompt = encode(tm32, "for i in range(10):")

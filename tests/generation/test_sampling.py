@@ -8,7 +8,14 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from generation_service.q4_kernel import kernel
-from generation_service.sampling import Sampler, SamplingParams, argmax_rows, process_logits, sample_from
+from generation_service.sampling import (
+    Sampler,
+    SamplingParams,
+    argmax_each,
+    argmax_rows,
+    process_logits,
+    sample_from,
+)
 
 
 def ref_process(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> dict[int, float]:
@@ -171,3 +178,36 @@ def test_kernel_argmax_rows_matches_reference(cpu_kernel, m, n, data):
     rows = [data.draw(st.lists(values, min_size=n, max_size=n)) for _ in range(m)]
     got = cpu_kernel.argmax_rows(torch.tensor(rows, dtype=torch.float32)).tolist()
     assert got == [ref_argmax(r) for r in rows] == np.asarray(rows, np.float32).argmax(axis=-1).tolist()
+
+
+# (logits of a pass's requests, expected picks per request, picks the rule must not give)
+EACH_SCENARIOS = {
+    "no requests": ([], [], [[0]]),
+    "requests of different row counts": ([[_row(40, {1: 9.0}), _row(40, {2: 9.0})], [_row(40, {38: 9.0})]],
+                                         [[1, 2], [38]], [[38], [1, 2]]),
+    "a 1-D row counts as one": ([[0.0, 4.0, 4.0]], [[1]], [[2]]),
+    "a NaN wins within its own request only": ([[_row(40, {7: float("nan")})], [_row(40, {9: 9.0})]],
+                                               [[7], [9]], [[7], [7]]),
+}
+
+
+@pytest.mark.parametrize("name", list(EACH_SCENARIOS))
+def test_argmax_each_scenarios(name, cpu_kernel):
+    tensors, want, not_want = EACH_SCENARIOS[name]
+    got = argmax_each([torch.tensor(t) for t in tensors])
+    assert got == want and got != not_want
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 5), st.integers(1, 70)), max_size=6), st.data())
+def test_argmax_each_equals_argmax_rows_per_request(cpu_kernel, shapes, data):
+    """One call over a pass's requests == each request's own argmax_rows, for views split from one tensor (as the
+    forward hands them over) and for a non-contiguous one (which takes the per-request path)."""
+    values = st.sampled_from([-2.0, -0.0, 0.0, 0.5, 7.0, float("inf"), float("-inf"), float("nan")])
+    tensors = [torch.tensor([data.draw(st.lists(values, min_size=n, max_size=n)) for _ in range(m)])
+               for m, n in shapes]
+    want = [[ref_argmax(r) for r in t.tolist()] for t in tensors]
+    assert argmax_each(tensors) == want == [argmax_rows(t) for t in tensors]
+    if tensors:
+        strided = [t.t().contiguous().t() if t.shape[0] > 1 else t for t in tensors]
+        assert argmax_each(strided) == want

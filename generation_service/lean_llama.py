@@ -104,16 +104,20 @@ class KVCache:
         """transformers' semantics: a negative value drops that many rows from the end, else keep max_length."""
         self.length = max(self.length + max_length, 0) if max_length < 0 else min(self.length, max_length)
 
-    @torch.inference_mode()
     def gather(self, past: int, path: list[int]) -> None:
         """Keep rows [0, past], the root row `past` and rows past + 1 + path (accepted tree nodes, ascending);
-        drop the rest. A path that is the leftmost chain is already in place."""
+        drop the rest. A path that is the leftmost chain (most steps) is already in place: no torch call at all,
+        since each one releases the GIL and a batched pass's model thread then waits to get it back."""
         m = len(path)
         if path != list(range(m)):
-            src = torch.tensor([past + 1 + p for p in path], dtype=torch.long, device=self.k.device)
-            for t in (self.k, self.v):
-                t[:, :, past + 1: past + 1 + m] = t.index_select(2, src)  # index_select copies: overlap-safe
+            self._copy_down(past, path)
         self.length = past + 1 + m
+
+    @torch.inference_mode()
+    def _copy_down(self, past: int, path: list[int]) -> None:
+        src = torch.tensor([past + 1 + p for p in path], dtype=torch.long, device=self.k.device)
+        for t in (self.k, self.v):
+            t[:, :, past + 1: past + 1 + len(path)] = t.index_select(2, src)  # index_select copies: overlap-safe
 
 
 class KVSlab:

@@ -132,7 +132,6 @@ def kept_rows(past_len: int, path: list[int]) -> torch.Tensor:
     return torch.tensor([past_len] + [past_len + 1 + p for p in path], dtype=torch.int64)
 
 
-@torch.inference_mode()
 def gather_kv(cache, past_len: int, path: list[int]) -> None:
     """Keep the cached past, the root row and the accepted path's rows of every layer; drop the other draft rows.
 
@@ -143,6 +142,12 @@ def gather_kv(cache, past_len: int, path: list[int]) -> None:
     if hasattr(cache, "gather"):  # lean_llama.KVCache: one indexed copy for all layers
         cache.gather(past_len, path)
         return
+    with torch.inference_mode():
+        _gather_layers(cache, past_len, path)
+
+
+def _gather_layers(cache, past_len: int, path: list[int]) -> None:
+    """gather_kv for a transformers cache (per layer)."""
     m = len(path)
     new_len = past_len + 1 + m
     contiguous = path == list(range(m))

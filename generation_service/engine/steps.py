@@ -21,7 +21,7 @@ from generation_service.drafters import DraftUnavailable
 from generation_service.lean_llama import Segment
 from generation_service.model import TargetModel, cache_length, forward_batch
 from generation_service.sampling import Sampler, SamplingParams, argmax_rows
-from generation_service.tree_attention import tree_mask, tree_position_ids
+from generation_service.tree_attention import tree_ancestors, tree_depths, tree_mask, tree_position_ids
 from ragcore.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -109,10 +109,20 @@ def tree_segment(tm: TargetModel, cache, last: int, tokens: np.ndarray, parents:
         tokens = np.concatenate((tokens, np.full(n_pad, last, np.int32)))
         parents = np.concatenate((parents, np.full(n_pad, -1, np.int32)))
     if tokens.shape[0] == 0:
+        if dev.type == "cpu":  # numpy-built, as below
+            return Segment(torch.from_numpy(np.array([last], np.int64)), torch.from_numpy(np.array([past], np.int64)),
+                           cache)
         return Segment(torch.tensor([last], dtype=torch.int64, device=dev),
                        torch.tensor([past], dtype=torch.int64, device=dev), cache)
-    ids = torch.from_numpy(np.concatenate(([last], tokens)).astype(np.int64)).to(dev)  # [q]
-    return Segment(ids, tree_position_ids(parents, past, dev)[0], cache,  # positions [q]
+    ids = np.concatenate(([last], tokens)).astype(np.int64)  # [q]
+    if dev.type == "cpu" and tm.dtype == torch.float32:
+        # The same tensors built in numpy and wrapped once: each torch op releases the GIL, and with 8 requests
+        # decoding the model thread then waited on gRPC threads to get it back, ~10 times per request a pass.
+        mask = np.zeros((ids.shape[0], past + ids.shape[0]), np.float32)  # [q, past + q]
+        mask[:, past:][~tree_ancestors(parents)] = np.finfo(np.float32).min  # torch.finfo(float32).min
+        return Segment(torch.from_numpy(ids), torch.from_numpy(tree_depths(parents) + past), cache,
+                       torch.from_numpy(mask))
+    return Segment(torch.from_numpy(ids).to(dev), tree_position_ids(parents, past, dev)[0], cache,  # positions [q]
                    tree_mask(parents, past, tm.dtype, dev)[0, 0])  # [q, past + q]
 
 

@@ -165,3 +165,34 @@ def test_gather_kv_keeps_root_and_path_rows(path):
     # The next update appends after the kept rows (DynamicLayer concatenates).
     cache.update(torch.zeros(1, 3, 1, 4), torch.zeros(1, 3, 1, 4), 0)
     assert cache.layers[0].keys.shape[2] == past + 2 + len(path)
+
+
+class _Cache:
+    def __init__(self, length: int):
+        self.length = length
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
+@settings(max_examples=150, deadline=None)
+@given(bfs_trees(max_nodes=24), st.integers(0, 300), st.integers(1, 8), st.integers(0, 49151))
+def test_tree_segment_on_the_cpu_equals_the_torch_built_one(tree, past, min_rows, last):
+    """tree_segment builds a CPU float32 pass's rows in numpy (no GIL-releasing torch calls): the same ids,
+    positions and mask as tree_mask / tree_position_ids, pad rows included."""
+    from types import SimpleNamespace
+
+    from generation_service.engine.steps import tree_segment
+
+    tokens, parents = tree
+    tm = SimpleNamespace(min_rows=min_rows, device=torch.device("cpu"), dtype=torch.float32)
+    seg = tree_segment(tm, _Cache(past), last, tokens, parents)
+    n_pad = max(0, min_rows - 1 - len(tokens))
+    tokens_p = np.concatenate((tokens, np.full(n_pad, last, np.int32)))
+    parents_p = np.concatenate((parents, np.full(n_pad, -1, np.int32)))
+    assert seg.ids.dtype == torch.int64 and seg.ids.tolist() == [last] + tokens_p.tolist()
+    assert torch.equal(seg.positions, tree_position_ids(parents_p, past)[0])
+    if len(tokens_p) == 0:
+        assert seg.mask is None  # the AR step: causal
+    else:
+        assert seg.mask.dtype == torch.float32 and torch.equal(seg.mask, tree_mask(parents_p, past, torch.float32)[0, 0])

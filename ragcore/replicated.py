@@ -139,9 +139,11 @@ class ReplicatedClient:
         that answered was busy (RESOURCE_EXHAUSTED), back off and ask again within the same time."""
         end = time.monotonic() + self.budget(deadline, timeout_s)
         pause = BUSY_BACKOFF_S
+        busy_err: Exception | None = None  # the last RESOURCE_EXHAUSTED of this call
         while True:
             err: Exception | None = None
             busy = False
+            timed_out = False
             for r in self.healthy():
                 budget = min(self.budget(deadline, timeout_s), end - time.monotonic())
                 if budget <= 0:  # a busy machine can spend a short budget before the first replica is asked
@@ -154,9 +156,15 @@ class ReplicatedClient:
                     err = self.failed(r, e)
                     if e.code() in _REQUEST_CODES:
                         raise err from None
-                    busy = busy or e.code() == _BUSY
+                    if e.code() == _BUSY:
+                        busy, busy_err = True, err
+                    timed_out = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             wait = min(pause, end - time.monotonic() - BUSY_BACKOFF_S)  # the last pause leaves time to ask again
             if not busy or wait <= 0:
+                if timed_out and busy_err is not None:
+                    # Busy until the last ask, which then ran out of time (a slow machine): the cause is the
+                    # load, and RESOURCE_EXHAUSTED tells the caller to back off.
+                    raise busy_err
                 raise err or self._failure("unavailable", "no replica tried")
             time.sleep(wait)
             pause = min(2 * pause, BUSY_BACKOFF_MAX_S)

@@ -38,11 +38,13 @@ class RaisingDatastore:
     vocab_size = 100
     error: BaseException | None = None
     busy = 0  # the next `busy` drafts answer RESOURCE_EXHAUSTED (a loaded service shedding calls)
+    stall_s = 0.0  # then each draft takes this long (a slow machine)
 
     def draft(self, ctx, **kwargs) -> DraftTree:
         if self.busy > 0:
             self.busy -= 1
             raise ResourceExhausted("busy: retry later")
+        time.sleep(self.stall_s)
         if self.error is not None:
             raise self.error
         return DraftTree(np.array([7], np.int32), np.array([-1], np.int32))
@@ -230,4 +232,28 @@ def test_a_busy_replica_is_asked_again_and_not_marked_down(server, case, busy, s
         assert all(r.down_until == 0.0 for r in client.replicas), case  # alive, only loaded: Not marked down
     finally:
         ds.busy = 0
+        client.close()
+
+
+@pytest.mark.parametrize("case, busy, expected, not_expected", [
+    ("busy, then the last ask runs out of time", 2, "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"),
+    ("never busy, only slow", 0, "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"),
+])
+def test_a_call_that_was_busy_until_its_time_ran_out_says_resource_exhausted(server, case, busy, expected,
+                                                                             not_expected):
+    """On a slow machine the ask after the last back-off can run out of time: the cause the caller must hear is
+    the load (back off), not the deadline; a call that only timed out still says DEADLINE_EXCEEDED."""
+    running, ds = server
+    client = ReplicatedClient(running.address, draft_pb2_grpc.DraftServiceStub, failure=Refused, timeout_s=0.3,
+                              what="retrieval service", retry_after_s=60)
+    ds.busy, ds.stall_s = busy, 0.6
+    try:
+        with pytest.raises(Refused) as e:
+            client.call("Draft", _request())
+        assert e.value.kind == "unavailable", case
+        assert expected in str(e.value) and not_expected not in str(e.value), (case, str(e.value))
+        assert client.calls == busy + 1, case
+        assert all(r.down_until == 0.0 for r in client.replicas), case
+    finally:
+        ds.busy, ds.stall_s = 0, 0.0
         client.close()

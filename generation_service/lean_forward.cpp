@@ -429,8 +429,24 @@ class LeanForward {
   }
 
   static void store_kv(const float* x, int64_t n, float* out) { std::copy(x, x + n, out); }
-  static void store_kv(const float* x, int64_t n, c10::Half* out) {  // saturating, as lean_llama._stored
-    for (int64_t j = 0; j < n; ++j) out[j] = c10::Half(std::min(std::max(x[j], -65504.0f), 65504.0f));
+  // Saturating, as lean_llama._stored; rounded to nearest even (F16C's conversion, as c10::Half's) 16 or 8 at a time:
+  // one element at a time this was ~1/3 of the pass's serial work (every row of every layer, prompts included).
+  static void store_kv(const float* x, int64_t n, c10::Half* out) {
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    const __m512 lo = _mm512_set1_ps(-65504.0f), hi = _mm512_set1_ps(65504.0f);
+    for (; j + 16 <= n; j += 16) {  // max/min with x second: a NaN stays NaN, as with std::max/min below
+      const __m512 v = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_loadu_ps(x + j)));
+      _mm256_storeu_si256((__m256i*)(out + j), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+#elif defined(__AVX2__) && defined(__F16C__)
+    const __m256 lo = _mm256_set1_ps(-65504.0f), hi = _mm256_set1_ps(65504.0f);
+    for (; j + 8 <= n; j += 8) {
+      const __m256 v = _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_loadu_ps(x + j)));
+      _mm_storeu_si128((__m128i*)(out + j), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+#endif
+    for (; j < n; ++j) out[j] = c10::Half(std::min(std::max(x[j], -65504.0f), 65504.0f));
   }
 
   // Which rows take the vectorized row kernel (attend_row): every decode row (an AR step, a draft tree: a mask, or a

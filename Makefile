@@ -129,8 +129,8 @@ kb: install
 	$(PYTHON) -m retrieval_service.knowledge.build --out $(KB) --encoder-dtype bfloat16
 
 # The large KB (issue 19's benchmark asset, never committed): the docs corpus + the Python source by definition +
-# the English manual pages + the C/C++ headers, 50-word passages (~1.04 M). Hours of encoding on 2 cores; every
-# stage resumes where it stopped (KB_LARGE_ARGS e.g. "--omp-threads 2" on an idle machine).
+# the English manual pages + the C/C++ headers, 50-word passages (~1.04 M). Hours of encoding on 2 cores (one
+# encoder process per core); every stage resumes where it stopped.
 KB_LARGE := $(RAGSERVE_HOME)/kb/large
 KB_LARGE_ARGS ?=
 kb-large: install

@@ -27,6 +27,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from ragcore.encoder import METRICS, Encoder, exact_scores, passage_input
+from retrieval_service.knowledge.encode_pool import EncodeWork, chunk_path, encode_spans, write_chunk
 
 EMBEDDINGS_FILE = "embeddings.npy"
 HNSW_FILE = "hnsw.faiss"
@@ -108,12 +109,15 @@ def build_hnsw(vectors: np.ndarray, metric: str = "ip", m: int = 32, ef_construc
 
 def encode_passages(records: Callable[[int, int], Iterator[dict]], n: int, out_dir: Path, encoder: Encoder, *,
                     fingerprint: str, dtype: str = "float32", chunk: int = 4096, batch_size: int = 64,
-                    progress=None, reuse: Callable[[int, int], np.ndarray | None] | None = None) -> Path:
+                    progress=None, reuse: Callable[[int, int], np.ndarray | None] | None = None,
+                    pool: EncodeWork | None = None, workers: int = 1) -> Path:
     """Encode passages [0, n) into out_dir/embeddings.npy ([n, dim], float32 or float16).
 
     Work is cut into chunks written atomically to out_dir/chunks/; a rerun skips finished chunks (same
     passages fingerprint, encoder and dtype), then the chunks are assembled into one memory-mappable .npy.
     reuse(start, stop): rows another KB already encoded for these very passages (prefix_rows), or None.
+    pool, workers: with workers > 1 and more than one chunk left, the chunks are encoded by that many processes
+    (encode_pool.py; pool says what they load), else here by `encoder`, in order.
     """
     if dtype not in ("float32", "float16"):
         raise ValueError(f"dtype: {dtype!r} is not float32 or float16")
@@ -131,36 +135,48 @@ def encode_passages(records: Callable[[int, int], Iterator[dict]], n: int, out_d
     if stats_path.is_file():
         stats.update(json.loads(stats_path.read_text()))
     spans = [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
-    for start, stop in spans:
-        path = chunks / f"{start:010d}-{stop:010d}.npy"
+
+    def done(span: tuple[int, int], key: str, seconds: float = 0.0) -> None:
+        stats[key] += span[1] - span[0]
+        stats["encode_seconds"] += seconds
+        _atomic_write_text(stats_path, json.dumps(stats))
+        if progress is not None:
+            progress.update(span[1] - span[0])
+
+    todo = []
+    for span in spans:
+        path = chunk_path(chunks, span)
         if path.is_file():
             try:
-                if np.load(path, mmap_mode="r").shape == (stop - start, encoder.dim):
+                if np.load(path, mmap_mode="r").shape == (span[1] - span[0], encoder.dim):
                     if progress is not None:
-                        progress.update(stop - start)
+                        progress.update(span[1] - span[0])
                     continue
             except ValueError:
                 pass  # torn or foreign file: encode again
-        vecs = reuse(start, stop) if reuse is not None else None
+        vecs = reuse(*span) if reuse is not None else None
         if vecs is None:
+            todo.append(span)
+            continue
+        write_chunk(path, vecs)
+        done(span, "copied_rows")
+    if pool is not None and workers > 1 and len(todo) > 1:
+        last = time.perf_counter()
+        for span in encode_spans(pool, todo, workers):  # wall time: the workers run at once
+            now = time.perf_counter()
+            done(span, "encoded_rows", now - last)
+            last = now
+    else:
+        for span in todo:
             t0 = time.perf_counter()
-            texts = [passage_input(r["title"], r["text"]) for r in records(start, stop)]
-            vecs = encoder.encode(texts, batch_size=batch_size).astype(dtype)  # [stop-start, dim]
-            stats["encode_seconds"] += time.perf_counter() - t0
-            stats["encoded_rows"] += stop - start
-        else:
-            stats["copied_rows"] += stop - start
-        tmp = path.with_suffix(".tmp.npy")
-        np.save(tmp, vecs)
-        os.replace(tmp, path)
-        _atomic_write_text(stats_path, json.dumps(stats))
-        if progress is not None:
-            progress.update(stop - start)
+            texts = [passage_input(r["title"], r["text"]) for r in records(*span)]
+            write_chunk(chunk_path(chunks, span), encoder.encode(texts, batch_size=batch_size).astype(dtype))
+            done(span, "encoded_rows", time.perf_counter() - t0)
     final = out_dir / EMBEDDINGS_FILE
     tmp = out_dir / (EMBEDDINGS_FILE + ".tmp.npy")
     arr = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(n, encoder.dim))
-    for start, stop in spans:
-        arr[start:stop] = np.load(chunks / f"{start:010d}-{stop:010d}.npy")
+    for span in spans:
+        arr[span[0]:span[1]] = np.load(chunk_path(chunks, span))
     arr.flush()
     del arr
     os.replace(tmp, final)

@@ -168,6 +168,73 @@ def test_interrupted_encoding_resumes_from_chunks(tmp_path, encoder):
     assert not (tmp_path / "dense" / "chunks").exists()
 
 
+def test_encoder_processes_finish_an_interrupted_encoding(tmp_path, encoder):
+    """The build's default on a multi-core machine: chunks encoded by worker processes (each its own encoder) land
+    as the one-process path writes them, so a build interrupted in process resumes in workers, and the result is
+    the same vectors."""
+    from retrieval_service.knowledge import dense
+    from retrieval_service.knowledge.encode_pool import EncodeWork
+    from retrieval_service.knowledge.passages import PassageStore, write_passages
+
+    n, fp = write_passages(tmp_path, tiny_corpus()[:10])
+    store = PassageStore(tmp_path)
+
+    class DiesAfterOne:
+        name, dim, dtype = encoder.name, encoder.dim, encoder.dtype
+        calls = 0
+
+        def encode(self, texts, batch_size=64):
+            DiesAfterOne.calls += 1
+            if DiesAfterOne.calls == 2:
+                raise KeyboardInterrupt
+            return encoder.encode(texts, batch_size)
+
+    with pytest.raises(KeyboardInterrupt):
+        dense.encode_passages(store.iter_range, n, tmp_path / "dense", DiesAfterOne(), fingerprint=fp, chunk=3)
+    work = EncodeWork(passages_dir=str(tmp_path), chunks_dir=str(tmp_path / "dense" / "chunks"),
+                      encoder_dtype=encoder.dtype, dtype="float32", batch_size=64)
+    dense.encode_passages(store.iter_range, n, tmp_path / "dense", DiesAfterOne(), fingerprint=fp, chunk=3,
+                          pool=work, workers=2)
+    assert DiesAfterOne.calls == 2  # the three chunks left went to the workers, not to this process
+    stats = json.loads((tmp_path / "dense" / "meta.json").read_text())["build"]
+    assert stats["encoded_rows"] == 10 and stats["encode_seconds"] > 0
+    emb = np.load(tmp_path / "dense" / "embeddings.npy")
+    ref = encoder.encode([f"{t}\n{x}" for t, x in store.get(range(n))])
+    np.testing.assert_allclose(emb, ref, atol=1e-5)
+    assert not np.allclose(emb[0], emb[1])  # Not one row everywhere
+
+
+def test_a_dead_encoder_process_stops_the_build_and_keeps_the_chunks(tmp_path, encoder):
+    from retrieval_service.knowledge import dense
+    from retrieval_service.knowledge.encode_pool import EncodeWork
+    from retrieval_service.knowledge.passages import PassageStore, write_passages
+
+    n, fp = write_passages(tmp_path, tiny_corpus()[:9])
+    store = PassageStore(tmp_path)
+    calls = []
+
+    class Counting:
+        name, dim, dtype = encoder.name, encoder.dim, encoder.dtype
+
+        def encode(self, texts, batch_size=64):
+            calls.append(len(texts))
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+            return encoder.encode(texts, batch_size)
+
+    with pytest.raises(KeyboardInterrupt):
+        dense.encode_passages(store.iter_range, n, tmp_path / "dense", Counting(), fingerprint=fp, chunk=3)
+    bad = EncodeWork(passages_dir=str(tmp_path / "missing"), chunks_dir=str(tmp_path / "dense" / "chunks"),
+                     encoder_dtype=encoder.dtype, dtype="float32", batch_size=64)
+    with pytest.raises(RuntimeError, match="died"):  # not a hang waiting for chunks nobody encodes
+        dense.encode_passages(store.iter_range, n, tmp_path / "dense", Counting(), fingerprint=fp, chunk=3,
+                              pool=bad, workers=2)
+    assert (tmp_path / "dense" / "chunks" / "0000000000-0000000003.npy").is_file()
+    dense.encode_passages(store.iter_range, n, tmp_path / "dense", Counting(), fingerprint=fp, chunk=3)
+    assert calls == [3, 3, 3, 3]  # the first chunk was kept through both failures
+    assert np.load(tmp_path / "dense" / "embeddings.npy").shape == (n, encoder.dim)
+
+
 def test_float16_embeddings_search_like_float32(tmp_path, kb_config, encoder, edr_only_kb):
     build_kb(tmp_path, tiny_corpus()[:8], retrievers=("edr",), corpus={"source": "tests-edr"}, dtype="float16",
              encoder=encoder, progress=False)

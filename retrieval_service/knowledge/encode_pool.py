@@ -18,6 +18,9 @@ from typing import Iterator
 
 import numpy as np
 
+from ragcore.encoder import Encoder, passage_input
+from retrieval_service.knowledge.passages import PassageStore
+
 Span = tuple[int, int]
 
 
@@ -59,9 +62,6 @@ def write_chunk(path: Path, vecs: np.ndarray) -> None:
 
 
 def _worker(work: EncodeWork, tasks, results) -> None:
-    from ragcore.encoder import Encoder, passage_input  # in the child: torch loads here, once
-    from retrieval_service.knowledge.passages import PassageStore
-
     encoder = Encoder(threads=work.threads, cache_size=0, dtype=work.encoder_dtype)
     store = PassageStore(Path(work.passages_dir))
     try:

@@ -300,7 +300,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="excluded start of every cell: the closed loop reaches steady state (default 15)")
     ap.add_argument("--max-minutes", type=float, default=40.0,
                     help="overall bound, start-up included; cells that would end later are skipped (default 40)")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-new-tokens", type=int, default=128,
+                    help="tokens generated per request (default 128)")
     ap.add_argument("--dtype", default="", help="the worker's --dtype ('' = its default, measured on this machine)")
     ap.add_argument("--worker-args", default="",
                     help="extra flags for the generation worker, e.g. '--prefix-cache-mb 0' (default: none)")

@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--busy-s", type=float, default=300.0, help="a busy process exits after this long at most")
     ap.add_argument("--datastore", default=str(ragserve_home() / "datastores" / "stdlib"),
                     help="the retrieval service's datastore (unused by ar; the services start as deployed)")
-    ap.add_argument("--json", default="bench/results/contention.json")
+    ap.add_argument("--json", default="bench/results/contention.json",
+                    help="results file, rewritten after each setting (default %(default)s)")
     args = ap.parse_args(argv)
     args.phases = [int(x) for x in args.phases.split(",") if x]
     cores = len(os.sched_getaffinity(0))

@@ -309,11 +309,13 @@ def print_table(result: dict) -> None:
 def _parse(argv):
     ap = argparse.ArgumentParser(prog="python -m bench.crest", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), required=True,
+                    help="humaneval (code corpus, m = 5) or mtbench (docs corpus, m = 4)")
     ap.add_argument("--json", required=True, help="result file (written atomically)")
     ap.add_argument("--plot", default=None, help="PNG plot of M vs bytes")
     ap.add_argument("--limit", type=int, default=30, help="first N prompts (default %(default)s)")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-new-tokens", type=int, default=128,
+                    help="length of each prompt's cached greedy output (default %(default)s)")
     ap.add_argument("--datastore", default=None, help="full corpus datastore (default: code / docs by workload)")
     ap.add_argument("--max-n", type=int, default=None, help="CREST m (default 5 for humaneval, 4 for mtbench)")
     ap.add_argument("--fractions", default=",".join(map(str, FRACTIONS)), help="REST sample fractions")
@@ -324,13 +326,16 @@ def _parse(argv):
     ap.add_argument("--single-max-fraction", type=float, default=0.04,
                     help="single-n stores (every n) at REST-sample budgets up to this fraction; 0 = none")
     ap.add_argument("--seed", type=int, default=0, help="document sampling seed")
-    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                    help="model dtype of the greedy outputs and the real check (default %(default)s)")
+    ap.add_argument("--threads", type=int, default=2,
+                    help="torch threads, and threads drafting the CREST trees (default %(default)s)")
     ap.add_argument("--real-prompts", type=int, default=2, help="prompts decoded for real to check the simulation")
     ap.add_argument("--real-max-new-tokens", type=int, default=64,
                     help="new tokens of the real check (greedy outputs are prefix-consistent: the reference is "
                          "the first this-many tokens of the cached output)")
-    ap.add_argument("--cache", default=str(CACHE))
+    ap.add_argument("--cache", default=str(CACHE),
+                    help="directory of the cached outputs, stores and counts; a rerun resumes (default %(default)s)")
     ap.add_argument("--stage", choices=("all", "greedy", "stores"), default="all",
                     help="greedy / stores: only fill that cache and exit (run both side by side, then all)")
     args = ap.parse_args(argv)

@@ -199,7 +199,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=12, help="first N HumanEval prompts (default 12)")
     ap.add_argument("--model", default=str(default_model_dir()), help="model directory (greedy outputs, tokenizer)")
-    ap.add_argument("--datastore", default=str(ragserve_home() / "datastores" / "code"))
+    ap.add_argument("--datastore", default=str(ragserve_home() / "datastores" / "code"),
+                    help="suffix-array datastore the drafts come from (default: the code datastore)")
     ap.add_argument("--tune", action="store_true", help="also sweep merge weights and context knobs")
     ap.add_argument("--json", default=None, help="write results here")
     args = ap.parse_args(argv)

@@ -244,19 +244,26 @@ def main(argv: list[str] | None = None) -> None:
     sparse.prepare_process()  # BM25's JVM settings: before anything starts threads
     ap = argparse.ArgumentParser(prog="python -m bench.kb", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kb", type=Path, default=DEFAULT_KB)
-    ap.add_argument("--retrievers", default="edr,adr,sr")
-    ap.add_argument("--batch-sizes", default="1,2,4,8,16,32")
-    ap.add_argument("--k", type=int, default=10)
+    ap.add_argument("--kb", type=Path, default=DEFAULT_KB,
+                    help="knowledge base directory (default ~/.cache/ragserve/kb/docs)")
+    ap.add_argument("--retrievers", default="edr,adr,sr", help="comma list of edr, adr, sr to time (default all)")
+    ap.add_argument("--batch-sizes", default="1,2,4,8,16,32",
+                    help="comma list of queries per search call (default %(default)s)")
+    ap.add_argument("--k", type=int, default=10, help="hits per query (default %(default)s)")
     ap.add_argument("--queries", type=int, default=256, help="distinct queries (32-word passage windows)")
     ap.add_argument("--min-queries", type=int, default=64, help="queries timed per configuration, at least")
     ap.add_argument("--budget-s", type=float, default=3.0, help="time per configuration, roughly")
-    ap.add_argument("--ef-search", default="16,32,64,128,256")
-    ap.add_argument("--score-calls", type=int, default=200)
+    ap.add_argument("--ef-search", default="16,32,64,128,256",
+                    help="comma list of HNSW efSearch values for recall and latency; the index's default is added "
+                         "(default %(default)s)")
+    ap.add_argument("--score-calls", type=int, default=200,
+                    help="ScoreCandidates calls (20 random docs each) per retriever and query kind, over gRPC "
+                         "(default %(default)s)")
     ap.add_argument("--threads", type=int, default=2, help="Lucene batch-search threads")
     ap.add_argument("--omp-threads", type=int, default=1, help="faiss/torch threads")
     ap.add_argument("--target", default="", help="an external retrieval server (host:port) instead of in-process")
-    ap.add_argument("--no-grpc", action="store_true")
+    ap.add_argument("--no-grpc", action="store_true",
+                    help="start no local gRPC server: gRPC search and ScoreCandidates are timed only with --target")
     ap.add_argument("--json", default="", help="write the results here")
     args = ap.parse_args(argv)
     out = run(args)

@@ -343,29 +343,38 @@ def measure_in_process(tm, held, result: dict, prompts, ks, configs, retrievers,
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.knnlm", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--datastore", default=str(DEFAULT_DIR))
-    ap.add_argument("--retrievers", default="edr,adr")
-    ap.add_argument("--k", default="1,16,256,1024")
-    ap.add_argument("--configs", default="base,s2,s4,s8,os3")
+    ap.add_argument("--datastore", default=str(DEFAULT_DIR),
+                    help="kNN-LM datastore directory (tools.knn_build; default %(default)s)")
+    ap.add_argument("--retrievers", default="edr,adr",
+                    help="comma list of edr (exact) and adr (HNSW) (default %(default)s)")
+    ap.add_argument("--k", default="1,16,256,1024", help="comma list of neighbours per Search (default %(default)s)")
+    ap.add_argument("--configs", default="base,s2,s4,s8,os3",
+                    help=f"comma list of {', '.join(CONFIGS)}; must include base (default %(default)s)")
     ap.add_argument("--limit", type=int, default=6, help="prompts (held-out document starts)")
-    ap.add_argument("--prompt-tokens", type=int, default=64)
-    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--prompt-tokens", type=int, default=64,
+                    help="tokens of each prompt; shorter held-out documents are skipped (default %(default)s)")
+    ap.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per request (default %(default)s)")
     ap.add_argument("--lam", default="auto", help="λ, or auto = the perplexity run's dev-set choice")
     ap.add_argument("--temperature", default="auto", help="T, or auto = the perplexity run's dev-set choice")
-    ap.add_argument("--os3-gamma-max", type=float, default=KNN_OS3.gamma_max)
+    ap.add_argument("--os3-gamma-max", type=float, default=KNN_OS3.gamma_max,
+                    help="OS³'s cap on the estimated speculation accuracy, in [0, 1] (default %(default)s)")
     ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                     help="auto = the worker's calibrated choice on this machine (the serving default)")
     ap.add_argument("--threads", type=int, default=0, help="model threads of the worker side; 0 = calibrated")
     ap.add_argument("--omp-threads", type=int, default=1, help="faiss threads of the retrieval service")
     ap.add_argument("--ppl-tokens", type=int, default=2048, help="held-out tokens for perplexity (0 = skip)")
-    ap.add_argument("--ppl-window", type=int, default=256)
-    ap.add_argument("--ppl-k", type=int, default=1024)
-    ap.add_argument("--ppl-batch", type=int, default=32)
+    ap.add_argument("--ppl-window", type=int, default=256,
+                    help="tokens per LM pass of the perplexity run (default %(default)s)")
+    ap.add_argument("--ppl-k", type=int, default=1024,
+                    help="exact (edr) neighbours per position of the perplexity run (default %(default)s)")
+    ap.add_argument("--ppl-batch", type=int, default=32,
+                    help="positions per Search call of the perplexity run (default %(default)s)")
     ap.add_argument("--serve", action="store_true",
                     help="the product path: start both services with default flags (tools.launcher) and send every "
                          "request as Generate with GenerateRequest.knnlm (no perplexity, --threads, --omp-threads or "
                          "--os3-gamma-max: the services' defaults)")
-    ap.add_argument("--json", default="")
+    ap.add_argument("--json", default="",
+                    help="write the results here, updated after each retriever (atomic; '' = none)")
     args = ap.parse_args(argv)
     if args.serve and (args.ppl_tokens or args.threads or args.omp_threads != 1
                        or args.os3_gamma_max != KNN_OS3.gamma_max or args.dtype not in ("auto", "")):

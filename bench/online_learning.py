@@ -75,17 +75,20 @@ def run_pass(prompts, runners: dict, learner: OnlineLearner, log) -> dict[str, l
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", default="mtbench", choices=("humaneval", "mtbench"))
-    ap.add_argument("--limit", type=int, default=20)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    ap.add_argument("--workload", default="mtbench", choices=("humaneval", "mtbench"),
+                    help="prompts: HumanEval code completions or MT-Bench first turns (default %(default)s)")
+    ap.add_argument("--limit", type=int, default=20, help="first N prompts of the workload (default %(default)s)")
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt (default %(default)s)")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="model dtype (default %(default)s)")
     ap.add_argument("--model", default="", help="local model directory ('' = default SmolLM2-135M-Instruct)")
-    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = the default, all cores)")
     ap.add_argument("--datastore", required=True, help="base suffix-array datastore")
-    ap.add_argument("--draft-budget", type=int, default=DEFAULT_DRAFT_BUDGET)
+    ap.add_argument("--draft-budget", type=int, default=DEFAULT_DRAFT_BUDGET,
+                    help="max draft-tree nodes per step (default %(default)s)")
     ap.add_argument("--pass2-temperature", type=float, default=0.0, help="0 = greedy pass 2 (default)")
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--json", default="")
+    ap.add_argument("--seed", type=int, default=1,
+                    help="sampling seed of pass 2, the same in both arms (only with --pass2-temperature > 0)")
+    ap.add_argument("--json", default="", help="write the results here (atomic; '' = print only)")
     args = ap.parse_args(argv)
 
     set_threads(args.threads)

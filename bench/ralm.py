@@ -285,20 +285,21 @@ def print_table(summary: dict) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.ralm", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kb", type=Path, default=DEFAULT_KB)
+    ap.add_argument("--kb", type=Path, default=DEFAULT_KB, help="knowledge base directory (default %(default)s)")
     ap.add_argument("--kb-target", default="", help="an external retrieval service (host:port); default: in-process")
     ap.add_argument("--serve", action="store_true",
                     help="the product path: start both services with default flags (tools.launcher) and send every "
                          "request to the generation service over gRPC")
-    ap.add_argument("--model", default=str(DEFAULT_MODEL))
+    ap.add_argument("--model", default=str(DEFAULT_MODEL), help="local HF model directory (default %(default)s)")
     ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                     help="auto = the worker's calibrated choice on this machine (the serving default)")
     ap.add_argument("--threads", type=int, default=0, help="model threads; 0 = the calibrated choice")
-    ap.add_argument("--retrievers", default="edr,adr,sr")
-    ap.add_argument("--configs", default="B,P,S,A,PS,SA,PA,PSA")
-    ap.add_argument("--questions", default="faq", choices=("faq", "mtbench"))
-    ap.add_argument("--limit", type=int, default=10)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--retrievers", default="edr,adr,sr", help="comma list of edr, adr, sr (default %(default)s)")
+    ap.add_argument("--configs", default="B,P,S,A,PS,SA,PA,PSA",
+                    help="comma list: B = RaLMSeq, P = prefetch, S = OS3 stride, A = async verification; B first")
+    ap.add_argument("--questions", default="faq", choices=("faq", "mtbench"), help="question set (default faq)")
+    ap.add_argument("--limit", type=int, default=10, help="questions to run (default %(default)s)")
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer (default %(default)s)")
     ap.add_argument("--encoder", default="server", choices=("server", "local"),
                     help="dense query encoding: by the KB (ScoreCandidates ranks the cache) or in the worker")
     ap.add_argument("--ranking-questions", type=int, default=5, help="questions for the cache-ranking timing; 0 = skip")
@@ -307,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-minutes", type=float, default=0.0,
                     help="start no new question after this many minutes of measuring (0 = no limit); the JSON "
                          "says how many questions completed")
-    ap.add_argument("--json", type=Path, required=True)
+    ap.add_argument("--json", type=Path, required=True, help="result file (written atomically)")
     args = ap.parse_args(argv)
     retrievers = [r.strip() for r in args.retrievers.split(",") if r.strip()]
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]

@@ -330,11 +330,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", default="ar,pld,rest-ds,rest,crest",
                     help="comma list of " + ", ".join(METHODS) + " (crest only where --crest-* names a store)")
     ap.add_argument("--limit", type=int, default=12, help="prompts per workload (default: 12)")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per request (default: 128)")
     ap.add_argument("--dtype", default="", help="the worker's --dtype ('' = its default, measured on this machine; "
                     "q4_1 = the GGUF's 4-bit weights, opt-in)")
-    ap.add_argument("--code-datastore", default=str(home / "datastores" / "code"))
-    ap.add_argument("--docs-datastore", default=str(home / "datastores" / "docs"))
+    ap.add_argument("--code-datastore", default=str(home / "datastores" / "code"),
+                    help="datastore served for humaneval (default: the code datastore)")
+    ap.add_argument("--docs-datastore", default=str(home / "datastores" / "docs"),
+                    help="datastore served for mtbench and docs-chat (default: the docs datastore)")
     ap.add_argument("--crest-code", default="", help="CREST store served for humaneval ('' = no crest method)")
     ap.add_argument("--crest-docs", default="", help="CREST store served for mtbench and docs-chat")
     ap.add_argument("--inprocess", action="store_true",

@@ -295,16 +295,17 @@ def print_tree_cost(tc: dict, dtype: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", default="humaneval", choices=("humaneval", "mtbench"))
+    ap.add_argument("--workload", default="humaneval", choices=("humaneval", "mtbench"),
+                    help="prompts: HumanEval code completions or MT-Bench first turns as chats (default humaneval)")
     ap.add_argument("--methods", default="hf-ar,ar,pld",
                     help=f"comma-separated from {','.join(METHODS)}; our methods take @N for a draft budget (rest@64) "
                          "and +fixed to verify the whole budget every step (rest+fixed)")
     ap.add_argument("--limit", type=int, default=10, help="number of prompts")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="model dtype (default bf16)")
     ap.add_argument("--model", default="", help="local HF model directory ('' = default SmolLM2-135M-Instruct)")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--device", default="auto", help="auto (cuda if available, else cpu) | cpu | cuda[:N]")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = the default, all cores)")
     ap.add_argument("--datastore", default="", help="suffix-array datastore directory (rest-ds, rest)")
     ap.add_argument("--draft-budget", type=int, default=DEFAULT_DRAFT_BUDGET, help="max draft-tree nodes per step")
     ap.add_argument("--hf-pld-tokens", default="3,10", help="prompt_lookup_num_tokens settings tried for hf-pld")

@@ -80,17 +80,20 @@ def format_stats(s: generation_pb2.SpeculationStats, completion_tokens: int) -> 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m generation_service.client", description="Call Generate / GenerateStream")
-    ap.add_argument("--target", default="127.0.0.1:50052")
-    ap.add_argument("--prompt")
+    ap.add_argument("--target", default="127.0.0.1:50052", help="worker address host:port (default %(default)s)")
+    ap.add_argument("--prompt", help="send this text as a raw prompt (no chat template)")
     ap.add_argument("--chat", help="send this text as a user chat message (chat template applied)")
     ap.add_argument("--decoding", default="", help="ar | pld | rest-ds | rest (default: server's)")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--temperature", type=float)
-    ap.add_argument("--top-p", type=float)
-    ap.add_argument("--top-k", type=int)
-    ap.add_argument("--seed", type=int)
-    ap.add_argument("--stop", action="append", default=[])
-    ap.add_argument("--stream", action="store_true")
+    ap.add_argument("--max-new-tokens", type=int, default=128,
+                    help="most tokens to generate (0 = server's default; default %(default)s)")
+    ap.add_argument("--temperature", type=float, help="sampling temperature (unset or 0 = greedy)")
+    ap.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1] (unset = 1, off)")
+    ap.add_argument("--top-k", type=int, help="sample from the k likeliest tokens (unset or 0 = off)")
+    ap.add_argument("--seed", type=int, help="sampling seed: same seed, same output (unset = random)")
+    ap.add_argument("--stop", action="append", default=[],
+                    help="stop sequence, not included in the output (repeat for several)")
+    ap.add_argument("--stream", action="store_true",
+                    help="call GenerateStream and print tokens as they arrive (default: one Generate call)")
     args = ap.parse_args(argv)
     if (args.prompt is None) == (args.chat is None):
         ap.error("give exactly one of --prompt / --chat")

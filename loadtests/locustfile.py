@@ -44,7 +44,8 @@ def _options(parser) -> None:
     g.add_argument("--search-retriever", default="",
                    help="edr | adr | sr; '' = the first loaded of adr, sr, edr (HNSW is the serving path)")
     g.add_argument("--generation-users", type=int, default=1, help="GenerationUser count (fixed)")
-    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--max-new-tokens", type=int, default=32,
+                   help="tokens per Generate/GenerateStream request (default %(default)s)")
     g.add_argument("--decoding", default="rest", help="ar | pld | rest-ds | rest")
     g.add_argument("--batch", type=int, default=8, help="contexts per DraftBatch, queries per Search")
     g.add_argument("--draft-nodes", type=int, default=32, help="max_nodes per draft (the worker's default budget)")

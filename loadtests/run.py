@@ -37,7 +37,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     svc = ap.add_argument_group("services (started by the launcher unless --retrieval/--generation are given)")
     svc.add_argument("--datastore", default="", help="suffix-array datastore directory")
     svc.add_argument("--kb", default="", help="knowledge base directory (enables the Search task)")
-    svc.add_argument("--model", default="")
+    svc.add_argument("--model", default="",
+                     help="local HF model directory for the worker and the prompts' tokenizer ('' = the default "
+                          "model)")
     svc.add_argument("--dtype", default="", choices=["", "bf16", "fp32"],
                      help="worker dtype (default: its own choice, measured on this machine)")
     svc.add_argument("--replicas", type=int, default=1, help="retrieval replicas")
@@ -49,14 +51,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     load.add_argument("--duration", type=int, default=30, help=f"seconds (<= {MAX_CI_SECONDS} unless --long)")
     load.add_argument("--long", action="store_true", help="allow durations above 60 s (local runs)")
     load.add_argument("--generation-users", type=int, default=1, help="of --users, how many call the worker")
-    load.add_argument("--max-new-tokens", type=int, default=32)
-    load.add_argument("--decoding", default="rest")
-    load.add_argument("--search", choices=["auto", "on", "off"], default="auto")
+    load.add_argument("--max-new-tokens", type=int, default=32,
+                      help="tokens per Generate/GenerateStream request (default %(default)s)")
+    load.add_argument("--decoding", default="rest",
+                      help="decoding mode of the generation requests: ar | pld | rest-ds | rest | knnlm | crest "
+                           "(default %(default)s)")
+    load.add_argument("--search", choices=["auto", "on", "off"], default="auto",
+                      help="Search task: auto = only if the retrieval service has a knowledge base; on = always "
+                           "(its calls fail without one)")
     load.add_argument("--search-retriever", default="", help="edr | adr | sr ('' = adr, else sr, else edr)")
-    load.add_argument("--think-time", type=float, default=0.1)
+    load.add_argument("--think-time", type=float, default=0.1,
+                      help="most seconds a user waits between tasks (uniform from 0; default %(default)s)")
     out = ap.add_argument_group("output")
-    out.add_argument("--thresholds", default=str(HERE / "thresholds.toml"))
-    out.add_argument("--reports", default=str(HERE / "reports"))
+    out.add_argument("--thresholds", default=str(HERE / "thresholds.toml"),
+                     help="TOML of the pass bounds: max_failure_ratio, p95_ms, min_requests "
+                          "(default loadtests/thresholds.toml)")
+    out.add_argument("--reports", default=str(HERE / "reports"),
+                     help="directory for the CSV, HTML and JSON reports (default loadtests/reports)")
     out.add_argument("--name", default="load", help="report file prefix")
     out.add_argument("--summary", default="", help="also write the JSON summary here (e.g. bench/results/load.json)")
     args = ap.parse_args(argv)

@@ -291,9 +291,11 @@ def main(argv: list[str] | None = None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("make-certs", help="write a CA + server/client certificates (if missing)")
-    m.add_argument("--out", required=True)
+    m.add_argument("--out", required=True,
+                   help="directory for the certificates and keys (created; files already there are kept)")
     m.add_argument("--hosts", default="localhost,127.0.0.1", help="comma-separated DNS names / IPs for the SAN")
-    m.add_argument("--days", type=int, default=365)
+    m.add_argument("--days", type=int, default=365,
+                   help="validity of the CA and the certificates, days (default %(default)s)")
     m.add_argument("--ca-key-dir", default="",
                    help="where the CA private key goes (default: --out); keep it out of what servers mount")
     args = ap.parse_args(argv)

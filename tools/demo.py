@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--datastore", required=True, help="draft datastore directory the retrieval service serves")
     ap.add_argument("--model", default="", help="local HF model directory (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-new-tokens", type=int, default=128,
+                    help="tokens generated per request, in each of ar and rest mode (default %(default)s)")
     ap.add_argument("--show-lines", type=int, default=12, help="lines of each completion to print (0 = all)")
     args = ap.parse_args(argv)
 

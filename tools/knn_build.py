@@ -479,20 +479,28 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m tools.knn_build",
                                  description="Build a kNN-LM datastore (keys = the serving model's final hidden "
                                              "states, values = next tokens) over the docs corpus.")
-    ap.add_argument("--out", default=str(DEFAULT_DIR))
+    ap.add_argument("--out", default=str(DEFAULT_DIR),
+                    help="datastore directory (created; a build there resumes); default %(default)s")
     ap.add_argument("--model", default="", help="local HF model directory ('' = default SmolLM2-135M-Instruct)")
     ap.add_argument("--model-dtype", default="auto", choices=DTYPE_CHOICES,
                     help="build with the format the worker serves with (auto = its calibrated choice here)")
     ap.add_argument("--dtype", default="float16", choices=KEY_DTYPES, help="stored key dtype")
     ap.add_argument("--sources", default="rst", help=f"comma list of {SOURCES}")
     ap.add_argument("--max-entries", type=int, default=1_000_000, help="0 = the whole corpus")
-    ap.add_argument("--held-out-every", type=int, default=25)
-    ap.add_argument("--window", type=int, default=512)
-    ap.add_argument("--overlap", type=int, default=128)
-    ap.add_argument("--chunk-entries", type=int, default=16384)
-    ap.add_argument("--no-hnsw", action="store_true")
-    ap.add_argument("--hnsw-m", type=int, default=32)
-    ap.add_argument("--hnsw-ef-construction", type=int, default=100)
+    ap.add_argument("--held-out-every", type=int, default=25,
+                    help="hold out about one document in N from the datastore (perplexity, bench prompts); "
+                         "default %(default)s")
+    ap.add_argument("--window", type=int, default=512,
+                    help="tokens per model pass; longer documents are cut into windows (default %(default)s)")
+    ap.add_argument("--overlap", type=int, default=128,
+                    help="tokens consecutive windows share: the least context of a key after the first window "
+                         "(default %(default)s)")
+    ap.add_argument("--chunk-entries", type=int, default=16384,
+                    help="entries per resumable key chunk file (default %(default)s)")
+    ap.add_argument("--no-hnsw", action="store_true", help="skip the HNSW (adr) index; only exact search is served")
+    ap.add_argument("--hnsw-m", type=int, default=32, help="HNSW M: graph links per key (default %(default)s)")
+    ap.add_argument("--hnsw-ef-construction", type=int, default=100,
+                    help="HNSW efConstruction: candidates kept per insertion (default %(default)s)")
     ap.add_argument("--threads", type=int, default=0, help="torch/faiss threads (0 = all cores)")
     ap.add_argument("--name", default=DEFAULT_NAME, help="vector index name the retrieval service serves it as")
     ap.add_argument("--check", action="store_true", help="only run the invariant checker on an existing datastore")

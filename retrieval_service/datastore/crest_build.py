@@ -255,26 +255,33 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     b.add_argument("--out", required=True, help="store file to write (atomically)")
     b.add_argument("--max-n", type=int, default=DEFAULT_MAX_N["code"],
                    help="longest n-gram (defaults: 5 for code, 4 for chat/docs; default %(default)s)")
-    b.add_argument("--strategy", choices=("combined", "single"), default="combined")
+    b.add_argument("--strategy", choices=("combined", "single"), default="combined",
+                   help="combined: the t most frequent n-grams of every n = 1..max-n; single: of --n only "
+                        "(default %(default)s)")
     b.add_argument("--n", type=int, default=None, help="the n of --strategy single")
     size = b.add_mutually_exclusive_group(required=True)
     size.add_argument("--t", type=int, help="n-grams per n")
     size.add_argument("--budget", type=parse_bytes, help="largest store that fits this many bytes (50MB, 6MiB)")
-    b.add_argument("--max-matches", type=int, default=5000)
-    b.add_argument("--continuation", type=int, default=10)
-    b.add_argument("--max-nodes", type=int, default=64)
-    b.add_argument("--compression", choices=COMPRESSIONS, default="zstd")
-    b.add_argument("--threads", type=int, default=2)
-    b.add_argument("--no-progress", action="store_true")
+    b.add_argument("--max-matches", type=int, default=5000,
+                   help="datastore occurrences read per drafted tree (default %(default)s)")
+    b.add_argument("--continuation", type=int, default=10,
+                   help="tokens read after each occurrence (default %(default)s)")
+    b.add_argument("--max-nodes", type=int, default=64, help="nodes kept per drafted tree (default %(default)s)")
+    b.add_argument("--compression", choices=COMPRESSIONS, default="zstd",
+                   help="tree payloads: zstd with a dictionary trained on the store's trees, or none (raw); "
+                        "default %(default)s")
+    b.add_argument("--threads", type=int, default=2, help="threads drafting the trees (default %(default)s)")
+    b.add_argument("--no-progress", action="store_true", help="no progress bars")
     p = sub.add_parser("push", help="bulk-load a store file into Redis (pipelined)")
-    p.add_argument("--store", required=True)
+    p.add_argument("--store", required=True, help="store file written by build")
     p.add_argument("--redis", required=True, help="redis://host:port/db")
     p.add_argument("--namespace", required=True, help="key prefix naming this store in Redis, e.g. crest:code")
     p.add_argument("--keep-old", action="store_true", help="keep keys of earlier pushes under the namespace")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     i = sub.add_parser("info", help="header, per-n tree sizes; --check runs the invariant checker")
-    i.add_argument("--store", required=True)
-    i.add_argument("--check", action="store_true")
+    i.add_argument("--store", required=True, help="store file to describe")
+    i.add_argument("--check", action="store_true",
+                   help="also decode every record and look it up by its own key (reads the whole store)")
     args = ap.parse_args(argv)
     if args.cmd == "build":
         if args.t is not None and args.t < 1:

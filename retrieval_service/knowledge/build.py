@@ -278,8 +278,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="encoder compute dtype; bfloat16 is ~2x faster on avx512_bf16 CPUs (queries use the same)")
     ap.add_argument("--batch-size", type=int, default=32, help="encoder batch size (32 encoded 1.1-1.4x faster than 64 with bf16 on 2 cores)")
     ap.add_argument("--chunk", type=int, default=4096, help="passages per resumable encoding chunk")
-    ap.add_argument("--hnsw-m", type=int, default=32)
-    ap.add_argument("--hnsw-ef-construction", type=int, default=200)
+    ap.add_argument("--hnsw-m", type=int, default=32,
+                    help="HNSW M of the adr (dense) index: graph links per vector (default %(default)s)")
+    ap.add_argument("--hnsw-ef-construction", type=int, default=200,
+                    help="HNSW efConstruction of the adr index: candidates kept per insertion (default %(default)s)")
     ap.add_argument("--threads", type=int, default=2, help="Anserini indexing threads")
     ap.add_argument("--omp-threads", type=int, default=1,
                     help="torch threads per encoder process, and HNSW (faiss) threads; >1 pays only on idle cores")

@@ -431,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-build", action="store_true", help="use the images already built")
     ap.add_argument("--no-kb", action="store_true", help="no knowledge base (skips the RAG request)")
     ap.add_argument("--keep", action="store_true", help="leave the stack running (no down -v) for a look")
-    ap.add_argument("--project", default=f"ragserve-e2e-{os.getpid()}")
+    ap.add_argument("--project", default=f"ragserve-e2e-{os.getpid()}",
+                    help="docker compose project name (-p) of the stack (default ragserve-e2e-<pid>)")
     ap.add_argument("--report", default="", help="also write the figures and checks as JSON here")
     args = ap.parse_args(argv)
 

@@ -1,13 +1,16 @@
 """Dense retrieval against brute-force numpy references: exact search, HNSW recall, re-scoring invariants."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from retrieval_service.knowledge import dense
-from retrieval_service.knowledge.kb import KB_INDEX
+from retrieval_service.knowledge.build import build_kb
+from retrieval_service.knowledge.kb import KB_INDEX, KnowledgeBase
 
-from .conftest import KNOWN
+from .conftest import KNOWN, tiny_corpus
 
 
 def brute_force(vectors: np.ndarray, queries: np.ndarray, k: int, metric: str = "ip"):
@@ -58,6 +61,52 @@ def test_vector_index_exact_search_matches_brute_force(metric):
         for (ids, scores), r_ids, r_scores in zip(hits, ref_ids, ref_scores):
             assert ids.tolist() == r_ids.tolist()
             np.testing.assert_allclose(scores, r_scores, rtol=1e-6, atol=1e-6)
+
+
+# (stored dtype, fp16_max_batch, batch size, scans the float16 copy?)
+FP16_SCAN_CASES = [
+    (np.float16, 4, 1, True),
+    (np.float16, 4, 4, True),
+    (np.float16, 4, 5, False),   # above the cut: the float32 BLAS scan. Not the per-query float16 scan
+    (np.float16, 0, 1, False),   # switched off
+    (np.float32, 4, 1, False),   # float32 vectors get no float16 copy: it would round them
+]
+
+
+@pytest.mark.parametrize("dtype, max_batch, batch, uses_fp16", FP16_SCAN_CASES)
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+def test_fp16_scan_gives_the_exact_answer(metric, dtype, max_batch, batch, uses_fp16, monkeypatch):
+    x = clustered(3000, 48).astype(dtype)
+    queries = clustered(batch, 48, seed=7)
+    copy = dense.build_fp16_scan(x, metric) if max_batch else None
+    assert (copy is not None) == (dtype == np.float16 and max_batch > 0)
+    vi = dense.VectorIndex("t", metric, dense.build_flat(x, metric), vectors=x, exact_fp16=copy,
+                           fp16_max_batch=max_batch)
+    used = []
+
+    def recording(name: str, search):
+        def wrapped(*args, **kwargs):
+            used.append(name)
+            return search(*args, **kwargs)
+        return wrapped
+
+    for name in ("exact", "exact_fp16"):
+        if getattr(vi, name) is not None:
+            monkeypatch.setattr(getattr(vi, name), "search", recording(name, getattr(vi, name).search))
+    hits = vi.search(queries, 10)
+    assert used == ["exact_fp16" if uses_fp16 else "exact"]
+    ref_ids, ref_scores = brute_force(x.astype(np.float32), queries, 10, metric)
+    for (ids, scores), r_ids, r_scores in zip(hits, ref_ids, ref_scores):
+        assert ids.tolist() == r_ids.tolist()  # the float32 answer, whichever index proposed the candidates
+        np.testing.assert_allclose(scores, r_scores, rtol=1e-5, atol=1e-5)
+    assert vi.search(queries, 10, approx=False)[0][0].tolist() == ref_ids[0].tolist()
+
+
+def test_fp16_scan_needs_the_float32_index_beside_it():
+    x = clustered(100, 8).astype(np.float16)
+    with pytest.raises(ValueError, match="float16 scan"):
+        dense.VectorIndex("t", "ip", None, dense.build_hnsw(x.astype(np.float32), m=8, ef_construction=20),
+                          vectors=x, exact_fp16=dense.build_fp16_scan(x))
 
 
 def test_kb_edr_matches_brute_force(kb, encoder):
@@ -150,3 +199,24 @@ def test_thread_cap_needs_a_call_in_each_thread():
     assert faiss.omp_get_max_threads() == 1 and seen["initialized"] == 1
     if (os.cpu_count() or 1) > 1 and not os.environ.get("OMP_NUM_THREADS"):
         assert seen["bare"] > 1  # Not 1: the main thread's cap did not carry over
+
+
+@pytest.mark.parametrize("fp16_scan_batch", [4, 0])
+def test_float16_kb_answers_as_its_float32_rows_do(tmp_path, kb_config, encoder, fp16_scan_batch):
+    """A KB built with --float16: exact search through KnowledgeBase.open, below and above the float16 scan's
+    batch cut, gives the brute-force answer over the stored float16 rows (widened to float32)."""
+    build_kb(tmp_path, tiny_corpus(), retrievers=("edr",), corpus={"source": "tests-fp16"}, dtype="float16",
+             encoder=encoder, progress=False)
+    kb = KnowledgeBase.open(tmp_path, replace(kb_config, kb_fp16_scan_batch=fp16_scan_batch), encoder=encoder)
+    try:
+        vi = kb.vector_indexes[KB_INDEX]
+        assert vi.vectors.dtype == np.float16
+        assert (vi.exact_fp16 is not None) == (fp16_scan_batch > 0)
+        texts = [q for _, _, q in KNOWN] + ["parse a CSV file", "priority queue push pop", "open a socket"]
+        queries = encoder.encode(texts)
+        ref_ids, _ = brute_force(np.asarray(vi.vectors, np.float32), queries, 6)
+        for batch in (1, 3, len(texts)):  # the float16 scan, then (above the cut) the float32 index
+            res = kb.search("edr", 6, vectors=queries[:batch])
+            assert [h.ids.tolist() for h in res.hits] == ref_ids[:batch].tolist()
+    finally:
+        kb.close()

@@ -139,26 +139,31 @@ kb-large: install
 
 # Prefix KBs of the large one for RaLMSpec's curve over KB sizes ($(KB_LARGE)-N for N in KB_SIZES): the first N
 # passages with their rows copied from the large KB (encoded, or the chunks of a build still running; rows not
-# encoded yet are encoded here), each with its own exact, HNSW and BM25 index. The largest point is the large KB.
-KB_SIZES ?= 100000 300000 400000 700000
+# encoded yet are encoded here), each with its own exact and BM25 index (KB_PREFIX_RETRIEVERS; add adr for HNSW,
+# ~25 min per 1 M passages on 2 cores). The largest point is the large KB, with all three.
+KB_SIZES ?= 100000 300000 700000
+KB_PREFIX_RETRIEVERS ?= edr,sr
 kb-large-prefixes: install
 	set -e; for n in $(KB_SIZES); do \
 		$(PYTHON) -m retrieval_service.knowledge.build --out $(KB_LARGE)-$$n --limit-passages $$n --code --man \
-			--headers --words 50 --encoder-dtype bfloat16 --float16 --embeddings-from $(KB_LARGE) $(KB_LARGE_ARGS); \
+			--headers --words 50 --encoder-dtype bfloat16 --float16 --embeddings-from $(KB_LARGE) \
+			--retrievers $(KB_PREFIX_RETRIEVERS) $(KB_LARGE_ARGS); \
 	done
 
-# RaLMSpec over KB sizes (issue 19): per prefix KB and the large KB, its retrieval latency at batch 1/8/32 and
-# build record (bench/results/kb-<kb>.json) and bench.ralm (B/P/S/A/PS/SA/PA/PSA x edr/adr/sr, the worker's
-# calibrated format; bench/results/ralm-<kb>.json), then the curve of speed-up vs B's retrieval share
-# (bench/results/ralm-curve.json/png). ~20 min per KB.
+# RaLMSpec over KB sizes (issue 19): bench.ralm on each prefix KB (its KB_PREFIX_RETRIEVERS) and on the large KB
+# (edr/adr/sr) x B/P/S/A/PS/SA/PA/PSA, the worker's calibrated format (bench/results/ralm-<kb>.json), the large
+# KB's retrieval latency at batch 1/8/32 and build record (bench/results/kb-large.json), then the curve of speed-up
+# vs B's retrieval share (bench/results/ralm-curve.json/png). 3-8 min per KB and retriever set.
 # --serve: the product path (both services started with default flags, requests over gRPC).
 RALM_CURVE_ARGS ?= --serve --limit 8 --max-new-tokens 64 --ranking-questions 0 --max-minutes 14
 bench-ralm-curve: kb-large kb-large-prefixes
-	set -e; for kb in $(foreach n,$(KB_SIZES),$(KB_LARGE)-$(n)) $(KB_LARGE); do \
-		$(PYTHON) -m bench.kb --kb $$kb --batch-sizes 1,8,32 --json bench/results/kb-$$(basename $$kb).json; \
-		$(PYTHON) -m bench.ralm --kb $$kb --retrievers edr,adr,sr --configs B,P,S,A,PS,SA,PA,PSA \
-			$(RALM_CURVE_ARGS) --json bench/results/ralm-$$(basename $$kb).json; \
+	set -e; for n in $(KB_SIZES); do \
+		$(PYTHON) -m bench.ralm --kb $(KB_LARGE)-$$n --retrievers $(KB_PREFIX_RETRIEVERS) \
+			--configs B,P,S,A,PS,SA,PA,PSA $(RALM_CURVE_ARGS) --json bench/results/ralm-large-$$n.json; \
 	done
+	$(PYTHON) -m bench.kb --kb $(KB_LARGE) --batch-sizes 1,8,32 --json bench/results/kb-large.json
+	$(PYTHON) -m bench.ralm --kb $(KB_LARGE) --retrievers edr,adr,sr --configs B,P,S,A,PS,SA,PA,PSA \
+		$(RALM_CURVE_ARGS) --json bench/results/ralm-large.json
 	$(PYTHON) -m bench.ralm_curve $(foreach n,$(KB_SIZES),bench/results/ralm-large-$(n).json) \
 		bench/results/ralm-large.json --json bench/results/ralm-curve.json --png bench/results/ralm-curve.png
 

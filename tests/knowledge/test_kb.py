@@ -138,11 +138,14 @@ def test_rebuild_resumes_without_redoing_work(kb_dir, encoder, capsys):
     assert after["fingerprint"] == before["fingerprint"] and after["build"] == before["build"]
 
 
-def test_interrupted_encoding_resumes_from_chunks(tmp_path, encoder):
+def interrupted_encoding(tmp_path, encoder, passages: int, chunk: int):
+    """Passages written to tmp_path and an in-process encoding that dies in the middle of its second chunk, as a
+    killed build does -> (store, n, fingerprint, Counting, calls): Counting() encoders record each call's batch
+    size in `calls` (and no longer fail)."""
     from retrieval_service.knowledge import dense
     from retrieval_service.knowledge.passages import PassageStore, write_passages
 
-    n, fp = write_passages(tmp_path, tiny_corpus()[:10])
+    n, fp = write_passages(tmp_path, tiny_corpus()[:passages])
     store = PassageStore(tmp_path)
     calls = []
 
@@ -152,11 +155,18 @@ def test_interrupted_encoding_resumes_from_chunks(tmp_path, encoder):
         def encode(self, texts, batch_size=64):
             calls.append(len(texts))
             if len(calls) == 2:
-                raise KeyboardInterrupt  # the build dies in the middle of the second chunk
+                raise KeyboardInterrupt
             return encoder.encode(texts, batch_size)
 
     with pytest.raises(KeyboardInterrupt):
-        dense.encode_passages(store.iter_range, n, tmp_path / "dense", Counting(), fingerprint=fp, chunk=4)
+        dense.encode_passages(store.iter_range, n, tmp_path / "dense", Counting(), fingerprint=fp, chunk=chunk)
+    return store, n, fp, Counting, calls
+
+
+def test_interrupted_encoding_resumes_from_chunks(tmp_path, encoder):
+    from retrieval_service.knowledge import dense
+
+    store, n, fp, Counting, calls = interrupted_encoding(tmp_path, encoder, 10, chunk=4)
     dense.encode_passages(store.iter_range, n, tmp_path / "dense", Counting(), fingerprint=fp, chunk=4)
     assert calls == [4, 4, 4, 2]  # chunk 0 was not encoded again
     stats = json.loads((tmp_path / "dense" / "meta.json").read_text())["build"]
@@ -174,28 +184,13 @@ def test_encoder_processes_finish_an_interrupted_encoding(tmp_path, encoder):
     the same vectors."""
     from retrieval_service.knowledge import dense
     from retrieval_service.knowledge.encode_pool import EncodeWork
-    from retrieval_service.knowledge.passages import PassageStore, write_passages
 
-    n, fp = write_passages(tmp_path, tiny_corpus()[:10])
-    store = PassageStore(tmp_path)
-
-    class DiesAfterOne:
-        name, dim, dtype = encoder.name, encoder.dim, encoder.dtype
-        calls = 0
-
-        def encode(self, texts, batch_size=64):
-            DiesAfterOne.calls += 1
-            if DiesAfterOne.calls == 2:
-                raise KeyboardInterrupt
-            return encoder.encode(texts, batch_size)
-
-    with pytest.raises(KeyboardInterrupt):
-        dense.encode_passages(store.iter_range, n, tmp_path / "dense", DiesAfterOne(), fingerprint=fp, chunk=3)
+    store, n, fp, Counting, calls = interrupted_encoding(tmp_path, encoder, 10, chunk=3)
     work = EncodeWork(passages_dir=str(tmp_path), chunks_dir=str(tmp_path / "dense" / "chunks"),
                       encoder_dtype=encoder.dtype, dtype="float32", batch_size=64)
-    dense.encode_passages(store.iter_range, n, tmp_path / "dense", DiesAfterOne(), fingerprint=fp, chunk=3,
+    dense.encode_passages(store.iter_range, n, tmp_path / "dense", Counting(), fingerprint=fp, chunk=3,
                           pool=work, workers=2)
-    assert DiesAfterOne.calls == 2  # the three chunks left went to the workers, not to this process
+    assert len(calls) == 2  # the three chunks left went to the workers, not to this process
     stats = json.loads((tmp_path / "dense" / "meta.json").read_text())["build"]
     assert stats["encoded_rows"] == 10 and stats["encode_seconds"] > 0
     emb = np.load(tmp_path / "dense" / "embeddings.npy")
@@ -207,23 +202,8 @@ def test_encoder_processes_finish_an_interrupted_encoding(tmp_path, encoder):
 def test_a_dead_encoder_process_stops_the_build_and_keeps_the_chunks(tmp_path, encoder):
     from retrieval_service.knowledge import dense
     from retrieval_service.knowledge.encode_pool import EncodeWork
-    from retrieval_service.knowledge.passages import PassageStore, write_passages
 
-    n, fp = write_passages(tmp_path, tiny_corpus()[:9])
-    store = PassageStore(tmp_path)
-    calls = []
-
-    class Counting:
-        name, dim, dtype = encoder.name, encoder.dim, encoder.dtype
-
-        def encode(self, texts, batch_size=64):
-            calls.append(len(texts))
-            if len(calls) == 2:
-                raise KeyboardInterrupt
-            return encoder.encode(texts, batch_size)
-
-    with pytest.raises(KeyboardInterrupt):
-        dense.encode_passages(store.iter_range, n, tmp_path / "dense", Counting(), fingerprint=fp, chunk=3)
+    store, n, fp, Counting, calls = interrupted_encoding(tmp_path, encoder, 9, chunk=3)
     bad = EncodeWork(passages_dir=str(tmp_path / "missing"), chunks_dir=str(tmp_path / "dense" / "chunks"),
                      encoder_dtype=encoder.dtype, dtype="float32", batch_size=64)
     with pytest.raises(RuntimeError, match="died"):  # not a hang waiting for chunks nobody encodes

@@ -43,9 +43,11 @@ install: $(STAMP) system-packages stubs kernels
 
 # The block-quantized linear kernel of the q4_1 weight format (generation_service/q4_kernel.cpp), compiled for this
 # CPU into $(RAGSERVE_HOME)/kernels (~30 s, once per CPU + torch version). Without g++/ninja it reports
-# "unavailable" and q4_1 serves the same weights dequantized to fp32 (with a warning).
+# "unavailable" and q4_1 serves the same weights dequantized to fp32 (with a warning). Then the retrieval service's
+# float16 exact-search kernel (retrieval_service/knowledge/fp16_scan.cpp, ~2 s; without g++ exact search uses faiss).
 kernels: $(STAMP)
 	$(PYTHON) -m generation_service.q4_kernel
+	$(PYTHON) -m retrieval_service.knowledge.fp16_scan
 
 # gRPC stubs are generated, never committed (pinned grpcio-tools = grpcio version).
 proto/%_pb2.py: proto/%.proto $(STAMP)

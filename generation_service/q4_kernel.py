@@ -25,7 +25,7 @@ from types import ModuleType
 
 import torch
 
-from ragcore.machine import cpu_info
+from ragcore.machine import X86_LEVELS, best_level, cpu_info
 from ragcore.model_files import ragserve_home
 
 log = logging.getLogger(__name__)
@@ -37,24 +37,14 @@ _SOURCES = tuple(Path(__file__).with_name(n) for n in ("q4_kernel.cpp", "lean_fo
 _LDFLAGS = ("-fopenmp",)
 
 
-# Prebuilt variants (`--prebuild`, the container images): x86-64 microarchitecture levels as GCC names them, each
-# with the /proc/cpuinfo flags a CPU needs to run code built for it. The best level this CPU has is loaded.
-LEVELS = {
-    # x86-64-v4 + AMX tiles and AVX512-BF16 (the q4_1_bf16 format's kernel): Sapphire Rapids and later.
-    "sapphirerapids": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "f16c", "bmi2",
-                       "movbe", "avx512_bf16", "amx_tile", "amx_bf16"),
-    # x86-64-v4 + AVX512-BF16 dot products (q4_1_bf16 without AMX): Zen 4, Zen 5, Cooper Lake.
-    "x86-64-v4-bf16": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "f16c", "bmi2",
-                       "movbe", "avx512_bf16"),
-    "x86-64-v4": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "f16c", "bmi2", "movbe"),
-    "x86-64-v3": ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"),
-}
+# Prebuilt variants (`--prebuild`, the container images): the x86-64 levels of ragcore.machine; the best level this
+# CPU runs is loaded.
+LEVELS = X86_LEVELS
 
 
 def cpu_level() -> str:
     """The best of LEVELS this CPU runs, or '' (another architecture, an older CPU)."""
-    flags = set(cpu_info()[1])
-    return next((lvl for lvl, need in LEVELS.items() if flags.issuperset(need)), "")
+    return best_level(LEVELS)
 
 
 def build_dir(march: str = "native") -> Path:

@@ -21,3 +21,23 @@ def cpu_info() -> tuple[str, list[str]]:
         elif k == "flags" and not flags:
             flags = sorted(v.split())
     return name, flags
+
+
+# x86-64 microarchitecture levels as GCC's -march names them, best first, each with the /proc/cpuinfo flags a CPU
+# needs to run code built for it: what the container images prebuild the C++ kernels for (they have no compiler).
+X86_LEVELS = {
+    # x86-64-v4 + AMX tiles and AVX512-BF16 (the q4_1_bf16 format's kernel): Sapphire Rapids and later.
+    "sapphirerapids": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "f16c", "bmi2",
+                       "movbe", "avx512_bf16", "amx_tile", "amx_bf16"),
+    # x86-64-v4 + AVX512-BF16 dot products (q4_1_bf16 without AMX): Zen 4, Zen 5, Cooper Lake.
+    "x86-64-v4-bf16": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "f16c", "bmi2",
+                       "movbe", "avx512_bf16"),
+    "x86-64-v4": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "f16c", "bmi2", "movbe"),
+    "x86-64-v3": ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"),
+}
+
+
+def best_level(levels) -> str:
+    """The first of `levels` (names of X86_LEVELS, best first) this CPU runs, or '' (none of them, or not x86)."""
+    flags = set(cpu_info()[1])
+    return next((lvl for lvl in levels if flags.issuperset(X86_LEVELS[lvl])), "")

@@ -50,8 +50,8 @@ FLAG_HELP = {
     "kb_omp_threads": "intra-op threads of faiss and of the query encoder per handler thread",
     "kb_ef_search": "HNSW efSearch when a request leaves it 0",
     "kb_rescore_margin": "extra HNSW candidates re-scored exactly per query",
-    "kb_fp16_scan_batch": "exact searches of up to N queries scan a float16 copy of float16-stored vectors "
-                          "(half the bytes; 0 = float32 only)",
+    "kb_fp16_scan": "exact search of float16 vectors: kernel (one float16 pass per batch; faiss if unbuildable), "
+                    "faiss (its float16 copy for <= 4 queries), off (float32)",
     "kb_query_cache": "encoded text queries kept in an LRU cache",
     "kb_jvm_heap": "max heap of the in-process JVM, e.g. 2g (\"\" = the JVM default, 1/4 of RAM)",
     "kb_limit_k": "largest k (hits per query) a Search may ask for",
@@ -133,11 +133,11 @@ class RetrievalConfig(config_util.ShellConfig):
     # HNSW efSearch when a request leaves it 0; exact re-scoring of k + margin candidates per query.
     kb_ef_search: int = 128
     kb_rescore_margin: int = 16
-    # Exact searches of at most this many queries scan a float16 copy of float16-stored vectors (KB embeddings
-    # built with --float16, kNN-LM keys): one-query searches are memory-bound, and half the bytes made them 4.8x
-    # faster on 1.04 M x 384 (dense.FP16_SCAN_MAX_BATCH says where the float32 BLAS scan wins). Costs the copy's
-    # memory (2 bytes per dimension per vector) beside the float32 index.
-    kb_fp16_scan_batch: int = 4
+    # Exact search of float16-stored vectors (KB embeddings built with --float16, kNN-LM keys), dense.FP16_SCANS:
+    # "kernel" scans them in memory as float16 with fp16_scan.cpp, one pass for a whole batch (no float32 copy);
+    # "faiss" keeps a float32 IndexFlat plus faiss's float16 copy for batches of up to 4; "off" the IndexFlat alone.
+    # Measurements in dense.py.
+    kb_fp16_scan: str = "kernel"
     kb_query_cache: int = 4096
     # Max heap of the in-process JVM (Lucene); "" = the JVM default (1/4 of RAM).
     kb_jvm_heap: str = ""

@@ -1,13 +1,14 @@
 """Dense retrieval: resumable passage encoding and named faiss vector indexes (the encoder and the exact scoring
 function live in ragcore/encoder.py: the generation worker uses them too, without faiss).
 
-One `VectorIndex` holds an exact index (IndexFlat, EDR) and optionally an approximate one (HNSW, ADR) over
-the same vectors. Where the stored vectors are float16, a float16 copy (faiss's fp16 scalar quantizer, which
-decodes float16 exactly) answers exact searches of a few queries: a one-query scan is memory-bound, and reading
-half the bytes made it 4.8x faster on Sapphire Rapids (1.04 M x 384, one thread: 64 vs 306 ms). Larger batches
-keep the float32 index, whose BLAS scan reads the vectors once for the whole batch; the fp16 scan reads them
-once per query. The KB's passage embeddings are the index named "kb"; a later issue (kNN-LM) registers more
-named indexes (model hidden states, L2 metric) and searches them through the same batched vector Search.
+One `VectorIndex` holds an exact index (EDR) and optionally an approximate one (HNSW, ADR) over the same
+vectors. Exact search is memory-bound: it streams every stored vector once. Where the stored vectors are float16
+(KB embeddings built with --float16, kNN-LM keys) they are loaded into memory as they are and scanned by
+fp16_scan.cpp, which widens each block of rows in registers and multiplies it with up to 8 queries at once, so a
+batch of 8 costs ~2 single searches (faiss would read a float32 copy, twice the bytes, or its float16 copy once per
+query). Otherwise (float32 vectors, no compiler) the exact index is faiss's IndexFlat, with faiss's float16 copy
+for batches of up to 4 queries when the vectors are float16. The KB's passage embeddings are the index named "kb";
+kNN-LM datastores register more named indexes (model hidden states, L2 metric) searched through the same Search.
 
 Scores are "higher is better": inner product, or minus the squared L2 distance. faiss only proposes
 candidates; every returned score is recomputed by `exact_scores` from the stored vectors, and ties are broken
@@ -31,6 +32,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from ragcore.encoder import METRICS, Encoder, exact_scores, passage_input
+from retrieval_service.knowledge import fp16_scan
 from retrieval_service.knowledge.encode_pool import EncodeWork, chunk_path, encode_spans, write_chunk
 
 EMBEDDINGS_FILE = "embeddings.npy"
@@ -40,9 +42,13 @@ STATS_FILE = "stats.json"  # chunks/: encoding time and rows over the runs of a 
 # Extra faiss candidates re-scored exactly: a doc that wins after exact re-scoring is within float rounding
 # of faiss's k-th score, so it is among these unless more than `margin` docs tie to ~1e-7.
 RESCORE_MARGIN = 16
-# Exact searches of up to this many queries scan the float16 copy. Measured on 1.04 M x 384 float16 vectors, one
-# thread, Sapphire Rapids, float16 copy vs float32 index: 1 query 64 vs 306 ms, 2 123 vs 309, 4 263 vs 321, 8 532
-# vs 342 ms. (A numba kernel widening the float16 bits once per batch was tried: 162 ms for 1 query, 270 for 8.)
+# How exact search reads float16-stored vectors (config kb_fp16_scan). Measured on the 1.04 M x 384 float16 KB
+# embeddings, one thread, Sapphire Rapids, ms for 1/2/4/8/16/32 queries: kernel (fp16_scan.cpp, in memory) 57, 66,
+# 96, 126, 215, 316; faiss float32 IndexFlat 314, 311, 316, 339, 381, 464; faiss float16 copy 64, 123, 263, 532
+# (once per query). The kernel scanning the memory-mapped file instead of an in-memory copy: 75-90 ms for 1 query
+# (4 KiB pages: the prefetcher stops at every page boundary).
+FP16_SCANS = ("kernel", "faiss", "off")
+# "faiss": batches of up to this many queries scan faiss's float16 copy, larger ones the float32 IndexFlat.
 FP16_SCAN_MAX_BATCH = 4
 
 
@@ -89,11 +95,13 @@ def faiss_metric(metric: str) -> int:
 
 
 def build_flat(vectors: np.ndarray, metric: str = "ip") -> faiss.Index:
-    """vectors: [N, D] -> IndexFlat (exact) holding a float32 copy."""
+    """vectors: [N, D] -> IndexFlatIP / IndexFlatL2 (exact) holding a float32 copy."""
     n, d = vectors.shape
-    index = faiss.IndexFlat(d, faiss_metric(metric))
+    index = faiss.IndexFlatIP(d) if faiss_metric(metric) == faiss.METRIC_INNER_PRODUCT else faiss.IndexFlatL2(d)
     for start in range(0, n, 65536):  # chunks: a float16 memmap is upcast a slice at a time
         index.add(np.ascontiguousarray(vectors[start:start + 65536], dtype=np.float32))
+    if metric == "l2":
+        index.sync_l2norms()  # else every batched (BLAS) search recomputes all |x|^2 first: a second pass
     return index
 
 
@@ -107,6 +115,22 @@ def build_fp16_scan(vectors: np.ndarray, metric: str = "ip") -> faiss.Index | No
     for start in range(0, n, 65536):
         index.add(np.ascontiguousarray(vectors[start:start + 65536], dtype=np.float32))
     return index
+
+
+def exact_indexes(vectors: np.ndarray, metric: str, fp16: str = "kernel"
+                  ) -> tuple[faiss.Index | fp16_scan.Fp16Scan, faiss.Index | None, np.ndarray]:
+    """The exact index for `vectors` [N, D] as config kb_fp16_scan asks (one of FP16_SCANS) -> (exact, faiss's
+    float16 copy or None, the vectors to re-score from: the in-memory float16 rows the kernel scans, else
+    `vectors` as given). "kernel" falls back to "faiss" when the kernel cannot be built; float32 vectors always
+    get the IndexFlat alone."""
+    if fp16 not in FP16_SCANS:
+        raise ValueError(f"kb_fp16_scan: {fp16!r} is not one of {FP16_SCANS}")
+    if fp16 == "kernel" and vectors.dtype == np.float16 and fp16_scan.library() is not None:
+        rows = np.empty(vectors.shape, np.float16)  # anonymous memory: the page-cache mapping scans slower
+        for start in range(0, len(vectors), 65536):
+            rows[start:start + 65536] = vectors[start:start + 65536]
+        return fp16_scan.open_scan(rows, metric), None, rows
+    return build_flat(vectors, metric), (build_fp16_scan(vectors, metric) if fp16 == "faiss" else None), vectors
 
 
 def build_hnsw(vectors: np.ndarray, metric: str = "ip", m: int = 32, ef_construction: int = 200,
@@ -258,13 +282,14 @@ class VectorIndex:
 
     vectors: [N, D] stored vectors (memmap ok) used to re-score candidates and to return vectors; None for
     an index that cannot give them back (then faiss's scores are returned as they are).
-    exact_fp16: the same vectors in float16 (build_fp16_scan), used instead of `exact` for exact searches of at
-    most `fp16_max_batch` queries.
+    exact: faiss's IndexFlat or the float16 kernel's scan (exact_indexes).
+    exact_fp16: faiss's float16 copy of the vectors (build_fp16_scan), used instead of an IndexFlat `exact` for
+    exact searches of at most `fp16_max_batch` queries.
     """
 
     name: str
     metric: str
-    exact: faiss.Index | None
+    exact: faiss.Index | fp16_scan.Fp16Scan | None
     approx: faiss.Index | None = None
     vectors: np.ndarray | None = None
     default_ef_search: int = 128
@@ -314,7 +339,11 @@ class VectorIndex:
         params = None
         if approx and isinstance(index, faiss.IndexHNSW):
             params = faiss.SearchParametersHNSW(efSearch=max(ef_search or self.default_ef_search, kk))
-        dist, ids = index.search(q, kk, params=params)  # [B, kk], [B, kk]
+        if isinstance(index, fp16_scan.Fp16Scan):
+            # Higher-is-better scores; only the ids are used below (the kernel's index always has its vectors).
+            dist, ids = index.search(q, kk, threads=faiss.omp_get_max_threads())
+        else:
+            dist, ids = index.search(q, kk, params=params)  # [B, kk], [B, kk]
         if self.vectors is None:
             scores = -dist if self.metric == "l2" else dist
             return [(row_ids[row_ids >= 0][:k].astype(np.int64), row_s[row_ids >= 0][:k].astype(np.float32))
@@ -328,6 +357,16 @@ class VectorIndex:
         ids = np.take_along_axis(ids, order, -1)[:, :k]
         scores = np.take_along_axis(scores, order, -1)[:, :k]
         return [(row_ids[row_ids >= 0].astype(np.int64), row_s[row_ids >= 0]) for row_ids, row_s in zip(ids, scores)]
+
+    @property
+    def exact_kind(self) -> str:
+        """How exact search runs: "kernel", "faiss-fp16" (faiss's float16 copy for small batches), "faiss"
+        (float32 IndexFlat), or "" (no exact index)."""
+        if isinstance(self.exact, fp16_scan.Fp16Scan):
+            return "kernel"
+        if self.exact is None:
+            return ""
+        return "faiss-fp16" if self.exact_fp16 is not None else "faiss"
 
     def score(self, query: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """query: [D], ids: [n] -> [n] float32, the exact scores search() returns for those docs."""
@@ -360,10 +399,9 @@ class VectorIndex:
 
 def open_kb_vectors(dense_dir: Path, *, fingerprint: str, n: int, load_exact: bool, load_approx: bool,
                     ef_search: int = 128, rescore_margin: int = RESCORE_MARGIN,
-                    fp16_max_batch: int = FP16_SCAN_MAX_BATCH) -> VectorIndex:
-    """The KB's dense index: embeddings.npy (memmap) + IndexFlatIP built in memory (+ its float16 copy for
-    searches of up to `fp16_max_batch` queries when the embeddings are float16; 0 = none) + hnsw.faiss if
-    present."""
+                    fp16: str = "kernel") -> VectorIndex:
+    """The KB's dense index: embeddings.npy (memmap) + its exact index (exact_indexes; `fp16` is config
+    kb_fp16_scan) + hnsw.faiss if present."""
     meta_path = dense_dir / META_FILE
     emb_path = dense_dir / EMBEDDINGS_FILE
     if not meta_path.is_file() or not emb_path.is_file():
@@ -377,8 +415,9 @@ def open_kb_vectors(dense_dir: Path, *, fingerprint: str, n: int, load_exact: bo
         raise ValueError(f"{emb_path}: shape {vectors.shape} {vectors.dtype} does not match its meta "
                          f"({n}, {meta['dim']}) {meta['dtype']}")
     t0 = time.perf_counter()
-    exact = build_flat(vectors, "ip") if load_exact else None
-    exact_fp16 = build_fp16_scan(vectors, "ip") if load_exact and fp16_max_batch > 0 else None
+    exact, exact_fp16 = None, None
+    if load_exact:
+        exact, exact_fp16, vectors = exact_indexes(vectors, "ip", fp16)
     flat_s = time.perf_counter() - t0
     approx = None
     hnsw_path = dense_dir / HNSW_FILE
@@ -396,7 +435,7 @@ def open_kb_vectors(dense_dir: Path, *, fingerprint: str, n: int, load_exact: bo
                        info={"encoder": meta.get("encoder"), "encoder_dtype": meta.get("encoder_dtype", "float32"),
                              "dtype": meta["dtype"], "flat_build_s": flat_s,
                              "hnsw": hnsw_meta},
-                       exact_fp16=exact_fp16, fp16_max_batch=fp16_max_batch)
+                       exact_fp16=exact_fp16)
 
 
 def load_vector_index(name: str, *, metric: str, exact_path: str | Path | None = None,

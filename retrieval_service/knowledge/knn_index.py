@@ -7,7 +7,6 @@ import time
 from pathlib import Path
 
 import faiss
-import numpy as np
 
 from ragcore.knn_store import HNSW_FILE, open_datastore
 from retrieval_service.knowledge import dense
@@ -17,20 +16,14 @@ log = logging.getLogger(__name__)
 
 def open_vector_index(path: str | Path, *, load_exact: bool = True, load_approx: bool = True,
                       ef_search: int = 128, rescore_margin: int = 16,
-                      fp16_max_batch: int = dense.FP16_SCAN_MAX_BATCH):
-    """A datastore as the retrieval service's named vector index (metric l2, ids = entry ids): EDR = IndexFlatL2
-    built from keys.npy at load (with cached norms, so a batch of queries costs one pass over the keys; float16
-    keys also get a float16 copy for searches of up to `fp16_max_batch` queries, 0 = none), ADR = hnsw.faiss.
-    Search re-scores candidates exactly from the memory-mapped keys."""
+                      fp16: str = "kernel"):
+    """A datastore as the retrieval service's named vector index (metric l2, ids = entry ids): EDR = the exact
+    index of dense.exact_indexes over keys.npy (`fp16` is config kb_fp16_scan; float16 keys are scanned in memory
+    by the float16 kernel), ADR = hnsw.faiss. Search re-scores candidates exactly from the keys."""
     ds = open_datastore(path)
-    exact = None
+    exact, exact_fp16, keys = None, None, ds.keys
     if load_exact:
-        exact = faiss.IndexFlatL2(ds.dim)
-        for s in range(0, ds.size, 65536):
-            exact.add(np.ascontiguousarray(ds.keys[s:s + 65536], dtype=np.float32))
-        # Without cached norms every batched (BLAS) search first recomputes all ||key||^2: a second pass.
-        exact.sync_l2norms()
-    exact_fp16 = dense.build_fp16_scan(ds.keys, "l2") if load_exact and fp16_max_batch > 0 else None
+        exact, exact_fp16, keys = dense.exact_indexes(ds.keys, "l2", fp16)
     approx = None
     if load_approx and (ds.path / HNSW_FILE).is_file():
         approx = faiss.read_index(str(ds.path / HNSW_FILE))
@@ -39,9 +32,9 @@ def open_vector_index(path: str | Path, *, load_exact: bool = True, load_approx:
                              f"{ds.size}x{ds.dim}; rebuild")
     if exact is None and approx is None:
         raise ValueError(f"kNN-LM datastore {ds.path}: neither edr nor adr requested/available")
-    return dense.VectorIndex(ds.name, "l2", exact, approx, ds.keys, default_ef_search=ef_search,
+    return dense.VectorIndex(ds.name, "l2", exact, approx, keys, default_ef_search=ef_search,
                              rescore_margin=rescore_margin, info={"path": str(ds.path), "kind": "knnlm"},
-                             exact_fp16=exact_fp16, fp16_max_batch=fp16_max_batch)
+                             exact_fp16=exact_fp16)
 
 
 def add_to_kb(kb, paths: str, cfg) -> None:
@@ -53,8 +46,8 @@ def add_to_kb(kb, paths: str, cfg) -> None:
         t0 = time.perf_counter()
         vi = open_vector_index(p, load_exact="edr" in wanted, load_approx="adr" in wanted,
                                ef_search=cfg.kb_ef_search, rescore_margin=cfg.kb_rescore_margin,
-                               fp16_max_batch=cfg.kb_fp16_scan_batch)
+                               fp16=cfg.kb_fp16_scan)
         vi.warmup()
         kb.add_vector_index(vi)
-        log.info("kNN-LM index %r (%d x %d, %s) from %s ready in %.1f s", vi.name, vi.size, vi.dim,
-                 "+".join(vi.retrievers), p, time.perf_counter() - t0)
+        log.info("kNN-LM index %r (%d x %d, %s, exact search: %s) from %s ready in %.1f s", vi.name, vi.size,
+                 vi.dim, "+".join(vi.retrievers), vi.exact_kind or "none", p, time.perf_counter() - t0)

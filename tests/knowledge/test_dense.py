@@ -63,25 +63,29 @@ def test_vector_index_exact_search_matches_brute_force(metric):
             np.testing.assert_allclose(scores, r_scores, rtol=1e-6, atol=1e-6)
 
 
-# (stored dtype, fp16_max_batch, batch size, scans the float16 copy?)
+# (stored dtype, kb_fp16_scan, batch size, how the exact search runs, which index proposes the candidates)
 FP16_SCAN_CASES = [
-    (np.float16, 4, 1, True),
-    (np.float16, 4, 4, True),
-    (np.float16, 4, 5, False),   # above the cut: the float32 BLAS scan. Not the per-query float16 scan
-    (np.float16, 0, 1, False),   # switched off
-    (np.float32, 4, 1, False),   # float32 vectors get no float16 copy: it would round them
+    (np.float16, "kernel", 1, "kernel", "exact"),
+    (np.float16, "kernel", 9, "kernel", "exact"),       # one pass for the batch: a group of 8, then 1
+    (np.float16, "faiss", 1, "faiss-fp16", "exact_fp16"),
+    (np.float16, "faiss", 4, "faiss-fp16", "exact_fp16"),
+    (np.float16, "faiss", 5, "faiss-fp16", "exact"),    # above the cut: the float32 BLAS scan. Not once per query
+    (np.float16, "off", 1, "faiss", "exact"),
+    (np.float32, "kernel", 1, "faiss", "exact"),        # float32 vectors get no float16 scan: it would round them
+    (np.float32, "faiss", 1, "faiss", "exact"),
 ]
 
 
-@pytest.mark.parametrize("dtype, max_batch, batch, uses_fp16", FP16_SCAN_CASES)
+@pytest.mark.parametrize("dtype, mode, batch, kind, proposer", FP16_SCAN_CASES)
 @pytest.mark.parametrize("metric", ["ip", "l2"])
-def test_fp16_scan_gives_the_exact_answer(metric, dtype, max_batch, batch, uses_fp16, monkeypatch):
+def test_exact_search_of_every_kind_gives_the_exact_answer(metric, dtype, mode, batch, kind, proposer,
+                                                           monkeypatch):
     x = clustered(3000, 48).astype(dtype)
     queries = clustered(batch, 48, seed=7)
-    copy = dense.build_fp16_scan(x, metric) if max_batch else None
-    assert (copy is not None) == (dtype == np.float16 and max_batch > 0)
-    vi = dense.VectorIndex("t", metric, dense.build_flat(x, metric), vectors=x, exact_fp16=copy,
-                           fp16_max_batch=max_batch)
+    exact, copy, vectors = dense.exact_indexes(x, metric, mode)
+    vi = dense.VectorIndex("t", metric, exact, vectors=vectors, exact_fp16=copy)
+    assert vi.exact_kind == kind
+    assert vectors.dtype == dtype and np.array_equal(vectors, x)  # the kernel's in-memory rows are the stored ones
     used = []
 
     def recording(name: str, search):
@@ -94,12 +98,16 @@ def test_fp16_scan_gives_the_exact_answer(metric, dtype, max_batch, batch, uses_
         if getattr(vi, name) is not None:
             monkeypatch.setattr(getattr(vi, name), "search", recording(name, getattr(vi, name).search))
     hits = vi.search(queries, 10)
-    assert used == ["exact_fp16" if uses_fp16 else "exact"]
+    assert used == [proposer]
     ref_ids, ref_scores = brute_force(x.astype(np.float32), queries, 10, metric)
     for (ids, scores), r_ids, r_scores in zip(hits, ref_ids, ref_scores):
         assert ids.tolist() == r_ids.tolist()  # the float32 answer, whichever index proposed the candidates
         np.testing.assert_allclose(scores, r_scores, rtol=1e-5, atol=1e-5)
-    assert vi.search(queries, 10, approx=False)[0][0].tolist() == ref_ids[0].tolist()
+
+
+def test_unknown_fp16_scan_mode_is_named():
+    with pytest.raises(ValueError, match="kb_fp16_scan"):
+        dense.exact_indexes(np.zeros((4, 8), np.float16), "ip", "fast")
 
 
 def test_fp16_scan_needs_the_float32_index_beside_it():
@@ -201,21 +209,21 @@ def test_thread_cap_needs_a_call_in_each_thread():
         assert seen["bare"] > 1  # Not 1: the main thread's cap did not carry over
 
 
-@pytest.mark.parametrize("fp16_scan_batch", [4, 0])
-def test_float16_kb_answers_as_its_float32_rows_do(tmp_path, kb_config, encoder, fp16_scan_batch):
-    """A KB built with --float16: exact search through KnowledgeBase.open, below and above the float16 scan's
-    batch cut, gives the brute-force answer over the stored float16 rows (widened to float32)."""
+@pytest.mark.parametrize("fp16_scan, kind", [("kernel", "kernel"), ("faiss", "faiss-fp16"), ("off", "faiss")])
+def test_float16_kb_answers_as_its_float32_rows_do(tmp_path, kb_config, encoder, fp16_scan, kind):
+    """A KB built with --float16: exact search through KnowledgeBase.open, in each kb_fp16_scan mode and (faiss)
+    below and above the float16 copy's batch cut, gives the brute-force answer over the stored float16 rows."""
     build_kb(tmp_path, tiny_corpus(), retrievers=("edr",), corpus={"source": "tests-fp16"}, dtype="float16",
              encoder=encoder, progress=False)
-    kb = KnowledgeBase.open(tmp_path, replace(kb_config, kb_fp16_scan_batch=fp16_scan_batch), encoder=encoder)
+    kb = KnowledgeBase.open(tmp_path, replace(kb_config, kb_fp16_scan=fp16_scan), encoder=encoder)
     try:
         vi = kb.vector_indexes[KB_INDEX]
         assert vi.vectors.dtype == np.float16
-        assert (vi.exact_fp16 is not None) == (fp16_scan_batch > 0)
+        assert vi.exact_kind == kind
         texts = [q for _, _, q in KNOWN] + ["parse a CSV file", "priority queue push pop", "open a socket"]
         queries = encoder.encode(texts)
         ref_ids, _ = brute_force(np.asarray(vi.vectors, np.float32), queries, 6)
-        for batch in (1, 3, len(texts)):  # the float16 scan, then (above the cut) the float32 index
+        for batch in (1, 3, len(texts)):  # faiss: its float16 copy, then (above the cut) the float32 index
             res = kb.search("edr", 6, vectors=queries[:batch])
             assert [h.ids.tolist() for h in res.hits] == ref_ids[:batch].tolist()
     finally:

@@ -1,0 +1,244 @@
+// Exact top-k over float16 vectors for a batch of float32 queries, reading the vectors once per batch.
+//
+// Why: the scan is memory-bound. faiss's float16 scan (IndexScalarQuantizer QT_fp16) reads all N x D halves once per
+// query; its float32 IndexFlat reads twice the bytes (once per batch, through BLAS). Here each block of rows is
+// widened to float32 in registers (F16C / AVX-512) and multiplied with up to 8 queries at once, so a batch of 8 costs
+// about one pass over the float16 bytes. float16 -> float32 is exact, the products are float32 FMAs: the same math as
+// faiss's scan up to the summation order, and the caller re-scores the candidates exactly anyway.
+//
+// Scores are "higher is better": inner product q.x, or 2 q.x - |x|^2 for L2 (the distance minus |q|^2, which does
+// not change the order within a query). Ties go to the smaller id. Rows with a NaN score are never selected.
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace {
+
+constexpr int kGroup = 8;     // queries multiplied with one widened row chunk
+constexpr int kBlock = 512;   // rows scored before a selection step (their halves stay in L2 for the next group)
+
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else {  // subnormal: normalise
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; --exp; }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+// out[b * stride + r] = q_b . x_r for rows [0, rows) of x and NB queries.
+#if defined(__AVX512F__)
+// R rows at a time: R x NB independent FMA chains keep both FMA ports busy (a single query needs several rows).
+template <int NB, int R>
+inline void dots_rows(const uint16_t* x, int d, int dv, const float* q, float* out, int64_t stride) {
+    __m512 acc[R][NB];
+    for (int i = 0; i < R; ++i)
+        for (int b = 0; b < NB; ++b) acc[i][b] = _mm512_setzero_ps();
+    for (int j = 0; j < dv; j += 16) {
+        __m512 v[R];
+        for (int i = 0; i < R; ++i) v[i] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(x + (int64_t)i * d + j)));
+        for (int b = 0; b < NB; ++b) {
+            const __m512 qv = _mm512_loadu_ps(q + (int64_t)b * d + j);
+            for (int i = 0; i < R; ++i) acc[i][b] = _mm512_fmadd_ps(v[i], qv, acc[i][b]);
+        }
+    }
+    for (int i = 0; i < R; ++i) {
+        const uint16_t* xi = x + (int64_t)i * d;
+        for (int b = 0; b < NB; ++b) {
+            float s = _mm512_reduce_add_ps(acc[i][b]);
+            for (int j = dv; j < d; ++j) s += half_to_float(xi[j]) * q[(int64_t)b * d + j];
+            out[b * stride + i] = s;
+        }
+    }
+}
+#endif
+
+template <int NB>
+void dots(const uint16_t* x, int64_t rows, int d, const float* q, float* out, int64_t stride) {
+#if defined(__AVX512F__)
+    constexpr int R = NB == 1 ? 1 : 2;  // more rows in flight measured slower: more streams, same bytes
+    const int dv = d - d % 16;
+    int64_t r = 0;
+    for (; r + R <= rows; r += R) dots_rows<NB, R>(x + r * d, d, dv, q, out + r, stride);
+    for (; r < rows; ++r) dots_rows<NB, 1>(x + r * d, d, dv, q, out + r, stride);
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+    // 16 ymm registers: NB accumulators + one widened chunk, one row at a time.
+    const int dv = d - d % 8;
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t* x0 = x + r * d;
+        __m256 a0[NB];
+        for (int b = 0; b < NB; ++b) a0[b] = _mm256_setzero_ps();
+        for (int j = 0; j < dv; j += 8) {
+            const __m256 v0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(x0 + j)));
+            for (int b = 0; b < NB; ++b) a0[b] = _mm256_fmadd_ps(v0, _mm256_loadu_ps(q + (int64_t)b * d + j), a0[b]);
+        }
+        for (int b = 0; b < NB; ++b) {
+            const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a0[b]), _mm256_extractf128_ps(a0[b], 1));
+            const __m128 s = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            float s0 = _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+            for (int j = dv; j < d; ++j) s0 += half_to_float(x0[j]) * q[(int64_t)b * d + j];
+            out[b * stride + r] = s0;
+        }
+    }
+#else
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t* x0 = x + r * d;
+        float acc[NB] = {0};
+        for (int j = 0; j < d; ++j) {
+            const float v = half_to_float(x0[j]);
+            for (int b = 0; b < NB; ++b) acc[b] += v * q[(int64_t)b * d + j];
+        }
+        for (int b = 0; b < NB; ++b) out[b * stride + r] = acc[b];
+    }
+#endif
+}
+
+void dots_group(int nb, const uint16_t* x, int64_t rows, int d, const float* q, float* out, int64_t stride) {
+    switch (nb) {
+        case 1: dots<1>(x, rows, d, q, out, stride); break;
+        case 2: dots<2>(x, rows, d, q, out, stride); break;
+        case 3: dots<3>(x, rows, d, q, out, stride); break;
+        case 4: dots<4>(x, rows, d, q, out, stride); break;
+        case 5: dots<5>(x, rows, d, q, out, stride); break;
+        case 6: dots<6>(x, rows, d, q, out, stride); break;
+        case 7: dots<7>(x, rows, d, q, out, stride); break;
+        default: dots<8>(x, rows, d, q, out, stride); break;
+    }
+}
+
+struct Hit {
+    float score;
+    int64_t id;
+};
+
+inline bool better(const Hit& a, const Hit& b) { return a.score > b.score || (a.score == b.score && a.id < b.id); }
+
+// The best k hits of one query seen so far: candidates above the current k-th score are appended; when the buffer
+// holds 2k, a selection keeps the best k and raises the threshold. Rows arrive in increasing id order, so a later
+// row tying the threshold loses to the kept one (smaller id) and can be skipped.
+struct TopK {
+    int64_t k;
+    float threshold = -INFINITY;
+    bool full = false;
+    std::vector<Hit> buf;
+
+    explicit TopK(int64_t k_) : k(k_) { buf.reserve(2 * k_ + kBlock); }
+
+    void shrink() {
+        std::nth_element(buf.begin(), buf.begin() + (k - 1), buf.end(), better);
+        buf.resize(k);
+        threshold = buf[k - 1].score;
+        for (const Hit& h : buf) threshold = std::min(threshold, h.score);
+        full = true;
+    }
+
+    void offer(const float* scores, int64_t rows, int64_t first_id) {
+        for (int64_t r = 0; r < rows; ++r) {
+            const float s = scores[r];
+            if (s > threshold || (!full && s == threshold)) buf.push_back({s, first_id + r});
+        }
+        if ((int64_t)buf.size() >= 2 * k) shrink();
+    }
+
+    void finish() {
+        if ((int64_t)buf.size() > k) shrink();
+        std::sort(buf.begin(), buf.end(), better);
+    }
+};
+
+void scan_range(const uint16_t* x, int64_t lo, int64_t hi, int d, const float* q, int nq, const float* sq_norms,
+                std::vector<TopK>& tops) {
+    std::vector<float> scores((size_t)nq * kBlock);
+    for (int64_t r0 = lo; r0 < hi; r0 += kBlock) {
+        const int64_t rows = std::min<int64_t>(kBlock, hi - r0);
+        for (int g = 0; g < nq; g += kGroup) {
+            dots_group(std::min(kGroup, nq - g), x + r0 * d, rows, d, q + (int64_t)g * d, scores.data() + (int64_t)g * kBlock,
+                       kBlock);
+        }
+        for (int b = 0; b < nq; ++b) {
+            float* s = scores.data() + (int64_t)b * kBlock;
+            if (sq_norms != nullptr) {
+                for (int64_t r = 0; r < rows; ++r) s[r] = 2.0f * s[r] - sq_norms[r0 + r];
+            }
+            tops[b].offer(s, rows, r0);
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// x: [n, d] float16 bits, q: [nq, d] float32, sq_norms: [n] |x|^2 for L2 or NULL for inner product.
+// out_ids / out_scores: [nq, k], best first; -1 / -inf where n < k. threads: row ranges scanned in parallel.
+// Returns 0, or -1 on bad arguments.
+int fp16_topk(const uint16_t* x, int64_t n, int d, const float* q, int nq, const float* sq_norms, int64_t k,
+              int threads, int64_t* out_ids, float* out_scores) {
+    if (n < 0 || d <= 0 || nq < 0 || k <= 0 || threads <= 0) return -1;
+    for (int64_t i = 0; i < (int64_t)nq * k; ++i) {
+        out_ids[i] = -1;
+        out_scores[i] = -INFINITY;
+    }
+    if (n == 0 || nq == 0) return 0;
+    // Each thread scans a range of at least 64 K rows with its own top-k, merged at the end.
+    const int64_t min_rows = 65536;
+    int parts = (int)std::max<int64_t>(1, std::min<int64_t>(threads, n / min_rows));
+    std::vector<std::vector<TopK>> tops(parts, std::vector<TopK>(nq, TopK(k)));
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(parts) schedule(static, 1) if (parts > 1)
+#endif
+    for (int p = 0; p < parts; ++p) {
+        const int64_t lo = n * p / parts, hi = n * (p + 1) / parts;
+        scan_range(x, lo, hi, d, q, nq, sq_norms, tops[p]);
+    }
+    for (int b = 0; b < nq; ++b) {
+        TopK& t = tops[0][b];
+        for (int p = 1; p < parts; ++p) {
+            t.buf.insert(t.buf.end(), tops[p][b].buf.begin(), tops[p][b].buf.end());
+        }
+        t.finish();
+        for (size_t i = 0; i < t.buf.size(); ++i) {
+            out_ids[(int64_t)b * k + i] = t.buf[i].id;
+            out_scores[(int64_t)b * k + i] = t.buf[i].score;
+        }
+    }
+    return 0;
+}
+
+// The instruction set this library was compiled for.
+const char* fp16_isa() {
+#if defined(__AVX512F__)
+    return "avx512";
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+    return "avx2";
+#else
+    return "scalar";
+#endif
+}
+
+}  // extern "C"

@@ -147,7 +147,7 @@ class ServedKnn:
         reply = self.client.generate(prompt_tokens=[int(t) for t in prompt], max_new_tokens=max_new,
                                      ignore_eos=True, knnlm=req, timeout=900)
         st = reply.stats.knnlm
-        return list(reply.token_ids), {**{f: getattr(st, f) for f in STAT_FIELDS}, "overlapped": 0,
+        return list(reply.token_ids), {**{f: getattr(st, f) for f in STAT_FIELDS}, "overlapped": st.overlapped,
                                        "strides": list(st.strides)}
 
     def close(self) -> None:

@@ -25,7 +25,7 @@ from types import ModuleType
 
 import torch
 
-from ragcore.machine import X86_LEVELS, best_level, cpu_info
+from ragcore.machine import X86_LEVELS, best_level, cpu_info, prebuild_levels
 from ragcore.model_files import ragserve_home
 
 log = logging.getLogger(__name__)
@@ -133,14 +133,8 @@ def kernel() -> ModuleType | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description="Compile the CPU kernels (block-quantized linears, fused lean forward) "
                                  "into $RAGSERVE_HOME/kernels and print the instruction set they use.")
-    ap.add_argument("--prebuild", default="", help=f"comma list of x86-64 levels to build for any CPU of that level "
-                    f"instead of this CPU ({', '.join(LEVELS)}; container images)")
-    args = ap.parse_args()
+    levels = prebuild_levels(ap, LEVELS)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    levels = [lvl for lvl in args.prebuild.split(",") if lvl]
-    bad = [lvl for lvl in levels if lvl not in LEVELS]
-    if bad:
-        ap.error(f"--prebuild: unknown level(s) {bad}; one of {', '.join(LEVELS)}")
     for level in levels:
         print(f"CPU kernels for {level}: {build(level).isa()} ({build_dir(level)})")
     if not levels:

@@ -61,6 +61,17 @@ SEARCH_DECAY = 0.95
 
 
 MAX_PROBE = 64  # rounds between probes at most: costs drift (load, a KB growing), a probe must still come
+# A speculative arm replaces RaLMSeq's steps only when it measured at least this much cheaper per committed step.
+# Rounds' costs scatter by ~10 % (a prefill landing in one, the other process on the cores), so the cheapest mean
+# was often a speculative arm by chance: at 1 M passages with the float16 scan kernel, config A (async arm vs
+# sequential steps) ran a third of its rounds async and came out at 0.90x RaLMSeq.
+SWITCH_MARGIN = 0.05
+# A losing arm measured more than this factor of the winner's cost is probed only once the probe interval has
+# reached MAX_PROBE: a probe costs the arm's excess (at 1 M passages an async probe round ran 0.25 s per step
+# against 0.10 for sequential steps, and a wrong guess in it re-prefills a passage), and an arm that far behind
+# rarely turns out cheaper. Measured, config A at 1 M (arms async, sync, sequential): its probes while the interval
+# doubled from 4 were most of its 10 % loss to RaLMSeq over 8 requests.
+FAR_BEHIND = 1.25
 
 
 @dataclass
@@ -246,7 +257,11 @@ class RoundGate:
     def _winner(self) -> str | None:
         if any(not self.costs[a] for a in self.arms):
             return None
-        return min(self.arms, key=lambda a: self.mean(a))  # ties: the earlier arm
+        best = min(self.arms, key=lambda a: self.mean(a))  # ties: the earlier arm
+        if SEQUENTIAL in self.arms and best != SEQUENTIAL \
+                and self.mean(best) > (1.0 - SWITCH_MARGIN) * self.mean(SEQUENTIAL):
+            return SEQUENTIAL  # within the noise of RaLMSeq's own cost: keep RaLMSeq's steps
+        return best
 
     def choose(self) -> str:
         if self.retrieval_too_cheap():
@@ -258,10 +273,14 @@ class RoundGate:
             return unmeasured[0]
         best = self._winner()
         if len(self.arms) > 1 and self.schedule.tick(best):
-            others = [a for a in self.arms if a != best]
-            self.exploring = True
-            return others[(self.schedule.probes - 1) % len(others)]
+            others = [a for a in self.arms if a != best and self._worth_probing(a, best)]
+            if others:
+                self.exploring = True
+                return others[(self.schedule.probes - 1) % len(others)]
         return best
+
+    def _worth_probing(self, arm: str, best: str) -> bool:
+        return self.schedule.probe >= MAX_PROBE or self.mean(arm) <= FAR_BEHIND * self.mean(best)
 
     def change_waste(self, prefill_s: float) -> float:
         """Expected seconds thrown away by acting on a guessed passage change (its prefill, when wrong)."""

@@ -41,3 +41,16 @@ def best_level(levels) -> str:
     """The first of `levels` (names of X86_LEVELS, best first) this CPU runs, or '' (none of them, or not x86)."""
     flags = set(cpu_info()[1])
     return next((lvl for lvl in levels if flags.issuperset(X86_LEVELS[lvl])), "")
+
+
+def prebuild_levels(ap, levels) -> list[str]:
+    """Add --prebuild (a comma list of `levels`) to the argparse parser `ap`, parse, and return the levels asked
+    for (the parser exits naming unknown ones); [] = build for this CPU."""
+    ap.add_argument("--prebuild", default="", help=f"comma list of x86-64 levels to build for any CPU of that level "
+                    f"instead of this CPU ({', '.join(levels)}; container images)")
+    args = ap.parse_args()
+    asked = [lvl for lvl in args.prebuild.split(",") if lvl]
+    bad = [lvl for lvl in asked if lvl not in levels]
+    if bad:
+        ap.error(f"--prebuild: unknown level(s) {bad}; one of {', '.join(levels)}")
+    return asked

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from ragcore.encoder import METRICS
-from ragcore.machine import best_level, cpu_info
+from ragcore.machine import best_level, cpu_info, prebuild_levels
 from ragcore.model_files import ragserve_home
 
 log = logging.getLogger(__name__)
@@ -156,14 +156,7 @@ def open_scan(vectors: np.ndarray, metric: str) -> Fp16Scan | None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prebuild", default="", help=f"comma list of x86-64 levels to build for any CPU of that level "
-                    f"instead of this CPU ({', '.join(PREBUILT)}; container images)")
-    args = ap.parse_args()
-    levels = [lvl for lvl in args.prebuild.split(",") if lvl]
-    bad = [lvl for lvl in levels if lvl not in PREBUILT]
-    if bad:
-        ap.error(f"--prebuild: unknown level(s) {bad}; one of {', '.join(PREBUILT)}")
+    levels = prebuild_levels(argparse.ArgumentParser(description=__doc__.splitlines()[0]), PREBUILT)
     for level in levels:
         print(f"float16 scan kernel for {level}: {load(level).fp16_isa().decode()} ({build_dir(level)})")
     if levels:
@@ -171,7 +164,7 @@ def main() -> None:
     lib = library()
     if lib is None:
         raise SystemExit("float16 scan kernel: not built (see the warning above)")
-    print(f"float16 scan kernel: {lib.fp16_isa().decode()} ({build_dir()})")
+    print(f"float16 scan kernel: {lib.fp16_isa().decode()} ({lib._name})")
 
 
 if __name__ == "__main__":

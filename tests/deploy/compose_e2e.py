@@ -45,7 +45,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from generation_service.client import GenerationClient
 from generation_service.q4_kernel import cpu_level
 from proto import draft_pb2, draft_pb2_grpc, generation_pb2
+from ragcore.machine import best_level
 from ragcore.wire import pack_tokens
+from retrieval_service.knowledge import fp16_scan
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGES = {"retrieval": ("Dockerfile.retrieval", "ragserve-retrieval:latest"),
@@ -287,6 +289,13 @@ def check_stack(stack: Stack, report: Report) -> dict:
             "prebuilt-" + level in worker.kernels and worker.fused == (worker.dtype in ("fp32", "q4_1", "q4_1_bf16"))),
             f"host level {level or 'none'}; kernels {worker.kernels or 'none'}; dtype {worker.dtype}, "
             f"fused {worker.fused}")
+        # The retrieval image has no compiler: exact search over float16 vectors needs its prebuilt kernel.
+        scan_level = best_level(fp16_scan.PREBUILT)
+        p = stack("exec", "-T", "retrieval", "python", "-m", "retrieval_service.knowledge.fp16_scan", timeout=120,
+                  check=False)
+        report.check("retrieval loaded the image's prebuilt float16 scan kernel", (not scan_level) or (
+            p.returncode == 0 and f"/data/kernels/fp16scan-{scan_level}-" in p.stdout),
+            f"host level {scan_level or 'none'}; {(p.stdout or p.stderr).strip().splitlines()[-1:]}")
         params = dict(max_new_tokens=48, ignore_eos=True)
         t0 = time.monotonic()
         ar = client.generate(CODE_PROMPT, decoding="ar", timeout=RPC_TIMEOUT_S, **params)

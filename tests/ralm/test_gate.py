@@ -24,6 +24,13 @@ def measured(arms, costs, probe=4):
     ((ASYNC, SYNC, SEQUENTIAL), {SEQUENTIAL: 0.01, ASYNC: 0.5}, SYNC),
     # One arm only: always it.
     ((SYNC,), {}, SYNC),
+    # Speculation measured 3 % cheaper, within the rounds' noise: RaLMSeq's steps. Not sync.
+    ((SYNC, SEQUENTIAL), {SEQUENTIAL: 0.100, SYNC: 0.097}, SEQUENTIAL),
+    ((ASYNC, SYNC, SEQUENTIAL), {SEQUENTIAL: 0.100, SYNC: 0.099, ASYNC: 0.097}, SEQUENTIAL),
+    # 6 % cheaper: beyond the margin, speculation.
+    ((SYNC, SEQUENTIAL), {SEQUENTIAL: 0.100, SYNC: 0.094}, SYNC),
+    # Without a sequential arm there is no baseline to prefer: the cheapest.
+    ((ASYNC, SYNC), {SYNC: 0.100, ASYNC: 0.099}, ASYNC),
 ])
 def test_choice(arms, costs, want):
     assert measured(arms, costs).choose() == want
@@ -58,7 +65,7 @@ def test_pooled_costs_weigh_rounds_by_their_steps():
 
 
 def test_probes_double_while_the_winner_holds_and_rotate_over_the_losers():
-    gate = measured((ASYNC, SYNC, SEQUENTIAL), {SEQUENTIAL: 0.01, SYNC: 0.2, ASYNC: 0.3}, probe=2)
+    gate = measured((ASYNC, SYNC, SEQUENTIAL), {SEQUENTIAL: 0.01, SYNC: 0.011, ASYNC: 0.012}, probe=2)
     picks = [gate.choose() for _ in range(12)]
     # 2 winners, a probe (async), 4 winners, a probe (sync), then the interval is 8
     assert picks == [SEQUENTIAL, SEQUENTIAL, ASYNC, SEQUENTIAL, SEQUENTIAL, SEQUENTIAL, SEQUENTIAL, SYNC,
@@ -66,10 +73,10 @@ def test_probes_double_while_the_winner_holds_and_rotate_over_the_losers():
 
 
 def test_a_new_winner_resets_the_probe_interval():
-    gate = measured((SYNC, SEQUENTIAL), {SEQUENTIAL: 0.01, SYNC: 0.2}, probe=1)
+    gate = measured((SYNC, SEQUENTIAL), {SEQUENTIAL: 0.01, SYNC: 0.012}, probe=1)
     assert [gate.choose() for _ in range(3)] == [SEQUENTIAL, SYNC, SEQUENTIAL]  # interval now 2
     for _ in range(5):
-        gate.record(SYNC, 0.001)  # the cache started guessing right: speculation wins now
+        gate.record(SYNC, 0.009)  # the cache started guessing right: speculation wins now
     assert [gate.choose() for _ in range(3)] == [SYNC, SEQUENTIAL, SYNC]  # probed after 1 again, Not after 2
 
 
@@ -77,7 +84,7 @@ def test_cache_wanted_only_before_speculation():
     gate = RoundGate((SYNC, SEQUENTIAL), window=5, probe=2)
     assert gate.cache_wanted()  # no verdict yet
     gate.record(SEQUENTIAL, 0.03)
-    gate.record(SYNC, 0.30)
+    gate.record(SYNC, 0.033)
     wanted = []
     for _ in range(5):
         if gate.choose() == SEQUENTIAL:
@@ -99,7 +106,7 @@ def test_exploring_marks_measuring_rounds_only():
         arm = gate.choose()
         seen.append((arm, gate.exploring))
         if arm == SYNC:
-            gate.record(SYNC, 0.2)
+            gate.record(SYNC, 0.012)
     # sync not measured yet, then the winner, a probe of sync, the winner again
     assert seen == [(SYNC, True), (SEQUENTIAL, False), (SYNC, True), (SEQUENTIAL, False)]
 
@@ -121,7 +128,7 @@ def test_a_new_request_starts_from_the_workers_pooled_costs():
 def test_requests_of_a_worker_share_one_probe_schedule():
     shared = SharedRoundCosts()
     shared.add("k", SEQUENTIAL, 0.01)
-    shared.add("k", SYNC, 0.2)
+    shared.add("k", SYNC, 0.011)
     picks = []
     for _ in range(4):  # four short requests of 3 rounds each
         gate = RoundGate((SYNC, SEQUENTIAL), probe=2, shared=shared, key="k")
@@ -129,6 +136,24 @@ def test_requests_of_a_worker_share_one_probe_schedule():
     # probes after 2, then 4 more winning rounds across requests; Not a probe in every request
     assert picks == [SEQUENTIAL, SEQUENTIAL, SYNC, SEQUENTIAL, SEQUENTIAL, SEQUENTIAL, SEQUENTIAL, SYNC,
                      SEQUENTIAL, SEQUENTIAL, SEQUENTIAL, SEQUENTIAL]
+
+
+# (cost of sync relative to sequential, rounds until the first probe of sync)
+FAR_CASES = [
+    (1.2, 3),    # within FAR_BEHIND: probed after 2 winning rounds
+    (3.0, 67),   # far behind: the probes due at rounds 3, 8, 17 and 34 are skipped; the one that doubles the
+                 # interval to MAX_PROBE is not
+]
+
+
+@pytest.mark.parametrize("ratio, first_probe", FAR_CASES)
+def test_arms_far_behind_are_probed_only_at_the_longest_interval(ratio, first_probe):
+    from generation_service.ralm_gate import MAX_PROBE
+
+    gate = measured((SYNC, SEQUENTIAL), {SEQUENTIAL: 0.01, SYNC: 0.01 * ratio}, probe=2)
+    picks = [gate.choose() for _ in range(MAX_PROBE + 40)]
+    assert picks.index(SYNC) + 1 == first_probe  # Not after 3 rounds when it is 3x the winner's cost
+    assert gate.schedule.probe == MAX_PROBE or ratio < 1.25
 
 
 def test_probe_interval_is_capped():

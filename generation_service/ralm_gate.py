@@ -48,11 +48,13 @@ SEQUENTIAL, SYNC, ASYNC = "sequential", "sync", "async"
 CHANGE_DECAY = 0.95  # weight of the old change-guess counts per new guess: the guesses' accuracy may drift
 ARMS = (ASYNC, SYNC, SEQUENTIAL)
 # Below this share of a sequential step's wall time in its search (RagParams.min_search_share's default),
-# RaLMSpec runs RaLMSeq's steps without measuring the other arms: speculation can at most hide the search, and
-# its rollbacks and the searches beside the model's steps cost more than that. Measured through the services at
-# 400 K passages, 8 questions: adr and sr (searches 4-6 % of B's latency) 0.95-1.08x of RaLMSeq by config while the
-# gate kept trying speculation.
-MIN_SEARCH_SHARE = 0.1
+# RaLMSpec runs RaLMSeq's steps without measuring the other arms: speculation can at most hide the search (less:
+# a batched verification costs about two single searches with the float16 scan kernel), and its rollbacks, the
+# searches beside the model's steps and the gate's own probes cost more than that. Measured through the services,
+# 8 questions per cell, Sapphire Rapids: at 400 K passages adr and sr (searches 4-6 % of B) 0.95-1.08x of RaLMSeq
+# while the gate kept trying speculation; with a floor of 0.1, adr at 1 M (10 %) 0.93-0.99x and edr at 100 K
+# (15 %) 0.99-1.02x, where nothing was gained.
+MIN_SEARCH_SHARE = 0.2
 # Sequential steps the share is taken over (and the pooled share's decay per step): a step that prefills a new
 # passage takes ten times one that does not, so over 5 steps an HNSW search at 100 K passages (~5 ms beside
 # ~45 ms steps) was 4 % or 11 % of them depending on whether a prefill fell in the window.

@@ -257,6 +257,7 @@ def test_prefill_slowdown(round_ms, round_tokens, base_ms, base_tokens, want):
     # alone are 11 %: Not sync
     ((SYNC, SEQUENTIAL), [(0.005, 0.45)] + [(0.005, 0.045)] * 6, SEQUENTIAL, False),
     ((SYNC, SEQUENTIAL), [(0.12, 0.25)] * 3, SYNC, True),                 # edr at 400 K: 48 %
+    ((SYNC, SEQUENTIAL), [(0.015, 0.10)] * 3, SEQUENTIAL, False),         # edr at 100 K: 15 %; Not sync
     ((SYNC, SEQUENTIAL), [], SYNC, True),                                 # nothing measured: the costs decide
     ((SYNC,), [(0.006, 0.13)] * 3, SYNC, True),                           # one arm (adaptive off): as configured
 ])

@@ -15,11 +15,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <thread>
 #include <vector>
-
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 namespace {
 
@@ -209,13 +206,13 @@ int fp16_topk(const uint16_t* x, int64_t n, int d, const float* q, int nq, const
     const int64_t min_rows = 65536;
     int parts = (int)std::max<int64_t>(1, std::min<int64_t>(threads, n / min_rows));
     std::vector<std::vector<TopK>> tops(parts, std::vector<TopK>(nq, TopK(k)));
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(parts) schedule(static, 1) if (parts > 1)
-#endif
-    for (int p = 0; p < parts; ++p) {
-        const int64_t lo = n * p / parts, hi = n * (p + 1) / parts;
-        scan_range(x, lo, hi, d, q, nq, sq_norms, tops[p]);
+    // Plain threads, not OpenMP: the library then needs no libgomp, which the retrieval image (no compiler) lacks.
+    std::vector<std::thread> pool;
+    for (int p = 1; p < parts; ++p) {
+        pool.emplace_back([&, p] { scan_range(x, n * p / parts, n * (p + 1) / parts, d, q, nq, sq_norms, tops[p]); });
     }
+    scan_range(x, 0, n / parts, d, q, nq, sq_norms, tops[0]);
+    for (std::thread& t : pool) t.join();
     for (int b = 0; b < nq; ++b) {
         TopK& t = tops[0][b];
         for (int p = 1; p < parts; ++p) {

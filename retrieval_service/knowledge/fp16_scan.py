@@ -35,7 +35,10 @@ from ragcore.model_files import ragserve_home
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("fp16_scan.cpp")
-_FLAGS = ("-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+# libstdc++ and libgcc linked in: the library must load in the retrieval image, which has neither a compiler nor
+# g++'s runtime libraries.
+_FLAGS = ("-O3", "-fno-math-errno", "-pthread", "-shared", "-fPIC", "-std=c++17", "-static-libstdc++",
+          "-static-libgcc")
 # Levels the container image prebuilds (`--prebuild`): the AVX-512 and the AVX2 + F16C code paths.
 PREBUILT = ("x86-64-v4", "x86-64-v3")
 _I64P = ctypes.POINTER(ctypes.c_int64)

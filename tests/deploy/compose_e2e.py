@@ -295,7 +295,7 @@ def check_stack(stack: Stack, report: Report) -> dict:
                   check=False)
         report.check("retrieval loaded the image's prebuilt float16 scan kernel", (not scan_level) or (
             p.returncode == 0 and f"/data/kernels/fp16scan-{scan_level}-" in p.stdout),
-            f"host level {scan_level or 'none'}; {(p.stdout or p.stderr).strip().splitlines()[-1:]}")
+            f"host level {scan_level or 'none'}; {(p.stdout + p.stderr).strip().splitlines()[-2:]}")
         params = dict(max_new_tokens=48, ignore_eos=True)
         t0 = time.monotonic()
         ar = client.generate(CODE_PROMPT, decoding="ar", timeout=RPC_TIMEOUT_S, **params)

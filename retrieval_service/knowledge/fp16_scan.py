@@ -69,6 +69,7 @@ def build(march: str = "native") -> Path:
     try:
         subprocess.run([compiler, *_FLAGS, f"-march={march}", str(_SOURCE), "-o", tmp], check=True,
                        capture_output=True, text=True)
+        os.chmod(tmp, 0o755)  # mkstemp's 0600 would hide a prebuilt copy from the image's non-root user
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):

@@ -53,6 +53,8 @@ FLAG_HELP = {
                        "prefill_chunk-aligned part) skips that prefill; 0 = off",
     "stream_interval_ms": "a stream sends its tokens at most this often, ms (first token and end at once, tokens in "
                           "between together); 0 = a message per step",
+    "follow_wait_ms": "after a request finishes, the next pass waits up to this long for its replacement while "
+                      "clients have been sending their next request as a reply ends (closed loops); 0 = never",
     "queue_size": "requests that may wait for a batch slot; more get RESOURCE_EXHAUSTED",
     "max_concurrent_rpcs": "RPCs in flight before gRPC answers RESOURCE_EXHAUSTED (0 = unlimited)",
     "workers": "gRPC handler threads",
@@ -137,6 +139,9 @@ class GenerationConfig(config_util.ShellConfig):
     kv_cache_dtype: str = "auto"
     prefix_cache_mb: int = 512
     stream_interval_ms: float = 25.0
+    # A closed-loop client's next request lands just after the next pass started and would wait all of it for its
+    # first token; follow_wait_ms holds that pass for it (engine/admission.py).
+    follow_wait_ms: float = 8.0
     queue_size: int = 64
     max_concurrent_rpcs: int = 64
     workers: int = 32
@@ -194,5 +199,7 @@ class GenerationConfig(config_util.ShellConfig):
             raise ValueError(f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
         if self.stream_interval_ms < 0:
             raise ValueError(f"stream_interval_ms: {self.stream_interval_ms} must be >= 0 (0 = every step)")
+        if self.follow_wait_ms < 0:
+            raise ValueError(f"follow_wait_ms: {self.follow_wait_ms} must be >= 0 (0 = never)")
         if self.prefix_cache_mb < 0:
             raise ValueError(f"prefix_cache_mb: {self.prefix_cache_mb} must be >= 0 (0 = off)")

@@ -49,6 +49,7 @@ import torch
 from generation_service import metrics
 from generation_service.calibrate import ModelThread
 from generation_service.draft_budget import SharedCalibration, batch_sizes
+from generation_service.engine.admission import FollowWait
 from generation_service.engine.draft_gate import LOCAL, NONE, REMOTE, DraftGate
 from generation_service.engine.effects import EffectRun, Emit, Pass, on_done
 from generation_service.engine.prefix_cache import PrefixCache
@@ -166,7 +167,8 @@ class Engine:
                  drafter: Callable[[object], object], loop: Callable[[object], object],
                  learn: Callable[[np.ndarray, list[int]], None] | None = None,
                  model_thread: ModelThread | None = None, threads: ThreadGovernor | None = None,
-                 acceptance_path: Path | None = None, prefix_cache_mb: int = 0, stream_interval_ms: float = 0.0):
+                 acceptance_path: Path | None = None, prefix_cache_mb: int = 0, stream_interval_ms: float = 0.0,
+                 follow_wait_ms: float = 0.0):
         """drafter(job): the job's Drafter (None = AR); loop(job): the request of a RAG / kNN-LM job (an object with
         effects(), final_chunk() and chunk: ralm.RagRequest, knnlm.KnnRequest); learn(prompt, completion): called
         (on a helper thread) for finished jobs that asked to learn; threads: picks torch's intra-op threads per
@@ -175,7 +177,9 @@ class Engine:
         memory for prompts' KV rows kept for later requests with the same prompt (engine/prefix_cache.py; 0 = off,
         and off without the lean forward, whose cache layout it copies); stream_interval_ms: a stream's chunks are
         handed to its gRPC thread at most this often (its first token and its final chunk at once; tokens decoded
-        in between go out merged with the next), 0 = every step's tokens at once."""
+        in between go out merged with the next), 0 = every step's tokens at once; follow_wait_ms: after a request
+        finishes, how long the next pass may wait for its replacement while clients run closed loops
+        (engine/admission.py; 0 = never)."""
         self.tm = tm
         self.threads = threads
         self._idle = IdleMeter() if threads is not None else None
@@ -184,6 +188,7 @@ class Engine:
         self.kv_budget_rows = max(1, int(kv_cache_mb) * (1 << 20) // kv_bytes_per_row(tm))
         self.jobs: "queue.Queue" = queue.Queue(maxsize=queue_size)
         self.stream_interval_s = max(0.0, stream_interval_ms) / 1e3
+        self.follow = FollowWait(max(0.0, follow_wait_ms) / 1e3)
         self.prefix_cache = (PrefixCache(int(prefix_cache_mb) << 20, self.prefill_chunk)
                              if prefix_cache_mb > 0 and tm.lean is not None else None)
         self._drafter, self._loop_request, self._learn = drafter, loop, learn
@@ -310,12 +315,23 @@ class Engine:
         while len(self.running) < self.max_batch and not self._stop.is_set():
             job = self._waiting
             if job is None:
+                hold = 0.0 if block and not self.running else self.follow.remaining(time.monotonic())
                 try:
-                    job = self.jobs.get(timeout=0.5) if block and not self.running else self.jobs.get_nowait()
+                    if block and not self.running:
+                        job = self.jobs.get(timeout=0.5)
+                    elif hold > 0:
+                        t = time.perf_counter()
+                        try:
+                            job = self.jobs.get(timeout=hold)
+                        finally:
+                            self.follow.held_s += time.perf_counter() - t
+                    else:
+                        job = self.jobs.get_nowait()
                 except queue.Empty:
                     return
                 if job is None:
                     return
+                self.follow.arrived(job.submitted)
             rows = job_kv_rows(self.tm, job)
             if self.running and self._kv_used + rows > self.kv_budget_rows:
                 self._waiting = job  # first come, first served: later jobs wait behind it
@@ -460,6 +476,8 @@ class Engine:
                 log.info("engine: threads after %d passes: %s", self.passes, self.threads.report())
             if self.prefix_cache is not None:
                 log.info("engine: prefix cache after %d passes: %s", self.passes, self.prefix_cache.stats())
+            if self.follow.gaps:
+                log.info("engine: arrivals after %d passes: %s", self.passes, self.follow.report())
         self.peak_batch = max(self.peak_batch, len(segments))
         emitted = 0
         greedy = [r.req.sampler.greedy for r in decoding]
@@ -588,6 +606,7 @@ class Engine:
         if run in self.running:
             self.running.remove(run)
             self._kv_used -= run.kv_rows
+            self.follow.finished(time.monotonic())
         for slot, user in enumerate(self._slot_users):
             if user is run:
                 self._slot_users[slot] = None

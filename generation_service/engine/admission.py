@@ -1,0 +1,75 @@
+"""Whether to hold the next pass a few ms for a request about to arrive: closed-loop clients.
+
+A pass starts as soon as the previous one ended. A client that sends its next request the moment its reply ends
+(a load test's users, a benchmark's closed loop, an agent or script calling in a loop) lands 1-3 ms into the next
+pass and waits all of it before its first token, even when its prompt is cached and that token needs no pass: on a
+2-core Zen 4 at 8 clients a pass takes 17-20 ms, and TTFT p95 there was 4.1x the solo one (29 ms against 7). The
+engine used to absorb those arrivals by accident: a finish moved another request's KV (~3 ms) before the next
+pass, and the concurrency records before and after that move was dropped show TTFT p50 at 8 clients going from
+7-8 ms to 20-28 ms (Zen 4 and Sapphire Rapids).
+
+So after a request finishes, the engine may wait up to `wait_s` for its replacement before the next pass — only
+while arrivals have been following finishes: the median gap between an arrival and the finish just before it,
+over the last `window` arrivals, is within EVIDENCE_FACTOR x `wait_s`. Open-loop traffic at a moderate rate
+(arrivals unrelated to finishes) has longer a finish whose replacement came (or whose window passed) is not waited for again. The cost is at most `wait_s`
+per finished request; measured on the Zen 4 at 8 closed-loop clients with 8 ms: 0.5 s held in 100 s of cells,
+TTFT p50 16-20 ms -> 4 ms and p95 22-48 -> 20 ms, and no throughput lost (a replacement that joins the next pass
+fills the batch one pass sooner).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+MIN_EVIDENCE = 4  # arrivals seen after finishes before any wait
+# A closed loop's gap is measured while the next pass runs on every core, which delays the client's reply handling
+# and its next call (at 8 clients on 2 cores: a median of 5-10 ms, against 2-3 ms at 2 clients); held, the cores
+# are free and the call comes sooner. So the evidence allows gaps of a few holds.
+EVIDENCE_FACTOR = 3.0
+
+
+@dataclass
+class FollowWait:
+    wait_s: float  # longest hold after a finish (0 = never hold)
+    window: int = 16  # arrivals whose gaps decide
+    gaps: deque = field(default_factory=deque)  # seconds from the latest finish to each arrival after it
+    owed: int = 0  # finishes in the current hold whose replacement has not arrived
+    deadline: float = 0.0  # end of the current hold
+    last_finish: float | None = None
+    held_s: float = 0.0  # total time passes were held (stats)
+
+    def finished(self, t: float) -> None:
+        """A request left the batch at time t (time.monotonic())."""
+        if t >= self.deadline:
+            self.owed = 0
+        self.owed += 1
+        self.deadline = t + self.wait_s
+        self.last_finish = t
+
+    def arrived(self, submitted: float) -> None:
+        """A job submitted at `submitted` (time.monotonic()) was taken from the queue."""
+        if self.last_finish is not None and submitted >= self.last_finish:
+            self.gaps.append(submitted - self.last_finish)
+            while len(self.gaps) > self.window:
+                self.gaps.popleft()
+        self.owed = max(0, self.owed - 1)
+
+    def closed_loop(self) -> bool:
+        """Arrivals have been following finishes within wait_s (median of the last `window` gaps)."""
+        if self.wait_s <= 0 or len(self.gaps) < MIN_EVIDENCE:
+            return False
+        return sorted(self.gaps)[len(self.gaps) // 2] <= EVIDENCE_FACTOR * self.wait_s
+
+    def remaining(self, now: float) -> float:
+        """Seconds to hold the next pass for an arrival (0 = start it now)."""
+        if self.owed == 0 or now >= self.deadline:
+            self.owed = 0
+            return 0.0
+        return self.deadline - now if self.closed_loop() else 0.0
+
+    def report(self) -> str:
+        med = sorted(self.gaps)[len(self.gaps) // 2] * 1e3 if self.gaps else float("nan")
+        return (f"median finish-to-arrival gap {med:.1f} ms over {len(self.gaps)} arrivals, "
+                f"{'holding' if self.closed_loop() else 'not holding'} up to {self.wait_s * 1e3:.1f} ms; "
+                f"held {self.held_s:.2f} s in all")

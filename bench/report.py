@@ -237,7 +237,10 @@ def knnlm(name: str, d: dict) -> str:
     ppl = d.get("perplexity", {})
     n = d.get("datastore", {}).get("n")
     served = d.get("knnlm_over")
-    extra = (f"Through the services ({served}); worker {d['setup']['served']['dtype']}, "
+    m = d.get("machine") or {}
+    extra = (f"**{m['cpu']} ({' '.join(m.get('cpu_flags', []))}), {m.get('cores', '?')} cores.** "
+             if m.get("cpu") else "") + \
+        (f"Through the services ({served}); worker {d['setup']['served']['dtype']}, "
              f"{d['setup']['served']['threads']} threads. " if served else "") + \
         (f"Datastore {n:,} entries. " if n else "") + \
         f"Held-out perplexity: LM {_f(ppl.get('lm'))}, kNN-LM {_f(ppl.get('knnlm'))}. " + \
@@ -343,7 +346,7 @@ TABLES: dict[str, tuple[list[str], Callable[[str, dict], str]]] = {
     "kb": (["kb.json"] + sorted(p.name for p in RESULTS.glob("kb-*.json")), kb),
     "ralm": (["ralm.json"], ralm),
     "ralm-curve": (["ralm-curve.json"], ralm_curve),
-    "knnlm": (["knnlm.json", "knnlm-q4_1.json", "knnlm-served.json"], knnlm),
+    "knnlm": (["knnlm.json", "knnlm-q4_1.json", "knnlm-served.json", "knnlm-served-zen4.json"], knnlm),
     "load": (["load.json"], load),
 }
 

@@ -275,15 +275,16 @@ def test_stream_interval_merges_chunks_and_loses_nothing(tm32, interval_ms, stre
         assert sizes == [len(want)]
 
 
+@pytest.mark.parametrize("name", ["stream_interval_ms", "follow_wait_ms"])
 @pytest.mark.parametrize("value, ok", [(0.0, True), (25.0, True), (-1.0, False)])
-def test_stream_interval_setting(value, ok):
+def test_engine_ms_settings(name, value, ok):
     from generation_service.config import GenerationConfig
 
     if ok:
-        assert GenerationConfig(stream_interval_ms=value).stream_interval_ms == value
+        assert getattr(GenerationConfig(**{name: value}), name) == value
     else:  # Not accepted silently: the error names the setting
-        with pytest.raises(ValueError, match="stream_interval_ms"):
-            GenerationConfig(stream_interval_ms=value)
+        with pytest.raises(ValueError, match=name):
+            GenerationConfig(**{name: value})
 
 
 class _WeakChains:

@@ -315,11 +315,10 @@ class Engine:
         while len(self.running) < self.max_batch and not self._stop.is_set():
             job = self._waiting
             if job is None:
-                hold = 0.0 if block and not self.running else self.follow.remaining(time.monotonic())
                 try:
                     if block and not self.running:
                         job = self.jobs.get(timeout=0.5)
-                    elif hold > 0:
+                    elif (hold := self.follow.remaining(time.monotonic())) > 0:  # a closed-loop client's next call
                         t = time.perf_counter()
                         try:
                             job = self.jobs.get(timeout=hold)

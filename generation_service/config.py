@@ -53,8 +53,8 @@ FLAG_HELP = {
                        "prefill_chunk-aligned part) skips that prefill; 0 = off",
     "stream_interval_ms": "a stream sends its tokens at most this often, ms (first token and end at once, tokens in "
                           "between together); 0 = a message per step",
-    "follow_wait_ms": "after a request finishes, the next pass waits up to this long for its replacement while "
-                      "clients have been sending their next request as a reply ends (closed loops); 0 = never",
+    "follow_wait_ms": "ms the pass after a finished request waits for the client's next one while clients run "
+                      "closed loops; 0 = never",
     "queue_size": "requests that may wait for a batch slot; more get RESOURCE_EXHAUSTED",
     "max_concurrent_rpcs": "RPCs in flight before gRPC answers RESOURCE_EXHAUSTED (0 = unlimited)",
     "workers": "gRPC handler threads",

@@ -22,6 +22,18 @@ namespace {
 
 constexpr int kGroup = 8;     // queries multiplied with one widened row chunk
 constexpr int kBlock = 512;   // rows scored before a selection step (their halves stay in L2 for the next group)
+// Rows ahead whose lines are prefetched into L2, in address order. Without it a batch of 8 queries ran at a third of
+// the FMA rate on AMD Zen 4 (210 ms for 1 M x 576, 91 ms with the rows in L1): the arithmetic between lines leaves
+// too few misses in flight for the hardware prefetcher, which also loses track of rows read side by side.
+constexpr int kAhead = 32;
+
+// Prefetch of `rows` rows starting `kAhead` rows past x. A prefetch never faults, so the ones past the end of the
+// array at the end of a scan are harmless.
+inline void prefetch_ahead(const uint16_t* x, int rows, int d) {
+    const char* p = (const char*)(x + (int64_t)kAhead * d);
+    const int64_t bytes = (int64_t)rows * d * 2;
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+}
 
 inline float half_to_float(uint16_t h) {
 #if defined(__F16C__)
@@ -52,7 +64,8 @@ inline float half_to_float(uint16_t h) {
 #if defined(__AVX512F__)
 // R rows at a time: R x NB independent FMA chains keep both FMA ports busy (a single query needs several rows).
 template <int NB, int R>
-inline void dots_rows(const uint16_t* x, int d, int dv, const float* q, float* out, int64_t stride) {
+__attribute__((noinline))  // inlined into scan_range, GCC keeps the accumulators on the stack
+void dots_rows(const uint16_t* x, int d, int dv, const float* q, float* out, int64_t stride) {
     __m512 acc[R][NB];
     for (int i = 0; i < R; ++i)
         for (int b = 0; b < NB; ++b) acc[i][b] = _mm512_setzero_ps();
@@ -60,7 +73,10 @@ inline void dots_rows(const uint16_t* x, int d, int dv, const float* q, float* o
         __m512 v[R];
         for (int i = 0; i < R; ++i) v[i] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(x + (int64_t)i * d + j)));
         for (int b = 0; b < NB; ++b) {
-            const __m512 qv = _mm512_loadu_ps(q + (int64_t)b * d + j);
+            __m512 qv = _mm512_loadu_ps(q + (int64_t)b * d + j);
+            // One load per query chunk for the R rows: GCC would otherwise fold it into each FMA, and AMD Zen 4
+            // issues one 512-bit load per cycle, the same rate as its FMAs.
+            asm("" : "+v"(qv));
             for (int i = 0; i < R; ++i) acc[i][b] = _mm512_fmadd_ps(v[i], qv, acc[i][b]);
         }
     }
@@ -78,15 +94,20 @@ inline void dots_rows(const uint16_t* x, int d, int dv, const float* q, float* o
 template <int NB>
 void dots(const uint16_t* x, int64_t rows, int d, const float* q, float* out, int64_t stride) {
 #if defined(__AVX512F__)
-    constexpr int R = NB == 1 ? 1 : 2;  // more rows in flight measured slower: more streams, same bytes
+    // R x NB accumulators of 32 registers; 4 rows for up to 4 queries, 2 for more.
+    constexpr int R = NB == 1 ? 1 : (NB <= 4 ? 4 : 2);
     const int dv = d - d % 16;
     int64_t r = 0;
-    for (; r + R <= rows; r += R) dots_rows<NB, R>(x + r * d, d, dv, q, out + r, stride);
+    for (; r + R <= rows; r += R) {
+        prefetch_ahead(x + r * d, R, d);
+        dots_rows<NB, R>(x + r * d, d, dv, q, out + r, stride);
+    }
     for (; r < rows; ++r) dots_rows<NB, 1>(x + r * d, d, dv, q, out + r, stride);
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
     // 16 ymm registers: NB accumulators + one widened chunk, one row at a time.
     const int dv = d - d % 8;
     for (int64_t r = 0; r < rows; ++r) {
+        prefetch_ahead(x + r * d, 1, d);
         const uint16_t* x0 = x + r * d;
         __m256 a0[NB];
         for (int b = 0; b < NB; ++b) a0[b] = _mm256_setzero_ps();

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from generation_service.knnlm import NeighbourCache
 
@@ -93,3 +95,39 @@ def test_fill_many_keeps_the_latest_queries_when_full(ds):
     cache.fill_many([np.array([0]), np.array([10]), np.array([20])])
     # The last query's run (21..23) and the newest of the rest; not entries 1..3 of the first query.
     assert cache.cached_ids().tolist() == [11, 21, 22, 23]
+
+
+def reference_fill_order(runs: list[list[int]], next_n: int, size: int, capacity: int) -> list[int]:
+    """Brute force of the ids one fill_many keeps, in priority order: each query's successors ascending, latest
+    query first, an id once (at its latest query), the first `capacity` of them."""
+    order: list[int] = []
+    for r in reversed(runs):
+        for j in sorted({j + i for j in r for i in range(1, next_n + 1) if j + i < size}):
+            if j not in order:
+                order.append(j)
+    return order[:capacity]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rounds=st.lists(st.lists(st.lists(st.integers(0, 120), max_size=6), min_size=1, max_size=4),
+                       min_size=1, max_size=5),
+       next_n=st.integers(1, 5), capacity=st.integers(1, 24))
+def test_fill_many_matches_brute_force(ds, rounds, next_n, capacity):
+    """Rounds of fills against a brute-force model of the cache: which ids are kept, refreshed and evicted."""
+    cache = NeighbourCache(ds, next_n=next_n, capacity=capacity)
+    stamp: dict[int, int] = {}  # id -> last round that filled or refreshed it
+    for rnd, runs in enumerate(rounds, start=1):
+        wanted = reference_fill_order(runs, next_n, ds.size, capacity)
+        new = [j for j in wanted if j not in stamp]
+        stamp.update({j: rnd for j in wanted})
+        assert cache.fill_many([np.array(r, np.int64) for r in runs]) == len(new)
+        cached = cache.cached_ids().tolist()
+        assert set(wanted) <= set(cached)  # Not dropped: this round's ids always fit
+        assert len(cached) == min(capacity, len(stamp))
+        # Evicted ids are among the oldest stamps (ties between equally old entries may go either way).
+        for j in set(stamp) - set(cached):
+            assert stamp[j] <= min(stamp[c] for c in cached)
+        stamp = {j: stamp[j] for j in cached}
+    for s in np.flatnonzero(cache.ids >= 0):  # rows match the datastore
+        assert int(cache.values[s]) == int(ds.values[cache.ids[s]])
+        np.testing.assert_array_equal(cache.keys[s], np.asarray(ds.keys[cache.ids[s]], np.float32))

@@ -100,7 +100,7 @@ from generation_service.model import (
 from generation_service.q4_kernel import build_dir, kernel
 from generation_service.speculative import prefill, verify_tree
 from ragcore.files import write_json_atomic
-from ragcore.machine import cpu_info
+from ragcore.machine import cpu_info, usable_cores
 from ragcore.model_files import ragserve_home, resolve_model_dir
 
 log = logging.getLogger(__name__)
@@ -319,13 +319,6 @@ def candidate_dtypes(device: torch.device) -> list[str]:
     return list(DTYPES)
 
 
-def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # What the curves depend on
 
@@ -365,7 +358,7 @@ def machine_key(model_dir: Path, device: torch.device) -> dict:
     cpu, flags = cpu_info()
     key = {"code": forward_code(), "model": str(model_dir.resolve()), "model_id": model_identity(model_dir), "device": str(device),
            "cpu": cpu, "cpu_flags": hashlib.sha256(" ".join(flags).encode()).hexdigest()[:16],
-           "isa": kernel_isa(), "cores": available_cores(), "torch": torch.__version__, "rows": list(CURVE_ROWS),
+           "isa": kernel_isa(), "cores": usable_cores(), "torch": torch.__version__, "rows": list(CURVE_ROWS),
            "prefix": PREFIX_TOKENS}
     if device.type == "cuda":
         key["gpu"] = torch.cuda.get_device_name(device)
@@ -553,7 +546,7 @@ def calibrated_model(model: str = "", device: str = "auto", dtype: str = "auto",
     dtypes = candidate_dtypes(dev) + (list(automatic) if dtype == "auto" else [])
     if dtype != "auto" and dtype not in dtypes:
         dtypes.append(dtype)
-    thread_list = candidate_threads(available_cores())
+    thread_list = candidate_threads(usable_cores())
     if threads and threads not in thread_list:
         thread_list.append(threads)
     wanted = [(d, t) for d in dtypes for t in thread_list]

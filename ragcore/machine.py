@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import platform
 from pathlib import Path
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask, e.g. a container's cpuset), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
 
 
 def cpu_info() -> tuple[str, list[str]]:

@@ -52,6 +52,7 @@ FLAG_HELP = {
     "kb_rescore_margin": "extra HNSW candidates re-scored exactly per query",
     "kb_fp16_scan": "exact search of float16 vectors: kernel (one float16 pass per batch; faiss if unbuildable), "
                     "faiss (its float16 copy for <= 4 queries), off (float32)",
+    "kb_scan_threads": "threads of one exact float16 scan (0 = one per usable core)",
     "kb_query_cache": "encoded text queries kept in an LRU cache",
     "kb_jvm_heap": "max heap of the in-process JVM, e.g. 2g (\"\" = the JVM default, 1/4 of RAM)",
     "kb_limit_k": "largest k (hits per query) a Search may ask for",
@@ -138,6 +139,9 @@ class RetrievalConfig(config_util.ShellConfig):
     # "faiss" keeps a float32 IndexFlat plus faiss's float16 copy for batches of up to 4; "off" the IndexFlat alone.
     # Measurements in dense.py.
     kb_fp16_scan: str = "kernel"
+    # Threads of one such scan; 0 = one per usable core. Rows are shared out in chunks, so a thread whose core is
+    # busy scans less instead of holding the search up (fp16_scan.Fp16Scan has the measurements).
+    kb_scan_threads: int = 0
     kb_query_cache: int = 4096
     # Max heap of the in-process JVM (Lucene); "" = the JVM default (1/4 of RAM).
     kb_jvm_heap: str = ""

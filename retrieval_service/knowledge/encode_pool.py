@@ -19,6 +19,7 @@ from typing import Iterator
 import numpy as np
 
 from ragcore.encoder import Encoder, passage_input
+from ragcore.machine import usable_cores
 from retrieval_service.knowledge.passages import PassageStore
 
 Span = tuple[int, int]
@@ -34,14 +35,6 @@ class EncodeWork:
     dtype: str  # stored: float32 or float16
     batch_size: int
     threads: int = 1  # torch threads per worker
-
-
-def usable_cores() -> int:
-    """Cores this process may run on (its affinity mask, e.g. a container's cpuset), at least 1."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
 
 
 def auto_workers(threads: int) -> int:

@@ -14,7 +14,9 @@
 #include <string.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -156,13 +158,13 @@ struct Hit {
 
 inline bool better(const Hit& a, const Hit& b) { return a.score > b.score || (a.score == b.score && a.id < b.id); }
 
-// The best k hits of one query seen so far: candidates above the current k-th score are appended; when the buffer
-// holds 2k, a selection keeps the best k and raises the threshold. Rows arrive in increasing id order, so a later
-// row tying the threshold loses to the kept one (smaller id) and can be skipped.
+// The best k hits of one query seen so far: candidates better than the current k-th hit are appended; when the
+// buffer holds 2k, a selection keeps the best k and raises the bar to the new k-th (score, id). Rows may come in
+// any id order (a thread scans again a chunk a helper has not finished).
 struct TopK {
     int64_t k;
-    float threshold = -INFINITY;
-    bool full = false;
+    float threshold = -INFINITY;           // the k-th hit's score once full
+    int64_t threshold_id = INT64_MAX;      // ... and its id: a later row with that score wins if its id is smaller
     std::vector<Hit> buf;
 
     explicit TopK(int64_t k_) : k(k_) { buf.reserve(2 * k_ + kBlock); }
@@ -170,22 +172,16 @@ struct TopK {
     void shrink() {
         std::nth_element(buf.begin(), buf.begin() + (k - 1), buf.end(), better);
         buf.resize(k);
-        threshold = buf[k - 1].score;
-        for (const Hit& h : buf) threshold = std::min(threshold, h.score);
-        full = true;
+        threshold = buf[k - 1].score;  // the worst of the best k: nth_element put it at k - 1
+        threshold_id = buf[k - 1].id;
     }
 
     void offer(const float* scores, int64_t rows, int64_t first_id) {
         for (int64_t r = 0; r < rows; ++r) {
             const float s = scores[r];
-            if (s > threshold || (!full && s == threshold)) buf.push_back({s, first_id + r});
+            if (s > threshold || (s == threshold && first_id + r < threshold_id)) buf.push_back({s, first_id + r});
         }
         if ((int64_t)buf.size() >= 2 * k) shrink();
-    }
-
-    void finish() {
-        if ((int64_t)buf.size() > k) shrink();
-        std::sort(buf.begin(), buf.end(), better);
     }
 };
 
@@ -223,26 +219,42 @@ int fp16_topk(const uint16_t* x, int64_t n, int d, const float* q, int nq, const
         out_scores[i] = -INFINITY;
     }
     if (n == 0 || nq == 0) return 0;
-    // Each thread scans a range of at least 64 K rows with its own top-k, merged at the end.
-    const int64_t min_rows = 65536;
-    int parts = (int)std::max<int64_t>(1, std::min<int64_t>(threads, n / min_rows));
+    // Rows go out in chunks from a shared counter, so a thread that gets less CPU (another process on its core)
+    // scans fewer of them instead of holding up the call. At the end the calling thread scans again whatever a
+    // helper has taken and not finished, rather than wait for it; a row offered twice is merged once.
+    const int64_t chunk = 16384;
+    const int64_t nchunks = (n + chunk - 1) / chunk;
+    const int parts = (int)std::max<int64_t>(1, std::min<int64_t>(threads, n / (4 * chunk)));
     std::vector<std::vector<TopK>> tops(parts, std::vector<TopK>(nq, TopK(k)));
+    std::atomic<int64_t> next{0};
+    std::unique_ptr<std::atomic<bool>[]> done(new std::atomic<bool>[nchunks]);
+    for (int64_t c = 0; c < nchunks; ++c) done[c].store(false, std::memory_order_relaxed);
+    auto scan_chunk = [&](int64_t c, std::vector<TopK>& t) {
+        scan_range(x, c * chunk, std::min(n, (c + 1) * chunk), d, q, nq, sq_norms, t);
+        done[c].store(true, std::memory_order_release);
+    };
+    auto work = [&](int p) {
+        for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < nchunks;) scan_chunk(c, tops[p]);
+    };
     // Plain threads, not OpenMP: the library then needs no libgomp, which the retrieval image (no compiler) lacks.
     std::vector<std::thread> pool;
-    for (int p = 1; p < parts; ++p) {
-        pool.emplace_back([&, p] { scan_range(x, n * p / parts, n * (p + 1) / parts, d, q, nq, sq_norms, tops[p]); });
+    for (int p = 1; p < parts; ++p) pool.emplace_back(work, p);
+    work(0);
+    for (int64_t c = 0; c < nchunks && parts > 1; ++c) {
+        if (!done[c].load(std::memory_order_acquire)) scan_chunk(c, tops[0]);
     }
-    scan_range(x, 0, n / parts, d, q, nq, sq_norms, tops[0]);
     for (std::thread& t : pool) t.join();
     for (int b = 0; b < nq; ++b) {
-        TopK& t = tops[0][b];
-        for (int p = 1; p < parts; ++p) {
-            t.buf.insert(t.buf.end(), tops[p][b].buf.begin(), tops[p][b].buf.end());
-        }
-        t.finish();
-        for (size_t i = 0; i < t.buf.size(); ++i) {
-            out_ids[(int64_t)b * k + i] = t.buf[i].id;
-            out_scores[(int64_t)b * k + i] = t.buf[i].score;
+        std::vector<Hit>& all = tops[0][b].buf;
+        for (int p = 1; p < parts; ++p) all.insert(all.end(), tops[p][b].buf.begin(), tops[p][b].buf.end());
+        std::sort(all.begin(), all.end(), better);
+        // A row scanned by two threads has the same score twice (same code, same summation order).
+        all.erase(std::unique(all.begin(), all.end(), [](const Hit& a, const Hit& h) { return a.id == h.id; }),
+                  all.end());
+        const int64_t m = std::min<int64_t>(k, (int64_t)all.size());
+        for (int64_t i = 0; i < m; ++i) {
+            out_ids[(int64_t)b * k + i] = all[i].id;
+            out_scores[(int64_t)b * k + i] = all[i].score;
         }
     }
     return 0;

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from ragcore.machine import usable_cores
 from retrieval_service.knowledge import fp16_scan
 
 # The AVX-512 path where this CPU has it, plus the AVX2 + F16C path (x86-64-v3: the AMD EPYC machines) and the
@@ -45,7 +46,9 @@ CASES = [
     ("more than one row block (512)", 1500, 32, 5, 20, 1),
     ("9 queries: a full group of 8 and a group of 1", 700, 48, 9, 10, 1),
     ("17 queries, k above the 2k selection buffer's first fill", 1200, 40, 17, 300, 1),
-    ("two threads, each a range of >= 64 K rows", 140_000, 16, 3, 12, 2),
+    ("two threads sharing chunks of 16 K rows", 140_000, 16, 3, 12, 2),
+    # 8 threads on this 2-core box: helpers wait for a core, the caller scans their unfinished chunks again.
+    ("more threads than cores: chunks scanned twice, merged once", 600_000, 8, 2, 40, 8),
 ]
 
 
@@ -76,6 +79,14 @@ def test_duplicate_rows_tie_to_the_smaller_id(lib):
     x = np.tile(np.array([[1, 2, 3, 4]], np.float16), (2000, 1))  # every row ties
     _, ids = fp16_scan.Fp16Scan(lib, x, "ip").search(np.ones((1, 4), np.float32), 5)
     assert ids[0].tolist() == [0, 1, 2, 3, 4]  # Not the last rows scanned
+
+
+@pytest.mark.parametrize("threads", [1, 2, 8])
+def test_ties_go_to_the_smaller_id_whatever_thread_scans_them(threads):
+    x = np.tile(np.array([[1, 2, 3, 4]], np.float16), (300_000, 1))  # every row ties, in every chunk
+    x[[7, 150_001]] = 3  # two better rows (12 vs 10), one in a late chunk
+    _, ids = fp16_scan.Fp16Scan(fp16_scan.load(), x, "ip").search(np.ones((1, 4), np.float32), 6, threads=threads)
+    assert ids[0].tolist() == [7, 150_001, 0, 1, 2, 3]  # Not a row of a later chunk, not a row twice
 
 
 def test_nan_rows_are_never_selected(lib):
@@ -112,3 +123,11 @@ BAD = [
 def test_bad_input_names_the_field(call, field):
     with pytest.raises(ValueError, match=field):
         call()
+
+
+def test_threads_fixed_or_one_per_core():
+    x = np.ones((8, 16), np.float16)
+    assert fp16_scan.Fp16Scan(fp16_scan.load(), x, "ip", threads=3).threads == 3
+    assert fp16_scan.Fp16Scan(fp16_scan.load(), x, "ip").threads == usable_cores()  # Not 0
+    with pytest.raises(ValueError, match="threads"):
+        fp16_scan.Fp16Scan(fp16_scan.load(), x, "ip", threads=-1)

@@ -67,6 +67,7 @@ from generation_service.engine.steps import check_prompt
 from generation_service.kb_client import KBClient, KBUnavailable, parse_search
 from generation_service.model import TargetModel, cache_length, new_cache
 from generation_service.os3 import OS3Config, StrideScheduler
+from generation_service.ralm_gate import ASYNC, MIN_SEARCH_SHARE, SEQUENTIAL, SYNC, RoundGate, SharedRoundCosts
 from generation_service.sampling import SamplingParams
 from generation_service.speculative import (
     FINISH_CANCELLED,
@@ -93,6 +94,10 @@ MAX_STRIDE = 64
 # each cost more than a wrong first guess does.
 KNN_GAMMA_MAX = 0.8
 KNN_OS3 = OS3Config(gamma_max=KNN_GAMMA_MAX, s_init=4, overlap="round")  # async: the whole next round overlaps
+# Rounds of each kind a worker measures before its round gate picks the cheapest (RoundGate's explore). With one,
+# served on the Zen 4 (1 M keys, k = 1024), one unlucky first round (a wrong early guess throws most of a round
+# away) kept a stride-4 worker on baseline steps for all of its next 4 requests (1.01x the base).
+KNN_GATE_EXPLORE = 3
 
 
 @dataclass(frozen=True)
@@ -106,6 +111,12 @@ class KnnLmOptions:
     speculate: bool = False  # False = the baseline: one Search per token
     stride: int = 0  # speculation steps per verification; 0 = OS³
     async_verify: bool = True  # speculate the next round while the verification Search is in flight
+    # Each round's kind (async / sync / a baseline step) by measured cost per emitted token (ralm_gate.RoundGate,
+    # pooled over the worker's requests); False = every round as async_verify says. Not on the wire.
+    adaptive: bool = True
+    # Below this share of a baseline step's time in its Search, the gate runs baseline steps only (ralm_gate's
+    # MIN_SEARCH_SHARE: speculation can at most hide the Search). 0 = always weigh every kind. Not on the wire.
+    min_search_share: float = MIN_SEARCH_SHARE
     cache_next: int = 10  # n: datastore entries after each retrieved one that enter the cache
     cache_capacity: int = 16384  # cached entries kept (most recently filled first)
     ef_search: int = 0  # adr: HNSW efSearch (0 = server default; raised to k + margin by the service)
@@ -123,6 +134,10 @@ class KnnLmOptions:
         _check_int("cache_next", self.cache_next, 1, 64)
         _check_int("cache_capacity", self.cache_capacity, 1, 1 << 20)
         _check_int("ef_search", self.ef_search, 0, 1 << 16)
+        if not isinstance(self.adaptive, bool):
+            raise InvalidArgument("adaptive", f"{self.adaptive!r} is not a bool")
+        if not (isinstance(self.min_search_share, (int, float)) and 0.0 <= self.min_search_share <= 1.0):
+            raise InvalidArgument("min_search_share", f"{self.min_search_share!r} is outside [0, 1]")
 
     @property
     def mode(self) -> str:
@@ -158,7 +173,7 @@ class KnnLmStats:
     rollbacks: int = 0  # verifications that found a wrong step
     wasted_passes: int = 0  # LM passes on speculated tokens that were thrown away
     overlapped: int = 0  # speculation steps run while a verification Search was in flight (async)
-    strides: list[int] = field(default_factory=list)  # steps of each verification, in order
+    strides: list[int] = field(default_factory=list)  # steps of each verification in order; 0 = a baseline step
     cache_entries: int = 0  # cache size at the end
 
     def as_dict(self) -> dict:
@@ -426,6 +441,8 @@ class KnnBackend:
     # rounds, and learning γ and the latencies from s_init again in each one spent most of them (ralm_gate pools
     # RaLMSpec's the same way).
     _schedulers: dict[tuple, StrideScheduler] = field(default_factory=dict, repr=False)
+    # The round gate's costs per kind of round, pooled the same way (ralm_gate.SharedRoundCosts).
+    round_costs: SharedRoundCosts = field(default_factory=SharedRoundCosts, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def scheduler(self, opts: "KnnLmOptions", cfg: OS3Config) -> StrideScheduler:
@@ -657,18 +674,36 @@ class _Round:
     sent: float  # perf_counter when the Search was sent
     spec_s: float  # speculation time of its steps (LM passes + cache guesses)
     passes: int  # LM passes among them (the first step after the prompt has none)
+    arm: str  # ASYNC (the next round is speculated while its Search runs) or SYNC
+
+
+def round_gate(opts: KnnLmOptions, backend: KnnBackend) -> RoundGate:
+    """The gate choosing each round's kind for a request: async and sync rounds and baseline steps (sequential)
+    when opts.adaptive, else the one kind async_verify names. Costs are pooled per setting that shapes a round."""
+    configured = ASYNC if opts.async_verify else SYNC
+    arms = (([ASYNC] if opts.async_verify else []) + [SYNC, SEQUENTIAL]) if opts.adaptive else [configured]
+    return RoundGate(arms, shared=backend.round_costs, key=("knnlm", opts, tuple(arms)), explore=KNN_GATE_EXPLORE,
+                     min_search_share=opts.min_search_share)
 
 
 def _speculative(tm, kv, logits, hidden, max_new, eos, opts, backend, stats, cancelled, os3):
     """RaLMSpec rounds: speculation steps from the cache, one batched verification Search per round, roll back
-    at the first wrong step.
+    at the first wrong step; or, where the gate measures that speculation does not pay, baseline steps.
 
     A step guesses the next token from the cached neighbours of the current LM state; the LM pass on a guess runs
     lazily, when the next step needs its state, so a sync round never runs the pass of its last guess before
-    the verification says whether it is kept. With async verification (`opts.async_verify`) the round's Search
-    is in flight while the next round is speculated on the assumption that every guess was right: its first
-    LM pass (on the last guess) and further steps overlap the Search, and are kept when the verification
-    confirms the whole round (γ^s of the time), thrown away otherwise. At most one round is in flight.
+    the verification says whether it is kept. In an async round the Search is in flight while the next round
+    is speculated on the assumption that every guess was right: its first LM pass (on the last guess) and
+    further steps overlap the Search, and are kept when the verification confirms the whole round (γ^s of the
+    time), thrown away otherwise. At most one round is in flight.
+
+    Which kind each round is (async, sync, or one baseline step: Search, token, LM pass) is the gate's choice
+    (ralm_gate.RoundGate, `round_gate`), each kind timed per emitted token. A round is charged its own work
+    wherever it ran: its steps (passes slowed by a Search beside them included), the time spent waiting for
+    and settling its verification, and the next round's steps its rollback threw away. Not the wall time
+    between settles: a lone async round between sync ones would then look like a sync round. Why a gate: on
+    two cores shared with the retrieval service an async round's passes run ~1.5x slower, and where a Search
+    is cheap none of it pays.
 
     Invariant: the kv cache holds the passes of the prompt, the emitted tokens and the unverified guesses, except
     the very last token's pass while `head` is None. The tokens emitted are always the greedy picks of true
@@ -678,6 +713,7 @@ def _speculative(tm, kv, logits, hidden, max_new, eos, opts, backend, stats, can
     sched = None
     if opts.stride == 0:
         sched = backend.scheduler(opts, replace(os3 or KNN_OS3, async_verify=opts.async_verify))
+    gate = round_gate(opts, backend)
     prompt_len = cache_length(kv)
     n_out = 0  # tokens emitted (and yielded)
     head: tuple[torch.Tensor, np.ndarray] | None = (logits, hidden)  # LM state after the last token
@@ -686,6 +722,7 @@ def _speculative(tm, kv, logits, hidden, max_new, eos, opts, backend, stats, can
     spec_s, passes = 0.0, 0  # speculation time and LM passes of `steps`
     inflight: _Round | None = None
     stride = 0
+    arm: str | None = None  # kind of the round being built; None = ask the gate when the next one starts
 
     def unverified() -> int:
         return len(steps) + (len(inflight.steps) if inflight else 0)
@@ -698,8 +735,44 @@ def _speculative(tm, kv, logits, hidden, max_new, eos, opts, backend, stats, can
             return
         if not steps:
             stride = sched.next_stride() if sched is not None else opts.stride
-        # 1. Speculate up to the stride; while a round is in flight, stop as soon as its answer is there.
-        while (len(steps) < stride and unverified() < max_new - n_out
+            if arm is None:
+                # The first token is a baseline step: with nothing cached a round would guess the LM's token.
+                arm = gate.choose() if len(cache) or not opts.adaptive else SEQUENTIAL
+        if arm == SEQUENTIAL and inflight is None:
+            # A baseline step: Search(q_t) -> token -> LM pass, exactly the baseline's work.
+            t_step = time.perf_counter()
+            if head is None:
+                t = time.perf_counter()
+                head = yield from lm_step_passes(tm, kv, last_token)
+                stats.generation_ms += (time.perf_counter() - t) * 1e3
+            t_search = time.perf_counter()
+            (p,), retrieved = yield from true_distributions(backend, head[1][None, :], [head[0]], opts, stats)
+            search_s = time.perf_counter() - t_search
+            token = next_token(p)
+            if gate.cache_wanted() or not len(cache):  # a speculative round may come next: keep the cache warm
+                t_fill = time.perf_counter()
+                cache.fill(retrieved[0])
+                stats.speculation_ms += (time.perf_counter() - t_fill) * 1e3
+            stats.strides.append(0)
+            stats.cache_entries = len(cache)
+            out, finish = cut_emitted([token], max_new - n_out, eos)
+            n_out += len(out)
+            stats.tokens = n_out
+            yield Emit(out, finish)
+            if finish:
+                return
+            t = time.perf_counter()
+            head, last_token = (yield from lm_step_passes(tm, kv, token)), token
+            now = time.perf_counter()
+            stats.generation_ms += (now - t) * 1e3
+            gate.record(SEQUENTIAL, now - t_step)
+            gate.record_search(search_s, now - t_step)
+            arm = None
+            continue
+        # 1. Speculate up to the stride; while a round is in flight, stop as soon as its answer is there. Only an
+        # async round is speculated beside one: a sync round or a baseline step waits for the answer first.
+        while ((arm == ASYNC or (arm == SYNC and inflight is None)) and len(steps) < stride
+               and unverified() < max_new - n_out
                and not (steps and steps[-1].guess in eos)
                and not (not steps and inflight and inflight.steps[-1].guess in eos)
                and not (inflight and inflight.search.done())):
@@ -723,9 +796,9 @@ def _speculative(tm, kv, logits, hidden, max_new, eos, opts, backend, stats, can
                 raise AssertionError("kNN-LM speculation produced no step")  # stride >= 1 and budget left
             queries = np.stack([st.query for st in steps])
             inflight = _Round(steps, backend.client.search_async(queries, opts.k, opts.retriever, opts.ef_search),
-                              time.perf_counter(), spec_s, passes)
-            steps, spec_s, passes = [], 0.0, 0
-            if opts.async_verify:
+                              time.perf_counter(), spec_s, passes, arm)
+            steps, spec_s, passes, arm = [], 0.0, 0, None
+            if inflight.arm == ASYNC:
                 continue
         # 3. Settle the round in flight.
         rnd, inflight = inflight, None
@@ -765,12 +838,15 @@ def _speculative(tm, kv, logits, hidden, max_new, eos, opts, backend, stats, can
             # make speculation look free and send OS³ to its longest stride.
             sched.record_latency(speculation_s=rnd.spec_s / n_steps if rnd.passes else None,
                                  verification_s=verify_s)
+        thrown_s = 0.0
         if matched < n_steps:
             # Roll back: everything after the wrong guess (the rest of this round, the next round's steps).
             keep = prompt_len + n_out + len(emitted) - 1  # passes of the emitted tokens but the corrected one
             stats.wasted_passes += max(0, cache_length(kv) - keep)
             _truncate(kv, keep)
+            thrown_s = spec_s
             steps, spec_s, passes, head, last_token = [], 0.0, 0, None, emitted[-1]
+        gate.record(rnd.arm, (rnd.spec_s + time.perf_counter() - t + thrown_s) / len(emitted), len(emitted))
         out, finish = cut_emitted(emitted, max_new - n_out, eos)
         n_out += len(out)
         stats.tokens = n_out

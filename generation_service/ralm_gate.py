@@ -113,6 +113,7 @@ class SharedRoundCosts:
     def __init__(self, decay: float = 0.8):
         self.decay = decay
         self._sums: dict[tuple[Hashable, str], tuple[float, float]] = {}  # (key, arm) -> averaged (seconds, steps)
+        self._rounds: dict[tuple[Hashable, str], int] = {}  # (key, arm) -> rounds pooled
         self._schedules: dict[Hashable, ProbeSchedule] = {}
         self._changes: dict[Hashable, tuple[float, float]] = {}
         self._search: dict[Hashable, tuple[float, float]] = {}  # key -> averaged (search s, sequential step s)
@@ -158,10 +159,16 @@ class SharedRoundCosts:
         r = self.prior_round(key, arm)
         return None if r is None else r[0] / r[1]
 
+    def rounds(self, key: Hashable, arm: str) -> int:
+        """Rounds of `arm` pooled for `key`."""
+        with self._lock:
+            return self._rounds.get((key, arm), 0)
+
     def add(self, key: Hashable, arm: str, cost: float, steps: int = 1) -> None:
         """A round of `arm` that committed `steps` steps at `cost` seconds each."""
         with self._lock:
             self._sums[(key, arm)] = decayed(self._sums.get((key, arm)), (cost * steps, float(steps)), self.decay)
+            self._rounds[(key, arm)] = self._rounds.get((key, arm), 0) + 1
 
 
 def decayed(old: tuple[float, float] | None, new: tuple[float, float], decay: float) -> tuple[float, float]:
@@ -202,7 +209,7 @@ def prefill_slowdown(round_ms: float, round_tokens: int, base_ms: float, base_to
 class RoundGate:
     def __init__(self, arms: Sequence[str], window: int = 5, probe: int = 4,
                  shared: SharedRoundCosts | None = None, key: Hashable = None,
-                 min_search_share: float = MIN_SEARCH_SHARE):
+                 min_search_share: float = MIN_SEARCH_SHARE, explore: int = 1):
         if not arms or any(a not in ARMS for a in arms) or len(set(arms)) != len(arms):
             raise ValueError(f"arms: {list(arms)!r} must be distinct names from {ARMS}")
         self.arms = tuple(arms)
@@ -215,6 +222,13 @@ class RoundGate:
         self.exploring = False  # the last choice only measures: an arm not measured yet, or a probe
         self.shared, self.key = shared, key
         self.min_search_share = min_search_share
+        # Rounds (a pooled prior counts as one) each arm gets before the cheapest is picked. One suits RaLMSpec's
+        # rounds; kNN-LM's are a few tokens each and scatter more, so one unlucky first round could shut an arm
+        # out until FAR_BEHIND's long probe interval.
+        if explore < 1 or explore > window:
+            raise ValueError(f"explore: {explore} must be in [1, window={window}]")
+        self.explore = explore
+        self.measured = {a: 0 for a in self.arms}  # rounds per arm, this request's and the worker's pooled ones
         self._changes = (0.0, 0.0)  # (hits, guesses) of change guesses when no worker pools them
         self.searches: deque[tuple[float, float]] = deque(maxlen=SEARCH_WINDOW)  # sequential: (search s, all s)
         if shared is not None:
@@ -225,11 +239,13 @@ class RoundGate:
                 p = shared.prior_round(key, a)
                 if p is not None:
                     self.costs[a].append(p)
+                    self.measured[a] = shared.rounds(key, a)
 
     def record(self, arm: str, seconds_per_step: float, steps: int = 1) -> None:
         """A round of `arm` that committed `steps` steps at `seconds_per_step` each (ralm_gate.round_cost)."""
         if arm in self.costs:
             self.costs[arm].append((seconds_per_step * steps, float(steps)))
+            self.measured[arm] += 1
             if self.shared is not None:
                 self.shared.add(self.key, arm, seconds_per_step, steps)
             if log.isEnabledFor(logging.DEBUG):
@@ -256,8 +272,11 @@ class RoundGate:
         xs = self.costs[arm]
         return sum(t for t, _ in xs) / sum(n for _, n in xs) if xs else None
 
+    def _unmeasured(self) -> list[str]:
+        return [a for a in self.arms if self.measured[a] < self.explore]
+
     def _winner(self) -> str | None:
-        if any(not self.costs[a] for a in self.arms):
+        if self._unmeasured():
             return None
         best = min(self.arms, key=lambda a: self.mean(a))  # ties: the earlier arm
         if SEQUENTIAL in self.arms and best != SEQUENTIAL \
@@ -269,10 +288,10 @@ class RoundGate:
         if self.retrieval_too_cheap():
             self.exploring = False
             return SEQUENTIAL
-        unmeasured = [a for a in self.arms if not self.costs[a]]
+        unmeasured = self._unmeasured()
         self.exploring = bool(unmeasured) and len(self.arms) > 1  # one arm: nothing to choose, nothing to learn
         if unmeasured:
-            return unmeasured[0]
+            return min(unmeasured, key=lambda a: self.measured[a])  # the least measured, in arm order
         best = self._winner()
         if len(self.arms) > 1 and self.schedule.tick(best):
             others = [a for a in self.arms if a != best and self._worth_probing(a, best)]

@@ -2,11 +2,14 @@
 
 - the baseline (one Search per token) equals a brute-force kNN-LM (numpy distances to every key);
 - RaLMSpec (cache speculation, batched verification, rollback) equals the baseline token for token, for fixed
-  strides and OS³, while really speculating (some steps right, some rolled back);
+  strides and OS³, while really speculating (some steps right, some rolled back), each kind of round alone and
+  as the round gate mixes them (async, sync, baseline steps);
 - k larger than the datastore is rejected before any work; retrieval down is an error, never p_LM's answer.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -14,13 +17,16 @@ import pytest
 from generation_service.knnlm import (
     KnnBackend,
     KnnLmOptions,
+    KNN_GATE_EXPLORE,
     KnnRetrievalError,
     generate_tokens,
     lm_prefill,
     lm_step,
     mixed_distribution,
     next_token,
+    round_gate,
 )
+from generation_service.ralm_gate import ARMS, ASYNC, SEQUENTIAL, SYNC, SharedRoundCosts
 from generation_service.model import new_cache
 from generation_service.os3 import OS3Config
 from generation_service.sampling import SamplingParams
@@ -97,7 +103,7 @@ def test_speculative_equals_baseline(tm, backend, prompts, baselines, stride, as
     speculated = correct = rollbacks = overlapped = 0
     for i, (name, kw) in enumerate(SCENARIOS):
         os3 = OS3Config(s_init=2) if stride == 0 else None  # start above 1 so OS³ rounds speculate from the start
-        opts = KnnLmOptions(**kw, speculate=True, stride=stride, async_verify=async_verify)
+        opts = KnnLmOptions(**kw, speculate=True, stride=stride, async_verify=async_verify, adaptive=False)
         tokens, stats = run(tm, backend, prompts[name], opts, os3=os3)
         assert tokens == baselines[i], (name, kw, stride, async_verify)  # Not the cache's guesses
         assert stats.tokens == NEW and stats.kb_queries >= NEW
@@ -118,10 +124,57 @@ def test_speculative_equals_baseline(tm, backend, prompts, baselines, stride, as
 @pytest.mark.parametrize("async_verify", [True, False])
 def test_no_step_beyond_the_budget(tm, backend, prompts, baselines, async_verify):
     # One token allowed: a stride-4 round (and an async next round) must not speculate, query or emit position 1.
-    opts = KnnLmOptions(**SCENARIOS[0][1], speculate=True, stride=4, async_verify=async_verify)
+    opts = KnnLmOptions(**SCENARIOS[0][1], speculate=True, stride=4, async_verify=async_verify, adaptive=False)
     tokens, stats = run(tm, backend, prompts["doc0"], opts, n=1)
     assert tokens == baselines[0][:1]
     assert stats.speculated == stats.kb_queries == 1 and stats.overlapped == 0  # not 4
+
+
+def fresh(backend: KnnBackend) -> KnnBackend:
+    """The same datastore and service as a new worker's: no pooled round costs or OS³ state yet."""
+    return replace(backend, round_costs=SharedRoundCosts(), _schedulers={})
+
+
+@pytest.mark.parametrize("stride,async_verify", [(2, True), (0, True), (4, False)])
+def test_gated_rounds_equal_baseline(tm, backend, prompts, baselines, stride, async_verify):
+    worker = fresh(backend)
+    kinds = set()
+    for i, (name, kw) in enumerate(SCENARIOS):
+        # Gated (the default); on this tiny datastore a Search is too cheap to hide (under MIN_SEARCH_SHARE of a
+        # step), so the floor is off to let the gate weigh every kind of round.
+        opts = KnnLmOptions(**kw, speculate=True, stride=stride, async_verify=async_verify, min_search_share=0.0)
+        tokens, stats = run(tm, worker, prompts[name], opts, os3=OS3Config(s_init=2) if stride == 0 else None)
+        assert tokens == baselines[i], (name, kw, stride, async_verify)
+        assert stats.kb_calls == stats.verifications + stats.strides.count(0)  # a baseline step is one Search
+        assert stats.speculated == sum(stats.strides)
+        kinds |= {"baseline" if s == 0 else "round" for s in stats.strides}
+    assert kinds == {"baseline", "round"}  # a new worker measures every kind before it picks one
+
+
+# (the kind the worker's pooled costs make cheapest, what the request then runs)
+CHEAPEST = [
+    (SEQUENTIAL, "baseline steps only: one Search per token, nothing speculated"),
+    (SYNC, "sync rounds only: nothing speculated beside a Search"),
+    (ASYNC, "async rounds: the next round speculated beside the Search"),
+]
+
+
+@pytest.mark.parametrize("cheapest, expected", CHEAPEST)
+def test_gate_follows_the_pooled_costs(tm, backend, prompts, baselines, cheapest, expected):
+    worker = fresh(backend)
+    opts = KnnLmOptions(**SCENARIOS[0][1], speculate=True, stride=2, min_search_share=0.0)
+    key = round_gate(opts, worker).key
+    for arm in ARMS:  # what earlier requests measured, per emitted token
+        for _ in range(KNN_GATE_EXPLORE):
+            worker.round_costs.add(key, arm, 0.001 if arm == cheapest else 1.0, steps=100)
+    tokens, stats = run(tm, worker, prompts["doc0"], opts)
+    assert tokens == baselines[0]
+    assert stats.strides[0] == 0  # the first token is always a baseline step: nothing is cached before it
+    if cheapest == SEQUENTIAL:
+        assert stats.strides == [0] * NEW and stats.kb_calls == NEW and stats.speculated == 0, expected
+    else:
+        assert 0 not in stats.strides[1:] and stats.speculated >= NEW - 1, expected  # Not a baseline step
+        assert (stats.overlapped > 0) == (cheapest == ASYNC), expected
 
 
 def test_stops_at_the_budget_mid_round(tm, backend, prompts, baselines):

@@ -125,6 +125,25 @@ def test_a_new_request_starts_from_the_workers_pooled_costs():
     assert shared.prior("edr", SEQUENTIAL) == pytest.approx(0.04)  # pooled: 0.5 * 0.03 + 0.5 * 0.05
 
 
+def test_explore_measures_each_arm_n_rounds_round_robin_and_counts_the_pooled_ones():
+    shared = SharedRoundCosts()
+    first = RoundGate((ASYNC, SYNC, SEQUENTIAL), shared=shared, key="knn", explore=2)
+    seen = []
+    for _ in range(6):
+        arm = first.choose()
+        seen.append(arm)
+        first.record(arm, {ASYNC: 0.03, SYNC: 0.02, SEQUENTIAL: 0.05}[arm])
+    # Interleaved, not ASYNC, ASYNC, SYNC, ...: an arm's rounds are spread over the request.
+    assert seen == [ASYNC, SYNC, SEQUENTIAL] * 2
+    assert first.choose() == SYNC and not first.exploring
+    # A later request of the worker: 2 pooled rounds per arm are enough, nothing to explore again.
+    assert RoundGate((ASYNC, SYNC, SEQUENTIAL), shared=shared, key="knn", explore=2).choose() == SYNC
+    third = RoundGate((ASYNC, SYNC, SEQUENTIAL), shared=shared, key="knn", explore=3)
+    assert third.choose() == ASYNC and third.exploring  # 2 pooled rounds are fewer than 3
+    with pytest.raises(ValueError, match="explore"):
+        RoundGate((SYNC,), explore=6)  # more than the window of 5 rounds
+
+
 def test_requests_of_a_worker_share_one_probe_schedule():
     shared = SharedRoundCosts()
     shared.add("k", SEQUENTIAL, 0.01)

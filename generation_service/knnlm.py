@@ -237,6 +237,21 @@ def _staging(rows: int, dim: int) -> torch.Tensor:
     return buf[:rows]
 
 
+def oldest(stamp: np.ndarray, m: int) -> np.ndarray:
+    """stamp: int [C] fill rounds (-1 = empty) -> m slot indices with the smallest stamps (among equal stamps,
+    the first slots). Two passes over the few distinct rounds, not np.argpartition: the stamps take a handful of
+    values, which made its selection ~1.8 ms per fill for 16 K slots.
+
+    oldest([3, -1, 2, 3, 2], 3) -> [1, 2, 4]
+    """
+    rounds, counts = np.unique(stamp, return_counts=True)  # ascending
+    if m >= stamp.size:
+        return np.arange(stamp.size)
+    t = int(np.searchsorted(np.cumsum(counts), m))  # the round where the m-th oldest slot falls
+    below = np.flatnonzero(stamp < rounds[t])
+    return np.concatenate((below, np.flatnonzero(stamp == rounds[t])[: m - below.size]))
+
+
 class NeighbourCache:
     """RaLMSpec's kNN-LM cache: datastore entries (id, key, value) filled by spatial locality.
 
@@ -275,9 +290,21 @@ class NeighbourCache:
 
         successors([5, 6]) with n = 3 -> [6, 7, 8, 9]   # not [5, 6, ...]: a retrieved entry is not its own successor
         """
-        r = np.asarray(retrieved, dtype=np.int64)
-        succ = (r[:, None] + np.arange(1, self.next_n + 1, dtype=np.int64)[None, :]).ravel()  # [m * n]
-        return np.unique(succ[(succ >= 0) & (succ < self.ds.size)])
+        # The union of the runs [j+1, j+n] as pieces of consecutive ids, not np.unique over all m * n of them
+        # (0.9 vs 0.06 ms for 1024 neighbours, n = 10: 4 per 8-query round before fill_many stopped early).
+        start = np.sort(np.asarray(retrieved, dtype=np.int64)) + 1  # [m] run starts, ascending
+        end = np.minimum(start + self.next_n, self.ds.size)  # [m] exclusive, clipped at the datastore's end
+        keep = start < end
+        start, end = start[keep], end[keep]
+        if start.size == 0:
+            return np.zeros(0, np.int64)
+        new_piece = np.ones(start.size, bool)
+        new_piece[1:] = start[1:] > np.maximum.accumulate(end)[:-1]  # touches no earlier run
+        first = np.flatnonzero(new_piece)
+        lo, hi = start[first], np.maximum.reduceat(end, first)  # [p] pieces [lo, hi)
+        lengths = hi - lo
+        before = np.concatenate(([0], np.cumsum(lengths)[:-1]))  # ids of earlier pieces
+        return np.repeat(lo - before, lengths) + np.arange(lengths.sum())
 
     def fill(self, retrieved: np.ndarray) -> int:
         """Add the successors of one query's retrieved entries; returns how many entries were new."""
@@ -298,7 +325,7 @@ class NeighbourCache:
             n += len(runs[-1])
             if n >= self.capacity:
                 break
-            taken = np.union1d(taken, succ)
+            taken = np.sort(np.concatenate((taken, succ)))  # disjoint: succ holds only ids not taken
         return np.concatenate(runs) if runs else np.zeros(0, np.int64)
 
     def fill_many(self, retrieved: Sequence[np.ndarray]) -> int:
@@ -319,8 +346,7 @@ class NeighbourCache:
         if new.size:
             # Slots: empty ones first, then the oldest fills (this round's refreshed entries are never evicted
             # while older ones remain, since their stamp is the largest).
-            slots = np.argpartition(self.stamp, new.size - 1)[: new.size] if new.size < self.capacity \
-                else np.arange(self.capacity)
+            slots = oldest(self.stamp, new.size)
             old = self.ids[slots]
             self._size += int(np.count_nonzero(old < 0))
             self._slot_of[old[old >= 0]] = -1

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from generation_service.knnlm import NeighbourCache
+from generation_service.knnlm import NeighbourCache, oldest
 
 
 @pytest.mark.parametrize("retrieved, n, expected", [
@@ -131,3 +131,31 @@ def test_fill_many_matches_brute_force(ds, rounds, next_n, capacity):
     for s in np.flatnonzero(cache.ids >= 0):  # rows match the datastore
         assert int(cache.values[s]) == int(ds.values[cache.ids[s]])
         np.testing.assert_array_equal(cache.keys[s], np.asarray(ds.keys[cache.ids[s]], np.float32))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(retrieved=st.lists(st.integers(0, 10**6), max_size=40), next_n=st.integers(1, 12), near_end=st.booleans())
+def test_successors_match_brute_force(ds, retrieved, next_n, near_end):
+    cache = NeighbourCache(ds, next_n=next_n, capacity=8)
+    r = [ds.size - 1 - x % 15 if near_end else x % ds.size for x in retrieved]
+    want = sorted({j + i for j in r for i in range(1, next_n + 1) if j + i < ds.size})
+    got = cache.successors(np.array(r, np.int64))
+    assert got.dtype == np.int64 and got.tolist() == want  # ascending, each id once, none past the end
+
+
+@pytest.mark.parametrize("stamp, m, expected", [
+    ([3, -1, 2, 3, 2], 3, [1, 2, 4]),        # empty slots first, then the oldest round; Not [0, ...] (round 3)
+    ([5, 5, 5, 5], 2, [0, 1]),               # one round: its first slots
+    ([1, 0, 1, 0], 4, [0, 1, 2, 3]),         # every slot
+    ([2, 1], 0, []),
+])
+def test_oldest_slots(stamp, m, expected):
+    assert sorted(oldest(np.array(stamp, np.int64), m).tolist()) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(stamp=st.lists(st.integers(-1, 6), min_size=1, max_size=60), data=st.data())
+def test_oldest_matches_a_stable_sort(stamp, data):
+    m = data.draw(st.integers(0, len(stamp)))
+    got = oldest(np.array(stamp, np.int64), m)
+    assert sorted(got.tolist()) == sorted(np.argsort(stamp, kind="stable")[:m].tolist())

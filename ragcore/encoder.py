@@ -19,21 +19,33 @@ ENCODER_DTYPES = ("float32", "bfloat16")
 METRICS = ("ip", "l2")
 
 
+_SCORE_ROWS = 128  # candidates scored at a time: 128 x 768 float64 stay in L2
+
+
 def exact_scores(queries: np.ndarray, cand: np.ndarray, metric: str = "ip") -> np.ndarray:
     """queries: [B, D], cand: [B, K, D] (any float dtype) -> scores [B, K] float32, higher is better.
 
     Accumulates in float64 (float32 products are exact there) and rounds once, so the value of a
     (query, doc) pair is the same whatever B and K are.
     """
-    q = np.asarray(queries, dtype=np.float64)[:, None, :]  # [B, 1, D]
-    c = np.asarray(cand, dtype=np.float64)                  # [B, K, D]
-    if metric == "ip":
-        s = (q * c).sum(-1)
-    elif metric == "l2":
-        s = -((q - c) ** 2).sum(-1)
-    else:
+    if metric not in METRICS:
         raise ValueError(f"metric: {metric!r} is not one of {METRICS}")
-    return s.astype(np.float32)
+    q = np.asarray(queries, dtype=np.float64)  # [B, D]
+    out = np.empty(cand.shape[:2], np.float32)  # [B, K]
+    # A query and a slice of its candidates at a time, in place: the float64 copy of the whole [B, K, D] and its
+    # temporaries cost more than the arithmetic (8 queries x 1040 x 576: 12 of a Search's 59 ms). Same values:
+    # each row is still one pairwise float64 sum over D, and (c - q)^2 == (q - c)^2 exactly.
+    for b in range(cand.shape[0]):
+        for k0 in range(0, cand.shape[1], _SCORE_ROWS):
+            c = np.array(cand[b, k0:k0 + _SCORE_ROWS], dtype=np.float64)  # [k, D], a copy we may overwrite
+            if metric == "ip":
+                c *= q[b]
+                out[b, k0:k0 + _SCORE_ROWS] = c.sum(-1)
+            else:
+                c -= q[b]
+                c *= c
+                out[b, k0:k0 + _SCORE_ROWS] = -c.sum(-1)
+    return out
 
 
 

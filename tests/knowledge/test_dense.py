@@ -49,6 +49,19 @@ def test_exact_scores_do_not_depend_on_batch_shape(b, k, seed):
         assert np.array_equal(full[i], one)  # bit-identical, the property ScoreCandidates relies on
 
 
+@given(st.integers(1, 4), st.integers(1, 300), st.integers(1, 40), st.sampled_from(["ip", "l2"]),
+       st.sampled_from([np.float16, np.float32]), st.integers(0, 2**31 - 1))
+@settings(max_examples=40, deadline=None)
+def test_exact_scores_equal_the_float64_formula(b, k, d, metric, dtype, seed):
+    """Bit for bit the one-shot float64 formula, also across the slices of candidates scored at a time."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((b, d)).astype(np.float32)
+    c = rng.standard_normal((b, k, d)).astype(dtype)
+    q64, c64 = q.astype(np.float64)[:, None, :], c.astype(np.float64)
+    want = ((q64 * c64).sum(-1) if metric == "ip" else -((q64 - c64) ** 2).sum(-1)).astype(np.float32)
+    assert np.array_equal(dense.exact_scores(q, c, metric), want)
+
+
 @pytest.mark.parametrize("metric", ["ip", "l2"])
 def test_vector_index_exact_search_matches_brute_force(metric):
     x = clustered(2000, 32)

@@ -48,6 +48,8 @@ RESCORE_MARGIN = 16
 # (once per query). The kernel scanning the memory-mapped file instead of an in-memory copy: 75-90 ms for 1 query
 # (4 KiB pages: the prefetcher stops at every page boundary). AMD Zen 4, 1 M x 576 (the kNN-LM keys), one thread,
 # 1/2/4/8/16 queries: 45, 69, 80, 114, 230 ms; 51, 157, 165, 240, 441 before the kernel prefetched rows into L2.
+# Its AVX2 code (x86-64-v3 build) on the same core: 44, 58, 106, 230, 432 ms (70, 75, 97, 225, 418 with one FMA
+# chain per query: a single query was latency-bound).
 FP16_SCANS = ("kernel", "faiss", "off")
 # "faiss": batches of up to this many queries scan faiss's float16 copy, larger ones the float32 IndexFlat.
 FP16_SCAN_MAX_BATCH = 4

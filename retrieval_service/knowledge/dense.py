@@ -47,7 +47,8 @@ RESCORE_MARGIN = 16
 # 96, 126, 215, 316; faiss float32 IndexFlat 314, 311, 316, 339, 381, 464; faiss float16 copy 64, 123, 263, 532
 # (once per query). The kernel scanning the memory-mapped file instead of an in-memory copy: 75-90 ms for 1 query
 # (4 KiB pages: the prefetcher stops at every page boundary). AMD Zen 4, 1 M x 576 (the kNN-LM keys), one thread,
-# 1/2/4/8/16 queries: 45, 69, 80, 114, 230 ms; 51, 157, 165, 240, 441 before the kernel prefetched rows into L2.
+# 1/2/4/8/16 queries: 45, 44, 62, 109, 222 ms (both cores: 36, 36, 38, 60, 113); 51, 157, 165, 240, 441 before
+# the kernel prefetched rows into L2 and tiled 2 rows per loaded query chunk.
 # Its AVX2 code (x86-64-v3 build) on the same core: 44, 58, 106, 230, 432 ms (70, 75, 97, 225, 418 with one FMA
 # chain per query: a single query was latency-bound).
 FP16_SCANS = ("kernel", "faiss", "off")

@@ -664,22 +664,38 @@ def decode(tm: TargetModel, prompt_ids, params: SamplingParams, opts: KnnLmOptio
 
 def _baseline(tm, kv, logits, hidden, max_new, eos, opts, backend, stats, cancelled, _os3):
     """Retrieval at every token: Search(q_t) -> p_t -> token -> LM pass -> q_{t+1}."""
-    n_out = 0
+    n_out, head = 0, (logits, hidden)
     while True:
         if cancelled():
             yield Emit([], FINISH_CANCELLED)
             return
-        (p,), _ = yield from true_distributions(backend, hidden[None, :], [logits], opts, stats)
-        token = next_token(p)
-        out, finish = cut_emitted([token], max_new - n_out, eos)
-        n_out += len(out)
-        stats.tokens = n_out
-        yield Emit(out, finish)
+        n_out, _, finish, head, _ = yield from _baseline_step(tm, kv, head, max_new, n_out, eos, opts, backend, stats)
         if finish:
             return
-        t = time.perf_counter()
-        logits, hidden = yield from lm_step_passes(tm, kv, token)
-        stats.generation_ms += (time.perf_counter() - t) * 1e3
+
+
+def _baseline_step(tm, kv, head, max_new, n_out, eos, opts, backend, stats,
+                   fill: Callable[[np.ndarray], None] | None = None) -> Effects:
+    """One baseline step from the LM state `head` = (logits, hidden): Search, token, Emit, then the LM pass on the
+    token unless that finished the request. `fill(retrieved ids)` runs between the Search and the Emit.
+    Returns (tokens emitted so far, the token, finish reason or None, the LM state after the pass or None,
+    seconds in the Search and its distribution)."""
+    t = time.perf_counter()
+    (p,), retrieved = yield from true_distributions(backend, head[1][None, :], [head[0]], opts, stats)
+    search_s = time.perf_counter() - t
+    token = next_token(p)
+    if fill is not None:
+        fill(retrieved[0])
+    out, finish = cut_emitted([token], max_new - n_out, eos)
+    n_out += len(out)
+    stats.tokens = n_out
+    yield Emit(out, finish)
+    if finish:
+        return n_out, token, finish, None, search_s
+    t = time.perf_counter()
+    head = yield from lm_step_passes(tm, kv, token)
+    stats.generation_ms += (time.perf_counter() - t) * 1e3
+    return n_out, token, None, head, search_s
 
 
 @dataclass
@@ -768,31 +784,24 @@ def _speculative(tm, kv, logits, hidden, max_new, eos, opts, backend, stats, can
             # A baseline step: Search(q_t) -> token -> LM pass, exactly the baseline's work.
             t_step = time.perf_counter()
             if head is None:
-                t = time.perf_counter()
                 head = yield from lm_step_passes(tm, kv, last_token)
-                stats.generation_ms += (time.perf_counter() - t) * 1e3
-            t_search = time.perf_counter()
-            (p,), retrieved = yield from true_distributions(backend, head[1][None, :], [head[0]], opts, stats)
-            search_s = time.perf_counter() - t_search
-            token = next_token(p)
-            if gate.cache_wanted() or not len(cache):  # a speculative round may come next: keep the cache warm
-                t_fill = time.perf_counter()
-                cache.fill(retrieved[0])
-                stats.speculation_ms += (time.perf_counter() - t_fill) * 1e3
+                stats.generation_ms += (time.perf_counter() - t_step) * 1e3
+
+            def fill(retrieved: np.ndarray) -> None:
+                if gate.cache_wanted() or not len(cache):  # a speculative round may come next: keep it warm
+                    t_fill = time.perf_counter()
+                    cache.fill(retrieved)
+                    stats.speculation_ms += (time.perf_counter() - t_fill) * 1e3
+                stats.cache_entries = len(cache)
+
             stats.strides.append(0)
-            stats.cache_entries = len(cache)
-            out, finish = cut_emitted([token], max_new - n_out, eos)
-            n_out += len(out)
-            stats.tokens = n_out
-            yield Emit(out, finish)
+            n_out, last_token, finish, head, search_s = yield from _baseline_step(tm, kv, head, max_new, n_out, eos,
+                                                                                  opts, backend, stats, fill)
             if finish:
                 return
-            t = time.perf_counter()
-            head, last_token = (yield from lm_step_passes(tm, kv, token)), token
-            now = time.perf_counter()
-            stats.generation_ms += (now - t) * 1e3
-            gate.record(SEQUENTIAL, now - t_step)
-            gate.record_search(search_s, now - t_step)
+            step_s = time.perf_counter() - t_step
+            gate.record(SEQUENTIAL, step_s)
+            gate.record_search(search_s, step_s)
             arm = None
             continue
         # 1. Speculate up to the stride; while a round is in flight, stop as soon as its answer is there. Only an

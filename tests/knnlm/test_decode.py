@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from generation_service.knnlm import (
+    KNN_GATE_EXPLORE,
     KnnBackend,
     KnnLmOptions,
-    KNN_GATE_EXPLORE,
     KnnRetrievalError,
     generate_tokens,
     lm_prefill,
@@ -26,9 +26,9 @@ from generation_service.knnlm import (
     next_token,
     round_gate,
 )
-from generation_service.ralm_gate import ARMS, ASYNC, SEQUENTIAL, SYNC, SharedRoundCosts
 from generation_service.model import new_cache
 from generation_service.os3 import OS3Config
+from generation_service.ralm_gate import ARMS, ASYNC, SEQUENTIAL, SYNC, SharedRoundCosts
 from generation_service.sampling import SamplingParams
 
 NEW = 10

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -39,6 +38,7 @@ from typing import Callable
 
 import numpy as np
 
+from bench.serving import machine
 from generation_service.config import DTYPE_CHOICES
 from generation_service.knnlm import KNN_OS3, KnnBackend, KnnLmOptions, _output_layer_input, generate_tokens
 from generation_service.sampling import SamplingParams
@@ -406,7 +406,7 @@ def main(argv: list[str] | None = None) -> None:
         args.dtype, args.threads = served.setup["dtype"], served.setup["threads"]
     result: dict = {
         "command": "python -m bench.knnlm " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "machine": machine(),  # CPU model and flags, kernel ISA, cores, commit: the README table names the CPU
         "env": {k: os.environ.get(k) for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")},
         "loadavg_start": list(os.getloadavg()),
         "threadpools": [{k: i[k] for k in ("internal_api", "num_threads")} for i in threadpool_info()],

@@ -45,6 +45,7 @@ import logging
 import math
 import threading
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import asdict, astuple, dataclass, field, replace
 from typing import Callable, Iterator, Sequence
@@ -87,6 +88,9 @@ log = logging.getLogger(__name__)
 RETRIEVERS = ("edr", "adr")
 MAX_K = 1024
 MAX_STRIDE = 64
+# Weight of the old average of a step's time alone (no Search in flight) per new such step.
+ALONE_DECAY = 0.8
+F16_DOT_MAX = 16384.0  # |q·key| bound a float16 look-up scales to (float16's largest finite is 65504)
 # OS³ for kNN-LM. γ̂ cap: RaLMSpec's 0.6 suits document-level retrieval, but the next token is more predictable
 # from cached successor entries (per-step accuracy 0.8-0.97 measured on the 1 M-entry docs datastore), and a cap
 # of 0.6 made OS³ pick strides 3-5 where 8 was 25 % faster; 0.9 let two lucky early rounds jump to 16 and roll
@@ -224,17 +228,26 @@ def mixed_distribution(lm_logits: torch.Tensor, scores: np.ndarray, values: np.n
 
 
 _STAGING = threading.local()
+NORM_ROWS = 2048  # rows per float32 temporary of squared_norms (4.7 MB at D = 576)
 
 
-def _staging(rows: int, dim: int) -> torch.Tensor:
-    """A float32 [rows, dim] buffer of this thread, kept between calls: a fill's keys are converted into it first.
-    Why: torch's copy_ into an existing buffer converts 10 K float16 keys in ~1 ms where numpy's astype takes ~14,
-    and a fresh array would page-fault its 23 MB every fill. Per thread: caches fill on the engine's model thread,
-    one at a time, so one buffer serves all its requests."""
+def _staging(rows: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """A [rows, dim] buffer of this thread, kept between calls: a fill gathers its keys into it. Why: a fresh
+    16 K x 576 array page-faults its 19 MB (float16) at every fill, ~7 ms. Per thread: caches fill on the
+    engine's model thread, one at a time, so one buffer serves all its requests."""
     buf = getattr(_STAGING, "buf", None)
-    if buf is None or buf.shape[0] < rows or buf.shape[1] != dim:
-        buf = _STAGING.buf = torch.empty((rows, dim), dtype=torch.float32)
+    if buf is None or buf.shape[0] < rows or buf.shape[1] != dim or buf.dtype != dtype:
+        buf = _STAGING.buf = torch.empty((rows, dim), dtype=dtype)
     return buf[:rows]
+
+
+def squared_norms(keys: torch.Tensor) -> np.ndarray:
+    """keys float16|float32 [m, D] -> ‖key‖² float32 [m], summed in float32. In slices of NORM_ROWS: one float32
+    copy of 16 K rows (38 MB) is fresh memory at every call, and faulting it in took 13 of its 15 ms."""
+    out = np.empty(len(keys), np.float32)
+    for i in range(0, len(keys), NORM_ROWS):
+        out[i:i + NORM_ROWS] = torch.linalg.vector_norm(keys[i:i + NORM_ROWS], dim=1, dtype=torch.float32).square_().numpy()
+    return out
 
 
 def oldest(stamp: np.ndarray, m: int) -> np.ndarray:
@@ -262,14 +275,27 @@ class NeighbourCache:
 
     Storage is preallocated [capacity, D] and overwritten in place: with k = 1024 and n = 10 a fill brings
     ~10^4 entries, and growing arrays by concatenation would copy the whole cache (~40 MB) on every token.
+    Keys stay in the datastore's dtype. With float16 keys (the builder's default) a fill copies rows as they are
+    and a look-up reads half the bytes. Replaying 6 requests' fills (4 queries each, k = 1024, 16 K x 576 keys,
+    Zen 4, torch's 2 threads): a fill 16.6 -> 6.7 ms, a look-up 3.0-3.7 -> 1.2 ms (also: no copy of the filled
+    slots while the cache is not full). The look-up's q·key is then rounded to float16 (~11 bits), which moved no
+    guess: replaying 16 baseline trajectories x 63 steps, strides 4 and 8, the guesses' accuracy was 0.957 /
+    0.949 in both precisions (the look-up only guesses; the Search decides).
     """
 
     def __init__(self, datastore: KnnDatastore, next_n: int = 10, capacity: int = 16384):
         self.ds, self.next_n, self.capacity = datastore, next_n, capacity
         d = datastore.dim
         self.ids = np.full(capacity, -1, np.int64)  # [C] entry id per slot, -1 = empty
-        self.keys = np.zeros((capacity, d), np.float32)  # [C, D]
-        self.norms = np.zeros(capacity, np.float32)  # [C] ‖key‖²
+        half = datastore.keys.dtype == np.float16
+        self.keys = torch.zeros((capacity, d), dtype=torch.float16 if half else torch.float32)  # [C, D]
+        self.norms = np.zeros(capacity, np.float32)  # [C] ‖key‖² (from the stored key, in float32)
+        # Largest ‖key‖ cached: bounds |q·key| so a float16 product can be scaled below float16's overflow.
+        self._max_norm = 0.0
+        self._keys = self.keys.numpy()  # the same memory, for numpy's row writes
+        with warnings.catch_warnings():  # "not writable": this view is only read
+            warnings.simplefilter("ignore", UserWarning)
+            self._ds_keys = torch.from_numpy(datastore.keys)
         self.values = np.zeros(capacity, np.int64)  # [C]
         self.stamp = np.full(capacity, -1, np.int64)  # [C] fill round (-1 = empty), for eviction
         # [N] slot of each datastore entry, -1 = not cached: membership by one gather instead of np.isin over the
@@ -351,31 +377,43 @@ class NeighbourCache:
             self._size += int(np.count_nonzero(old < 0))
             self._slot_of[old[old >= 0]] = -1
             self._slot_of[new] = slots
-            staged = _staging(new.size, self.keys.shape[1])
-            staged.copy_(torch.from_numpy(np.ascontiguousarray(self.ds.keys[new])))  # ascending: memmap in order
-            keys = staged.numpy()  # [m, D] float32
+            keys = _staging(new.size, self.keys.shape[1], self.keys.dtype)
+            # [m, D], ascending ids: the memmap in order. torch's gather, not np.take: 1.3 vs 5.0 ms for 16 K rows.
+            torch.index_select(self._ds_keys, 0, torch.from_numpy(new), out=keys)
             self.ids[slots] = new
-            self.keys[slots] = keys
-            self.norms[slots] = np.einsum("ij,ij->i", keys, keys)
+            self._keys[slots] = keys.numpy()  # numpy's row writes: 1.0 ms where index_copy_ took 1.7
+            norms = squared_norms(keys)
+            self.norms[slots] = norms
+            self._max_norm = max(self._max_norm, math.sqrt(float(norms.max())))
             self.values[slots] = np.asarray(self.ds.values[new], dtype=np.int64)
             self.stamp[slots] = self._round
         return int(new.size)
 
     def nearest(self, query: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """query: float32 [D] -> (ids [m], scores float32 [m] = −‖q − key‖², values [m]), m = min(k, len), best
-        first (ties: smaller id)."""
+        first (ties: smaller id). With float16 keys q·key is rounded to float16 (relative error ~2^-11), so
+        entries closer than that may trade places: a guess, which the verification Search settles."""
         if self._size == 0:
             return np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros(0, np.int64)
         q = np.asarray(query, dtype=np.float32)
-        full = self._size == self.capacity
-        ids = self.ids if full else self.ids[self.ids >= 0]  # [C']
-        keys, norms = (self.keys, self.norms) if full else (self.keys[self.ids >= 0], self.norms[self.ids >= 0])
-        values = self.values if full else self.values[self.ids >= 0]
-        scores = 2.0 * (keys @ q) - norms - float(q @ q)  # [C']; one GEMV instead of [C', D] differences
-        m = min(k, scores.size)
-        part = np.argpartition(-scores, m - 1)[:m] if m < scores.size else np.arange(scores.size)
-        order = part[np.lexsort((ids[part], -scores[part]))]
-        return ids[order], scores[order].astype(np.float32), values[order]
+        dots = self._dots(q)  # [C] q·key, one GEMV instead of [C, D] differences
+        scores = 2.0 * dots - self.norms - float(q @ q)
+        if self._size < self.capacity:
+            scores[self.ids < 0] = -np.inf
+        m = min(k, self._size)
+        part = torch.topk(torch.from_numpy(scores), m, sorted=False).indices.numpy()
+        order = part[np.lexsort((self.ids[part], -scores[part]))]
+        return self.ids[order], scores[order].astype(np.float32), self.values[order]
+
+    def _dots(self, q: np.ndarray) -> np.ndarray:
+        """q float32 [D] -> q·key float32 [C] over every slot (empty ones too)."""
+        if self.keys.dtype == torch.float32:
+            return self.keys.numpy() @ q  # numpy's GEMV: 1.0 ms where torch.mv took 3.1 (16 K x 576, Zen 4)
+        # A power of two keeps q exact in float16's range and |q·key| <= ‖q‖·max‖key‖ below its overflow.
+        shift = max(0, math.ceil(math.log2(max(float(np.linalg.norm(q)) * self._max_norm, 1.0) / F16_DOT_MAX)))
+        q16 = torch.from_numpy(q * np.float32(2.0 ** -shift)).to(torch.float16)
+        dots = torch.nn.functional.linear(q16[None], self.keys)[0].float()
+        return dots.numpy() * np.float32(2.0 ** shift)
 
 
 # ---------------------------------------------------------------------------------------- retrieval side
@@ -699,6 +737,34 @@ def _baseline_step(tm, kv, head, max_new, n_out, eos, opts, backend, stats,
 
 
 @dataclass
+class StepClock:
+    """Splits a speculation step run beside a Search in flight into the time a step takes alone (its round's
+    cost) and the rest (the slowdown the Search beside it caused: the async round's cost). A sync round after
+    an async one would otherwise pay for that Search, and the gate kept choosing async where sync rounds were
+    10-20 % faster per request (2 cores shared with the retrieval service)."""
+
+    alone_s: float | None = None  # a step with an LM pass and no Search in flight, averaged (ALONE_DECAY)
+
+    def seed(self, pass_s: float) -> None:
+        """A first estimate (a baseline step's LM pass) until a speculation step runs alone."""
+        if self.alone_s is None:
+            self.alone_s = pass_s
+
+    def split(self, step_s: float, passed: bool, beside: bool) -> tuple[float, float]:
+        """A step of step_s seconds (passed: it ran an LM pass; beside: a Search was in flight) -> (seconds
+        charged to its round, seconds charged to the Search beside it). Steps without a pass are not compared:
+        they take a fraction of one with a pass.
+
+        split(0.012, True, True) with alone_s 0.008 -> (0.008, 0.004);  split(0.006, True, True) -> (0.006, 0)"""
+        if passed and not beside:
+            self.alone_s = step_s if self.alone_s is None else (1 - ALONE_DECAY) * step_s + ALONE_DECAY * self.alone_s
+        if not (passed and beside) or self.alone_s is None:
+            return step_s, 0.0
+        slowed = max(0.0, step_s - self.alone_s)
+        return step_s - slowed, slowed
+
+
+@dataclass
 class _Step:
     """One speculation step: the LM state it guessed from and the guess."""
 
@@ -717,6 +783,7 @@ class _Round:
     spec_s: float  # speculation time of its steps (LM passes + cache guesses)
     passes: int  # LM passes among them (the first step after the prompt has none)
     arm: str  # ASYNC (the next round is speculated while its Search runs) or SYNC
+    beside_s: float = 0.0  # how much slower the steps run beside its Search were than steps run alone
 
 
 def round_gate(opts: KnnLmOptions, backend: KnnBackend) -> RoundGate:
@@ -741,9 +808,10 @@ def _speculative(tm, kv, logits, hidden, max_new, eos, opts, backend, stats, can
 
     Which kind each round is (async, sync, or one baseline step: Search, token, LM pass) is the gate's choice
     (ralm_gate.RoundGate, `round_gate`), each kind timed per emitted token. A round is charged its own work
-    wherever it ran: its steps (passes slowed by a Search beside them included), the time spent waiting for
-    and settling its verification, and the next round's steps its rollback threw away. Not the wall time
-    between settles: a lone async round between sync ones would then look like a sync round. Why a gate: on
+    wherever it ran: its steps at the time a step takes alone, the time spent waiting for and settling its
+    verification, the next round's steps its rollback threw away, and, for an async round, how much its Search
+    slowed the steps run beside it (their time over a step alone). Not the wall time between settles: a lone
+    async round between sync ones would then look like a sync round. (StepClock splits the steps run beside a Search.) Why a gate: on
     two cores shared with the retrieval service an async round's passes run ~1.5x slower, and where a Search
     is cheap none of it pays.
 
@@ -764,6 +832,7 @@ def _speculative(tm, kv, logits, hidden, max_new, eos, opts, backend, stats, can
     spec_s, passes = 0.0, 0  # speculation time and LM passes of `steps`
     inflight: _Round | None = None
     stride = 0
+    clock = StepClock()
     arm: str | None = None  # kind of the round being built; None = ask the gate when the next one starts
 
     def unverified() -> int:
@@ -795,8 +864,11 @@ def _speculative(tm, kv, logits, hidden, max_new, eos, opts, backend, stats, can
                 stats.cache_entries = len(cache)
 
             stats.strides.append(0)
+            gen_ms = stats.generation_ms
             n_out, last_token, finish, head, search_s = yield from _baseline_step(tm, kv, head, max_new, n_out, eos,
                                                                                   opts, backend, stats, fill)
+            if head is not None:  # its LM pass ran alone: a first estimate of a step's time
+                clock.seed((stats.generation_ms - gen_ms) / 1e3)
             if finish:
                 return
             step_s = time.perf_counter() - t_step
@@ -812,7 +884,8 @@ def _speculative(tm, kv, logits, hidden, max_new, eos, opts, backend, stats, can
                and not (not steps and inflight and inflight.steps[-1].guess in eos)
                and not (inflight and inflight.search.done())):
             t = time.perf_counter()
-            if head is None:
+            passed = head is None
+            if passed:
                 head = yield from lm_step_passes(tm, kv, last_token)
                 stats.generation_ms += (time.perf_counter() - t) * 1e3
                 passes += 1
@@ -823,7 +896,10 @@ def _speculative(tm, kv, logits, hidden, max_new, eos, opts, backend, stats, can
             stats.speculation_ms += (time.perf_counter() - t_guess) * 1e3
             steps.append(_Step(q, q_logits, guess))
             stats.overlapped += inflight is not None
-            spec_s += time.perf_counter() - t
+            own_s, slowed_s = clock.split(time.perf_counter() - t, passed, inflight is not None)
+            spec_s += own_s
+            if inflight is not None:
+                inflight.beside_s += slowed_s
             head, last_token = None, guess
         # 2. Send the round if nothing is in flight (sync: then wait for it at once).
         if inflight is None:
@@ -881,7 +957,8 @@ def _speculative(tm, kv, logits, hidden, max_new, eos, opts, backend, stats, can
             _truncate(kv, keep)
             thrown_s = spec_s
             steps, spec_s, passes, head, last_token = [], 0.0, 0, None, emitted[-1]
-        gate.record(rnd.arm, (rnd.spec_s + time.perf_counter() - t + thrown_s) / len(emitted), len(emitted))
+        gate.record(rnd.arm, (rnd.spec_s + rnd.beside_s + time.perf_counter() - t + thrown_s) / len(emitted),
+                    len(emitted))
         out, finish = cut_emitted(emitted, max_new - n_out, eos)
         n_out += len(out)
         stats.tokens = n_out

@@ -3,6 +3,8 @@ oldest fills, and exact nearest-neighbour look-up among the cached entries (brut
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -32,7 +34,7 @@ def test_fill_takes_the_next_n_entries(ds, retrieved, n, expected):
     for s in slots:
         j = int(cache.ids[s])
         assert int(cache.values[s]) == int(ds.values[j])
-        np.testing.assert_array_equal(cache.keys[s], np.asarray(ds.keys[j], np.float32))
+        np.testing.assert_array_equal(cache.keys[s].float().numpy(), np.asarray(ds.keys[j], np.float32))
 
 
 def test_refill_counts_only_new_entries(ds):
@@ -53,20 +55,39 @@ def test_eviction_drops_the_oldest_fill(ds):
     assert len(cache) == 6
 
 
-@pytest.mark.parametrize("k", [1, 5, 40, 1000])
-def test_nearest_matches_brute_force(ds, k):
+def rounding_bound(query: np.ndarray, keys: np.ndarray) -> float:
+    """How far a cached score may be from the exact one: 2·q·key rounded to float16 (float32 keys: to float32)."""
+    eps = 2.0 ** -11 if keys.dtype == np.float16 else 2.0 ** -23
+    return 4.0 * eps * float(np.abs(keys.astype(np.float64) @ query.astype(np.float64)).max()) + 1e-3
+
+
+@pytest.mark.parametrize("k, dtype, scale", [
+    (1, "float16", 1.0), (5, "float16", 1.0), (40, "float16", 1.0), (1000, "float16", 1.0),
+    (40, "float32", 1.0),     # a datastore built with --dtype float32: float32 products
+    (40, "float16", 3000.0),  # |q·key| far past float16's 65504: scaled, not inf
+])
+def test_nearest_matches_brute_force(ds, k, dtype, scale):
+    ds = replace(ds, keys=np.asarray(ds.keys, dtype))
     cache = NeighbourCache(ds, next_n=10, capacity=4096)
     cache.fill(np.arange(0, ds.size, 17))
     ids = cache.cached_ids()
-    query = np.asarray(ds.keys[ids[3]], np.float32) + 0.01  # close to a cached entry
+    query = (np.asarray(ds.keys[ids[3]], np.float32) + 0.01) * np.float32(scale)  # scale 1: near a cached entry
     got_ids, got_scores, got_values = cache.nearest(query, k)
-    keys = np.asarray(ds.keys[ids], np.float64)
-    d = ((keys - query.astype(np.float64)) ** 2).sum(1)
-    want = ids[np.lexsort((ids, d))][:k]
-    assert got_ids.tolist() == want.tolist()
-    assert got_ids[0] == ids[3]  # Not another entry: the query sits on this one
-    np.testing.assert_allclose(-got_scores, np.sort(d)[: len(want)], rtol=1e-3, atol=1e-2)
-    assert got_values.tolist() == np.asarray(ds.values[want]).tolist()
+    keys = np.asarray(ds.keys[ids])
+    d = ((keys.astype(np.float64) - query.astype(np.float64)) ** 2).sum(1)  # [n] exact, by id order
+    tol = rounding_bound(query, keys)
+    d_of = dict(zip(ids.tolist(), d))
+    kth = np.sort(d)[min(k, len(d)) - 1]
+    assert len(got_ids) == min(k, len(ids)) and len(set(got_ids.tolist())) == len(got_ids)
+    # A brute-force top k up to the rounding: nothing returned is farther than the k-th by more than it, nothing
+    # left out is nearer by more than it. Not the k entries nearest to an entry far away.
+    assert all(d_of[j] <= kth + tol for j in got_ids.tolist())
+    assert set(ids[d < kth - tol].tolist()) <= set(got_ids.tolist())
+    assert scale != 1.0 or got_ids[0] == ids[3]  # Not another entry: the query sits on this one
+    assert np.isfinite(got_scores).all()
+    np.testing.assert_allclose(-got_scores, [d_of[j] for j in got_ids.tolist()], rtol=1e-3, atol=tol)
+    assert np.all(np.diff(got_scores) <= 0)  # best first
+    assert got_values.tolist() == np.asarray(ds.values[got_ids]).tolist()
 
 
 def test_empty_cache_returns_nothing(ds):
@@ -129,7 +150,8 @@ def test_fill_many_matches_brute_force(ds, rounds, next_n, capacity):
         stamp = {j: stamp[j] for j in cached}
     for s in np.flatnonzero(cache.ids >= 0):  # rows match the datastore
         assert int(cache.values[s]) == int(ds.values[cache.ids[s]])
-        np.testing.assert_array_equal(cache.keys[s], np.asarray(ds.keys[cache.ids[s]], np.float32))
+        np.testing.assert_array_equal(cache.keys[s].float().numpy(),
+                                      np.asarray(ds.keys[cache.ids[s]], np.float32))
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

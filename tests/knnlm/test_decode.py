@@ -19,6 +19,7 @@ from generation_service.knnlm import (
     KnnBackend,
     KnnLmOptions,
     KnnRetrievalError,
+    StepClock,
     generate_tokens,
     lm_prefill,
     lm_step,
@@ -175,6 +176,33 @@ def test_gate_follows_the_pooled_costs(tm, backend, prompts, baselines, cheapest
     else:
         assert 0 not in stats.strides[1:] and stats.speculated >= NEW - 1, expected  # Not a baseline step
         assert (stats.overlapped > 0) == (cheapest == ASYNC), expected
+
+
+# (steps: (seconds, ran an LM pass, a Search in flight), the last step's split (own round, the Search beside it))
+STEP_CLOCK = [
+    ([(0.010, True, True)], (0.010, 0.0)),                     # nothing measured alone yet: all its own
+    ([(0.008, True, False), (0.012, True, True)], (0.008, 0.004)),  # Not (0.012, 0): 4 ms were the Search's
+    ([(0.008, True, False), (0.006, True, True)], (0.006, 0.0)),    # faster than alone: no negative charge
+    ([(0.008, True, False), (0.002, False, True)], (0.002, 0.0)),   # no LM pass: not comparable with one
+    ([(0.008, True, False), (0.018, True, False), (0.012, True, True)], (0.010, 0.002)),  # alone averaged 0.8/0.2
+]
+
+
+@pytest.mark.parametrize("steps, expected", STEP_CLOCK)
+def test_step_clock_charges_the_slowdown_to_the_search_beside(steps, expected):
+    clock = StepClock()
+    for step in steps:
+        got = clock.split(*step)
+    assert got == pytest.approx(expected)
+
+
+def test_step_clock_seed_is_only_a_first_estimate():
+    clock = StepClock()
+    clock.seed(0.008)
+    assert clock.split(0.012, True, True) == pytest.approx((0.008, 0.004))
+    clock.split(0.010, True, False)
+    clock.seed(0.001)  # ignored: a step alone was measured
+    assert clock.alone_s == pytest.approx(0.8 * 0.008 + 0.2 * 0.010)
 
 
 def test_stops_at_the_budget_mid_round(tm, backend, prompts, baselines):

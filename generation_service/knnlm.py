@@ -102,6 +102,11 @@ KNN_OS3 = OS3Config(gamma_max=KNN_GAMMA_MAX, s_init=4, overlap="round")  # async
 # served on the Zen 4 (1 M keys, k = 1024), one unlucky first round (a wrong early guess throws most of a round
 # away) kept a stride-4 worker on baseline steps for all of its next 4 requests (1.01x the base).
 KNN_GATE_EXPLORE = 3
+# RoundGate's far_behind for kNN-LM: none. An arm's early rounds (short OS³ strides, a cold cache) cost 2-3x its
+# later ones, so a sync arm measured at 0.07 s per token in a worker's first request was never probed again while
+# async rounds at 0.03-0.05 won for 80 rounds; sync rounds measured later ran at 0.025. A kNN-LM round is
+# ~0.1-0.2 s, so a probe of the losing arm is cheap.
+KNN_GATE_FAR_BEHIND = math.inf
 
 
 @dataclass(frozen=True)
@@ -792,7 +797,7 @@ def round_gate(opts: KnnLmOptions, backend: KnnBackend) -> RoundGate:
     configured = ASYNC if opts.async_verify else SYNC
     arms = (([ASYNC] if opts.async_verify else []) + [SYNC, SEQUENTIAL]) if opts.adaptive else [configured]
     return RoundGate(arms, shared=backend.round_costs, key=("knnlm", opts, tuple(arms)), explore=KNN_GATE_EXPLORE,
-                     min_search_share=opts.min_search_share)
+                     min_search_share=opts.min_search_share, far_behind=KNN_GATE_FAR_BEHIND)
 
 
 def _speculative(tm, kv, logits, hidden, max_new, eos, opts, backend, stats, cancelled, os3):

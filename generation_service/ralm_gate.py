@@ -209,7 +209,7 @@ def prefill_slowdown(round_ms: float, round_tokens: int, base_ms: float, base_to
 class RoundGate:
     def __init__(self, arms: Sequence[str], window: int = 5, probe: int = 4,
                  shared: SharedRoundCosts | None = None, key: Hashable = None,
-                 min_search_share: float = MIN_SEARCH_SHARE, explore: int = 1):
+                 min_search_share: float = MIN_SEARCH_SHARE, explore: int = 1, far_behind: float = FAR_BEHIND):
         if not arms or any(a not in ARMS for a in arms) or len(set(arms)) != len(arms):
             raise ValueError(f"arms: {list(arms)!r} must be distinct names from {ARMS}")
         self.arms = tuple(arms)
@@ -228,6 +228,7 @@ class RoundGate:
         if explore < 1 or explore > window:
             raise ValueError(f"explore: {explore} must be in [1, window={window}]")
         self.explore = explore
+        self.far_behind = far_behind  # a losing arm beyond this factor of the winner waits for MAX_PROBE
         self.measured = {a: 0 for a in self.arms}  # rounds per arm, this request's and the worker's pooled ones
         self._changes = (0.0, 0.0)  # (hits, guesses) of change guesses when no worker pools them
         self.searches: deque[tuple[float, float]] = deque(maxlen=SEARCH_WINDOW)  # sequential: (search s, all s)
@@ -301,7 +302,7 @@ class RoundGate:
         return best
 
     def _worth_probing(self, arm: str, best: str) -> bool:
-        return self.schedule.probe >= MAX_PROBE or self.mean(arm) <= FAR_BEHIND * self.mean(best)
+        return self.schedule.probe >= MAX_PROBE or self.mean(arm) <= self.far_behind * self.mean(best)
 
     def change_waste(self, prefill_s: float) -> float:
         """Expected seconds thrown away by acting on a guessed passage change (its prefill, when wrong)."""

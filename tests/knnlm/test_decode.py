@@ -29,7 +29,7 @@ from generation_service.knnlm import (
 )
 from generation_service.model import new_cache
 from generation_service.os3 import OS3Config
-from generation_service.ralm_gate import ARMS, ASYNC, SEQUENTIAL, SYNC, SharedRoundCosts
+from generation_service.ralm_gate import ARMS, ASYNC, MAX_PROBE, SEQUENTIAL, SYNC, SharedRoundCosts
 from generation_service.sampling import SamplingParams
 
 NEW = 10
@@ -168,6 +168,10 @@ def test_gate_follows_the_pooled_costs(tm, backend, prompts, baselines, cheapest
     for arm in ARMS:  # what earlier requests measured, per emitted token
         for _ in range(KNN_GATE_EXPLORE):
             worker.round_costs.add(key, arm, 0.001 if arm == cheapest else 1.0, steps=100)
+    # ... and as after many requests that arm won: probes of the others are MAX_PROBE rounds apart (kNN-LM's gate
+    # probes an arm however far behind, so a fresh schedule would probe within this request).
+    schedule = worker.round_costs.schedule(key, 4)
+    schedule.best, schedule.probe = cheapest, MAX_PROBE
     tokens, stats = run(tm, worker, prompts["doc0"], opts)
     assert tokens == baselines[0]
     assert stats.strides[0] == 0  # the first token is always a baseline step: nothing is cached before it

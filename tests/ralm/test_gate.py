@@ -1,12 +1,14 @@
 """RoundGate: the cheapest measured kind of round, probes of the others at doubling intervals."""
 
+import math
+
 import pytest
 
 from generation_service.ralm_gate import ASYNC, MIN_SEARCH_SHARE, SEQUENTIAL, SYNC, RoundGate, SharedRoundCosts
 
 
-def measured(arms, costs, probe=4):
-    gate = RoundGate(arms, window=5, probe=probe)
+def measured(arms, costs, probe=4, **kw):
+    gate = RoundGate(arms, window=5, probe=probe, **kw)
     for arm, c in costs.items():
         gate.record(arm, c)
     return gate
@@ -157,22 +159,23 @@ def test_requests_of_a_worker_share_one_probe_schedule():
                      SEQUENTIAL, SEQUENTIAL, SEQUENTIAL, SEQUENTIAL]
 
 
-# (cost of sync relative to sequential, rounds until the first probe of sync)
+# (cost of sync relative to sequential, the gate's far_behind, rounds until the first probe of sync)
 FAR_CASES = [
-    (1.2, 3),    # within FAR_BEHIND: probed after 2 winning rounds
-    (3.0, 67),   # far behind: the probes due at rounds 3, 8, 17 and 34 are skipped; the one that doubles the
-                 # interval to MAX_PROBE is not
+    (1.2, 1.25, 3),     # within FAR_BEHIND: probed after 2 winning rounds
+    (3.0, 1.25, 67),    # far behind: the probes due at rounds 3, 8, 17 and 34 are skipped; the one that doubles
+                        # the interval to MAX_PROBE is not
+    (3.0, math.inf, 3),  # no far_behind (kNN-LM's gate): probed like a close arm
 ]
 
 
-@pytest.mark.parametrize("ratio, first_probe", FAR_CASES)
-def test_arms_far_behind_are_probed_only_at_the_longest_interval(ratio, first_probe):
+@pytest.mark.parametrize("ratio, far_behind, first_probe", FAR_CASES)
+def test_arms_far_behind_are_probed_only_at_the_longest_interval(ratio, far_behind, first_probe):
     from generation_service.ralm_gate import MAX_PROBE
 
-    gate = measured((SYNC, SEQUENTIAL), {SEQUENTIAL: 0.01, SYNC: 0.01 * ratio}, probe=2)
+    gate = measured((SYNC, SEQUENTIAL), {SEQUENTIAL: 0.01, SYNC: 0.01 * ratio}, probe=2, far_behind=far_behind)
     picks = [gate.choose() for _ in range(MAX_PROBE + 40)]
     assert picks.index(SYNC) + 1 == first_probe  # Not after 3 rounds when it is 3x the winner's cost
-    assert gate.schedule.probe == MAX_PROBE or ratio < 1.25
+    assert gate.schedule.probe == MAX_PROBE or ratio < far_behind
 
 
 def test_probe_interval_is_capped():

@@ -51,7 +51,7 @@ CONFIGS = ("base",) + SPECULATIVE + tuple(f"{c}-sync" for c in SPECULATIVE)
 def config_options(name: str, retriever: str, k: int, lam: float, temperature: float) -> KnnLmOptions:
     """base | s<stride> | os3, "-sync" = without async verification -> KnnLmOptions."""
     if name == "base":
-        return KnnLmOptions(retriever=retriever, k=k, lam=lam, temperature=temperature)
+        return KnnLmOptions(retriever=retriever, k=k, lam=lam, temperature=temperature, speculate=False)
     spec, _, sync = name.partition("-")
     stride = 0 if spec == "os3" else int(spec[1:])
     return KnnLmOptions(retriever=retriever, k=k, lam=lam, temperature=temperature, speculate=True, stride=stride,

@@ -117,7 +117,9 @@ class KnnLmOptions:
     k: int = 1024  # neighbours per query, 1..1024 and at most the datastore size
     lam: float = 0.25  # λ, weight of p_kNN
     temperature: float = 10.0  # T of the softmax over −‖q − key‖² (squared distances here are ~10²..10³)
-    speculate: bool = False  # False = the baseline: one Search per token
+    # RaLMSpec (the default, as for RAG: the tokens are the baseline's and the round gate runs baseline steps where
+    # speculation does not pay); False = the baseline: one Search per token.
+    speculate: bool = True
     stride: int = 0  # speculation steps per verification; 0 = OS³
     async_verify: bool = True  # speculate the next round while the verification Search is in flight
     # Each round's kind (async / sync / a baseline step) by measured cost per emitted token (ralm_gate.RoundGate,
@@ -1004,7 +1006,7 @@ def options_from_proto(msg, defaults: KnnLmOptions | None = None) -> KnnLmOption
             retriever=msg.retriever or d.retriever, k=msg.k or d.k,
             lam=msg.knn_weight if msg.HasField("knn_weight") else d.lam,
             temperature=msg.temperature if msg.HasField("temperature") else d.temperature,
-            speculate=msg.speculate, stride=msg.stride, cache_next=msg.cache_next or d.cache_next,
+            speculate=msg.speculate if msg.HasField("speculate") else d.speculate, stride=msg.stride, cache_next=msg.cache_next or d.cache_next,
             async_verify=msg.async_verify if msg.HasField("async_verify") else d.async_verify,
             cache_capacity=d.cache_capacity, ef_search=msg.ef_search or d.ef_search)
     except InvalidArgument as e:

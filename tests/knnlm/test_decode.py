@@ -75,7 +75,7 @@ SCENARIOS = [
 def baselines(tm, ds, backend, prompts):
     out = {}
     for i, (name, kw) in enumerate(SCENARIOS):
-        tokens, stats = run(tm, backend, prompts[name], KnnLmOptions(**kw))
+        tokens, stats = run(tm, backend, prompts[name], KnnLmOptions(**kw, speculate=False))
         assert stats.kb_calls == stats.kb_queries == NEW  # one Search per token
         out[i] = tokens
     return out
@@ -84,14 +84,14 @@ def baselines(tm, ds, backend, prompts):
 @pytest.mark.parametrize("i", range(3))  # exact retriever scenarios (HNSW is not the brute force)
 def test_baseline_equals_brute_force(tm, ds, prompts, baselines, i):
     name, kw = SCENARIOS[i]
-    assert baselines[i] == reference_decode(tm, ds, prompts[name], NEW, KnnLmOptions(**kw))
+    assert baselines[i] == reference_decode(tm, ds, prompts[name], NEW, KnnLmOptions(**kw, speculate=False))
 
 
 def test_neighbours_change_the_output(tm, backend, prompts, doc_tokens, baselines):
     # λ = 0.9 on a datastore document's prefix: the kNN-LM continues the document it has memorized ...
     assert baselines[0] == doc_tokens[0][24:24 + NEW].tolist()
     # ... which the LM alone (λ = 0) does not.
-    lm_only, _ = run(tm, backend, prompts["doc0"], KnnLmOptions(k=16, lam=0.0))
+    lm_only, _ = run(tm, backend, prompts["doc0"], KnnLmOptions(k=16, lam=0.0, speculate=False))
     assert lm_only != baselines[0]
 
 
@@ -217,11 +217,11 @@ def test_stops_at_the_budget_mid_round(tm, backend, prompts, baselines):
 
 def test_k_larger_than_datastore_is_rejected(tm, ds, backend, prompts):
     with pytest.raises(ValueError, match=f"^k: {ds.size + 1} exceeds the datastore size"):
-        run(tm, backend, prompts["doc0"], KnnLmOptions(k=ds.size + 1))
+        run(tm, backend, prompts["doc0"], KnnLmOptions(k=ds.size + 1, speculate=False))
 
 
 def test_k_equal_to_datastore_is_served(tm, ds, backend, prompts):
-    tokens, stats = run(tm, backend, prompts["doc0"], KnnLmOptions(k=ds.size), n=2)
+    tokens, stats = run(tm, backend, prompts["doc0"], KnnLmOptions(k=ds.size, speculate=False), n=2)
     assert len(tokens) == 2 and stats.kb_calls == 2
 
 

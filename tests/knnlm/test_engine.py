@@ -40,7 +40,7 @@ def _collect(job: Job, timeout_s: float = 300) -> tuple[list[int], str, object]:
 
 
 @pytest.mark.parametrize("spec", [
-    [dict(), dict(speculate=True, stride=3, async_verify=False), dict(speculate=True, stride=0)],
+    [dict(speculate=False), dict(speculate=True, stride=3, async_verify=False), dict(speculate=True, stride=0)],
 ])
 def test_knnlm_requests_share_passes_and_equal_their_solo_runs(tm32, backend, doc_tokens, spec):
     params = SamplingParams(max_new_tokens=N, ignore_eos=True)

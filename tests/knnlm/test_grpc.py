@@ -41,8 +41,9 @@ def _request(prompt: np.ndarray, **knn) -> generation_pb2.GenerateRequest:
 def test_generate_with_knnlm_options(tm, backend, doc_tokens, stub):
     prompt = doc_tokens[0][:24].astype(np.int64)
     want, _ = generate_tokens(tm, prompt, SamplingParams(max_new_tokens=NEW, ignore_eos=True),
-                              KnnLmOptions(k=16, lam=0.9), backend)
-    for knn, mode in (({"speculate": False}, "base"), ({"speculate": True, "stride": 4}, "s4"),
+                              KnnLmOptions(k=16, lam=0.9, speculate=False), backend)
+    for knn, mode in (({"speculate": False}, "base"), ({}, "os3"),  # Not "base": speculation is the default
+                      ({"speculate": True, "stride": 4}, "s4"),
                       ({"speculate": True, "stride": 0}, "os3"),
                       ({"speculate": True, "stride": 4, "async_verify": False}, "s4-sync")):
         reply = stub.Generate(_request(prompt, k=16, knn_weight=0.9, **knn), timeout=120)
@@ -51,7 +52,7 @@ def test_generate_with_knnlm_options(tm, backend, doc_tokens, stub):
         assert (s.mode, s.k, s.tokens) == (mode, 16, NEW)
         assert reply.stats.decoding == "knnlm" and reply.finish_reason == "length"
         # A baseline step the round gate chose (stride 0) is one Search too.
-        assert s.kb_calls == (NEW if not knn["speculate"] else s.verifications + list(s.strides).count(0))
+        assert s.kb_calls == (NEW if mode == "base" else s.verifications + list(s.strides).count(0))
 
 
 @pytest.mark.parametrize("knn, field", [

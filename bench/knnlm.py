@@ -156,8 +156,9 @@ class ServedKnn:
 
 
 def run_latency(run: Runner, prompts: list[np.ndarray], ks: list[int], configs: list[str], retriever: str,
-                args) -> dict:
-    """-> {"<k>": {"<config>": {...}}} for one retriever; configs interleaved per prompt and k."""
+                args, base_tokens: dict | None = None) -> dict:
+    """-> {"<k>": {"<config>": {...}}} for one retriever; configs interleaved per prompt and k. base_tokens, if
+    given, gets the baseline's tokens per (prompt index, k)."""
     from tqdm import tqdm
 
     rows: dict[str, dict[str, list[dict]]] = {str(k): {c: [] for c in configs} for k in ks}
@@ -165,18 +166,20 @@ def run_latency(run: Runner, prompts: list[np.ndarray], ks: list[int], configs: 
     for c in ("base", "s4"):
         run(prompts[0], 4, config_options(c, retriever, ks[-1], args.lam, args.temperature))
     bar = tqdm(total=len(prompts) * len(ks) * len(configs), desc=f"latency {retriever}", unit="req")
-    for prompt in prompts:
+    for i, prompt in enumerate(prompts):
         for k in ks:
-            base_tokens = None
+            base = None
             for c in configs:  # "base" first (validated in main), so every config is compared with its run
                 opts = config_options(c, retriever, k, args.lam, args.temperature)
                 t0 = time.perf_counter()
                 tokens, st = run(prompt, args.max_new_tokens, opts)
                 latency = time.perf_counter() - t0
                 if c == "base":
-                    base_tokens = tokens
+                    base = tokens
+                    if base_tokens is not None:
+                        base_tokens[(i, k)] = tokens
                 strides = st.pop("strides")
-                rows[str(k)][c].append({"latency_s": latency, "identical": tokens == base_tokens,
+                rows[str(k)][c].append({"latency_s": latency, "identical": tokens == base,
                                         "tokens": len(tokens), **st,
                                         "mean_stride": float(np.mean(strides)) if strides else 0.0})
                 bar.update(1)
@@ -198,6 +201,54 @@ def run_latency(run: Runner, prompts: list[np.ndarray], ks: list[int], configs: 
                 "speculation_accuracy": (sum(r["correct"] for r in rs) / spec) if spec else None,
                 "wasted_passes": mean("wasted_passes"), "overlapped": mean("overlapped"), "tokens": mean("tokens"),
                 "per_request_s": [r["latency_s"] for r in rs]}
+    return out
+
+
+def run_concurrent(run: Runner, prompts: list[np.ndarray], k: int, configs: list[str], retriever: str, args,
+                   base_tokens: dict) -> dict:
+    """--clients N closed-loop clients per config (2 N requests, prompts in turn) -> {"<config>": {aggregate
+    tokens/s, mean latency, identical to the solo baseline}}. Concurrent requests share the worker's batched
+    passes and the retrieval service's scans (concurrent exact Searches run as one: knowledge/coalesce.py)."""
+    import threading
+
+    from tqdm import tqdm
+
+    n_req = 2 * args.clients
+    bar = tqdm(total=n_req * len(configs), desc=f"{args.clients} clients {retriever}", unit="req")
+    out = {}
+    for c in configs:
+        opts = config_options(c, retriever, k, args.lam, args.temperature)
+        lock, next_i, rows = threading.Lock(), [0], []
+
+        def client() -> None:
+            while True:
+                with lock:
+                    i = next_i[0]
+                    next_i[0] += 1
+                if i >= n_req:
+                    return
+                p = i % len(prompts)
+                t0 = time.perf_counter()
+                tokens, _ = run(prompts[p], args.max_new_tokens, opts)
+                with lock:
+                    rows.append((time.perf_counter() - t0, len(tokens), tokens == base_tokens.get((p, k))))
+                bar.update(1)
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=client, name=f"client-{j}") for j in range(args.clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+        out[c] = {"clients": args.clients, "requests": len(rows), "wall_s": wall,
+                  "tokens_per_s": sum(n for _, n, _ in rows) / wall,
+                  "latency_s": float(np.mean([lat for lat, _, _ in rows])),
+                  "identical": int(sum(same for _, _, same in rows))}
+    bar.close()
+    base_tps = out["base"]["tokens_per_s"]
+    for r in out.values():
+        r["throughput_x"] = r["tokens_per_s"] / base_tps
     return out
 
 
@@ -311,8 +362,13 @@ def measure_served(served: ServedKnn, result: dict, prompts, ks, configs, retrie
     result["setup"].update(served=served.setup, faiss_threads="the service default", os3="the worker's")
     result["knnlm_over"] = "grpc: Generate -> generation service -> retrieval service (tools.launcher, defaults)"
     for retriever in retrievers:
-        result["retrievers"][retriever] = run_latency(served.run, prompts, ks, configs, retriever, args)
+        base_tokens: dict = {}
+        result["retrievers"][retriever] = run_latency(served.run, prompts, ks, configs, retriever, args, base_tokens)
         _checkpoint(result, args, t_start)
+        if args.clients > 1:
+            result.setdefault("concurrent", {})[retriever] = run_concurrent(served.run, prompts, ks[-1], configs,
+                                                                            retriever, args, base_tokens)
+            _checkpoint(result, args, t_start)
 
 
 def measure_in_process(tm, held, result: dict, prompts, ks, configs, retrievers, args, t_start: float) -> None:
@@ -373,9 +429,14 @@ def main(argv: list[str] | None = None) -> None:
                     help="the product path: start both services with default flags (tools.launcher) and send every "
                          "request as Generate with GenerateRequest.knnlm (no perplexity, --threads, --omp-threads or "
                          "--os3-gamma-max: the services' defaults)")
+    ap.add_argument("--clients", type=int, default=1,
+                    help="--serve: after the latency runs, each config again from this many concurrent clients "
+                         "(2 x clients requests, the largest k): aggregate tokens/s (1 = skip)")
     ap.add_argument("--json", default="",
                     help="write the results here, updated after each retriever (atomic; '' = none)")
     args = ap.parse_args(argv)
+    if args.clients > 1 and not args.serve:
+        raise SystemExit("--clients needs --serve (concurrent requests go through the services)")
     if args.serve and (args.ppl_tokens or args.threads or args.omp_threads != 1
                        or args.os3_gamma_max != KNN_OS3.gamma_max or args.dtype not in ("auto", "")):
         raise SystemExit("--serve starts its own services with default flags: no --ppl-tokens (use 0), --threads, "
@@ -430,6 +491,12 @@ def main(argv: list[str] | None = None) -> None:
     else:
         measure_in_process(tm, held, result, prompts, ks, configs, retrievers, args, t_start)
     print_table(result["retrievers"])
+    for retriever, per_config in result.get("concurrent", {}).items():
+        print(f"\n{retriever}, {args.clients} concurrent clients: aggregate tokens/s (x base), mean latency s, "
+              "identical/requests")
+        for c, r in per_config.items():
+            print(f"  {c:>8}  {r['tokens_per_s']:7.1f}  x{r['throughput_x']:5.2f}  {r['latency_s']:6.2f}  "
+                  f"{r['identical']}/{r['requests']}")
     if "perplexity" in result:
         p = result["perplexity"]
         print(f"\nperplexity on {p['tokens']} held-out tokens (test half; λ, T chosen on {p['tokens_dev']} dev "

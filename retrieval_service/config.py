@@ -61,6 +61,7 @@ FLAG_HELP = {
     "kb_limit_results": "most queries x k in one Search (checked before any work, like the reply size)",
     "kb_workers": "threads of the knowledge-base executor (Search/ScoreCandidates/GetDocuments run there)",
     "kb_queue": "KB calls that may wait for the executor (capped at workers - 2); more get RESOURCE_EXHAUSTED",
+    "kb_coalesce": "exact (edr) Searches waiting for the KB executor together run as one batched search",
     "kb_nice": "nice increment of the KB executor threads, so Draft calls win the CPU (0 = same priority)",
     "kb_warmup_s": "seconds of Lucene JIT warm-up before SERVING",
     "kb_verify": "re-hash passages.jsonl at open and compare it with the KB manifest",
@@ -157,6 +158,9 @@ class RetrievalConfig(config_util.ShellConfig):
     # gRPC handler thread); more get RESOURCE_EXHAUSTED at once.
     kb_workers: int = 1
     kb_queue: int = 4
+    # Exact Searches queued for the executor at the same time run as one batched search (knowledge/coalesce.py):
+    # a scan costs about the same for 1 and 4 queries, and the executor runs one call at a time.
+    kb_coalesce: bool = True
     kb_nice: int = 10
     # Seconds of JIT warm-up for the Lucene search/scoring paths before SERVING (cold calls are ~5x slower).
     kb_warmup_s: float = 10.0

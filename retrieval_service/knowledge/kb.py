@@ -250,6 +250,11 @@ class KnowledgeBase:
         out = list(vi.retrievers) if vi is not None else []
         return out + (["sr"] if self.bm25 is not None else [])
 
+    def serves(self, retriever: str, index: str) -> bool:
+        """Would a dense Search with this retriever on this index run (not fail on the retriever or index)?"""
+        vi = self.vector_indexes.get(index or KB_INDEX)
+        return vi is not None and retriever in vi.retrievers
+
     def _vector_index(self, retriever: str, index: str) -> dense.VectorIndex:
         name = index or KB_INDEX
         vi = self.vector_indexes.get(name)

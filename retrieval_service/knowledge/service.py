@@ -35,7 +35,8 @@ from ragcore.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from ragcore.wire import clip, pack_array, pack_f32, pack_ids, unpack_f32, unpack_ids
 from retrieval_service.config import RetrievalConfig
 from retrieval_service.knowledge import dense
-from retrieval_service.knowledge.kb import KB_INDEX, KBInputError, KnowledgeBase, SearchStopped
+from retrieval_service.knowledge.coalesce import SearchCall, SearchCoalescer
+from retrieval_service.knowledge.kb import KB_INDEX, SEARCH_CHUNK, KBInputError, KnowledgeBase, SearchStopped
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = knowledge_pb2.DESCRIPTOR.services_by_name["KnowledgeService"].full_name
@@ -58,6 +59,7 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._admitted = 0  # calls running or queued on the KB executor
+        self._coalescers: dict[int, SearchCoalescer] = {}  # per KnowledgeBase (id), when kb_coalesce
 
     def attach(self, kb: KnowledgeBase) -> None:
         self._kb = kb
@@ -185,10 +187,14 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
             return vectors, vec_dim
 
         vectors, vec_dim = self._run(context, check)
+        call = self._search_call(kb, request, vectors, context)
 
         def work(should_stop):
-            result = kb.search(request.retriever, request.k, texts=list(request.texts), vectors=vectors,
-                               index=request.index, ef_search=request.ef_search, should_stop=should_stop)
+            if call is not None:
+                result = self._coalescer(kb).run(call)
+            else:
+                result = kb.search(request.retriever, request.k, texts=list(request.texts), vectors=vectors,
+                                   index=request.index, ef_search=request.ef_search, should_stop=should_stop)
             if should_stop():
                 raise SearchStopped("the call ended during the search")
             results = []
@@ -207,9 +213,39 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
                 out.query_vectors = pack_f32(result.query_vectors)
             return out
 
-        out = self._run(context, lambda: self._offload(context, work))
+        if call is not None:
+            self._coalescer(kb).add(call)
+        try:
+            out = self._run(context, lambda: self._offload(context, work))
+        finally:
+            if call is not None:
+                self._coalescer(kb).discard(call)
         self._deadline(context, "after the search")
         return out
+
+    def _coalescer(self, kb: KnowledgeBase) -> SearchCoalescer:
+        with self._lock:
+            c = self._coalescers.get(id(kb))
+            if c is None:
+                c = self._coalescers[id(kb)] = SearchCoalescer(kb.search, max_queries=SEARCH_CHUNK,
+                                                               max_results=kb.limits.max_results)
+            return c
+
+    def _search_call(self, kb: KnowledgeBase, request, vectors: np.ndarray | None, context) -> SearchCall | None:
+        """The Search as a call that may join others' (SearchCoalescer), or None to run it alone: not exact,
+        coalescing off, or a request the KB would reject (then it runs alone so the error is its own)."""
+        n = len(request.texts) or (len(vectors) if vectors is not None else 0)
+        if not (self._cfg.kb_coalesce and request.retriever == "edr" and 1 <= request.k <= kb.limits.max_k
+                and 0 < n <= SEARCH_CHUNK and not (request.texts and vectors is not None)
+                and kb.serves(request.retriever, request.index)):
+            return None
+
+        def gone() -> bool:
+            remaining = context.time_remaining()
+            return not context.is_active() or (remaining is not None and remaining <= 0)
+
+        return SearchCall((request.retriever, request.index, request.ef_search), request.k,
+                          list(request.texts) or None, vectors, gone)
 
     def ScoreCandidates(self, request, context):
         kb = self._ready(context)

@@ -245,8 +245,16 @@ def knnlm(name: str, d: dict) -> str:
         (f"Datastore {n:,} entries. " if n else "") + \
         f"Held-out perplexity: LM {_f(ppl.get('lm'))}, kNN-LM {_f(ppl.get('knnlm'))}. " + \
         "Latency per request in s (speed-up over base); R / G = the baseline's retrieval / generation seconds."
-    return _table(["retriever", "k", "base R / G s"] + [_knn_label(c) for c in order], rows) + "\n\n" + extra + \
-        "\n\n" + _source(name, d)
+    out = _table(["retriever", "k", "base R / G s"] + [_knn_label(c) for c in order], rows) + "\n\n" + extra
+    conc = d.get("concurrent", {})
+    if conc:
+        clients = next(iter(next(iter(conc.values())).values()))["clients"]
+        crows = [[ret] + [(f"{per[c]['tokens_per_s']:.1f} ({per[c]['throughput_x']:.2f}×)" if c in per else "–")
+                          for c in order] for ret, per in conc.items()]
+        out += "\n\n" + _table(["retriever"] + [_knn_label(c) for c in order], crows) + "\n\n" + \
+            f"{clients} concurrent clients, 2 x {clients} requests per config at the largest k: aggregate tokens/s " \
+            "(over base at the same concurrency)."
+    return out + "\n\n" + _source(name, d)
 
 
 def load(name: str, d: dict) -> str:

@@ -253,7 +253,8 @@ def squared_norms(keys: torch.Tensor) -> np.ndarray:
     copy of 16 K rows (38 MB) is fresh memory at every call, and faulting it in took 13 of its 15 ms."""
     out = np.empty(len(keys), np.float32)
     for i in range(0, len(keys), NORM_ROWS):
-        out[i:i + NORM_ROWS] = torch.linalg.vector_norm(keys[i:i + NORM_ROWS], dim=1, dtype=torch.float32).square_().numpy()
+        rows = keys[i:i + NORM_ROWS]
+        out[i:i + NORM_ROWS] = torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32).square_().numpy()
     return out
 
 
@@ -764,7 +765,8 @@ class StepClock:
 
         split(0.012, True, True) with alone_s 0.008 -> (0.008, 0.004);  split(0.006, True, True) -> (0.006, 0)"""
         if passed and not beside:
-            self.alone_s = step_s if self.alone_s is None else (1 - ALONE_DECAY) * step_s + ALONE_DECAY * self.alone_s
+            old = step_s if self.alone_s is None else self.alone_s
+            self.alone_s = (1 - ALONE_DECAY) * step_s + ALONE_DECAY * old
         if not (passed and beside) or self.alone_s is None:
             return step_s, 0.0
         slowed = max(0.0, step_s - self.alone_s)
@@ -817,10 +819,10 @@ def _speculative(tm, kv, logits, hidden, max_new, eos, opts, backend, stats, can
     (ralm_gate.RoundGate, `round_gate`), each kind timed per emitted token. A round is charged its own work
     wherever it ran: its steps at the time a step takes alone, the time spent waiting for and settling its
     verification, the next round's steps its rollback threw away, and, for an async round, how much its Search
-    slowed the steps run beside it (their time over a step alone). Not the wall time between settles: a lone
-    async round between sync ones would then look like a sync round. (StepClock splits the steps run beside a Search.) Why a gate: on
-    two cores shared with the retrieval service an async round's passes run ~1.5x slower, and where a Search
-    is cheap none of it pays.
+    slowed the steps run beside it (their time over a step alone: StepClock). Not the wall time between
+    settles: a lone async round between sync ones would then look like a sync round. Why a gate: on two cores
+    shared with the retrieval service an async round's passes run ~1.5x slower, and where a Search is cheap
+    none of it pays.
 
     Invariant: the kv cache holds the passes of the prompt, the emitted tokens and the unverified guesses, except
     the very last token's pass while `head` is None. The tokens emitted are always the greedy picks of true
@@ -1006,7 +1008,8 @@ def options_from_proto(msg, defaults: KnnLmOptions | None = None) -> KnnLmOption
             retriever=msg.retriever or d.retriever, k=msg.k or d.k,
             lam=msg.knn_weight if msg.HasField("knn_weight") else d.lam,
             temperature=msg.temperature if msg.HasField("temperature") else d.temperature,
-            speculate=msg.speculate if msg.HasField("speculate") else d.speculate, stride=msg.stride, cache_next=msg.cache_next or d.cache_next,
+            speculate=msg.speculate if msg.HasField("speculate") else d.speculate, stride=msg.stride,
+            cache_next=msg.cache_next or d.cache_next,
             async_verify=msg.async_verify if msg.HasField("async_verify") else d.async_verify,
             cache_capacity=d.cache_capacity, ef_search=msg.ef_search or d.ef_search)
     except InvalidArgument as e:

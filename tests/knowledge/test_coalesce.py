@@ -138,3 +138,32 @@ def test_concurrent_grpc_searches_share_a_scan(kb, kb_config):
     for got, want in zip(replies, solo):
         assert [r.ids for r in got.results] == [r.ids for r in want.results]
         assert [r.scores for r in got.results] == [r.scores for r in want.results]
+
+
+def test_a_search_waits_for_the_calls_the_last_one_saw_and_not_alone(kb):
+    """Closed-loop clients in two halves: after a search of 2 calls the next search waits (boundedly) for its
+    second call instead of running alone; a lone client never waits."""
+    co = SearchCoalescer(kb.search, max_queries=64, max_results=65536, wait_share=1e5)  # waits up to 1e5 searches (~s)
+    first = [call(4, texts=TEXTS[0:1]), call(4, texts=TEXTS[1:2])]
+    for c in first:
+        co.add(c)
+    co.run(first[0]), co.run(first[1])
+    assert (co.batches, co.waits) == (1, 0)  # nothing expected yet: no wait
+    late, early = call(4, texts=TEXTS[2:3]), call(4, texts=TEXTS[3:4])
+    co.add(early)
+    runner = threading.Thread(target=co.run, args=(early,))
+    runner.start()
+    time.sleep(0.005)
+    co.add(late)  # arrives while `early`'s search waits for a second call
+    runner.join(30)
+    co.run(late)
+    assert (co.batches, co.joined, co.waits) == (2, 2, 1)  # Not 3 searches
+    for c in first + [early, late]:
+        assert_solo(kb, c)
+
+    alone = SearchCoalescer(kb.search, max_queries=64, max_results=65536, wait_share=1e5)
+    for q in range(3):
+        c = call(4, texts=TEXTS[q:q + 1])
+        alone.add(c)
+        alone.run(c)
+    assert (alone.batches, alone.waits) == (3, 0)  # Not a wait: one client's calls never overlap

@@ -515,7 +515,30 @@ class KnnBackend:
     _schedulers: dict[tuple, StrideScheduler] = field(default_factory=dict, repr=False)
     # The round gate's costs per kind of round, pooled the same way (ralm_gate.SharedRoundCosts).
     round_costs: SharedRoundCosts = field(default_factory=SharedRoundCosts, repr=False)
+    # The service runs concurrent exact Searches of the index as one scan (its VectorIndexInfo, read by
+    # verify_served): then concurrent kNN-LM requests already share what speculation would save (`crowded`).
+    shared_scans: bool = False
+    _active: int = field(default=0, repr=False)  # kNN-LM requests decoding now
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        """Count a request as decoding while inside."""
+        with self._lock:
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._active -= 1
+
+    def crowded(self) -> bool:
+        """Other kNN-LM requests decode beside this one and their Searches share scans. Then a speculative round
+        has nothing left to save: concurrent one-query Searches already cost one scan (4 on the 1 M keys, Zen 4:
+        ~45 ms, as one alone), while speculation adds its cache work, thrown passes and a batch of several
+        queries per request. Served, 32 tokens, base vs OS³ speculation: 1 client 1.6-1.9x faster speculating;
+        2 clients 33.6 vs 31.3 tokens/s, 4 clients 49.3 vs 36.5."""
+        return self.shared_scans and self._active > 1
 
     def scheduler(self, opts: "KnnLmOptions", cfg: OS3Config) -> StrideScheduler:
         """The worker's OS³ scheduler for requests with these options (the stride excepted: it is OS³'s)."""
@@ -555,6 +578,7 @@ class KnnBackend:
         if info.size != self.datastore.size or info.dim != self.datastore.dim:
             return (f"index {info.name!r} on {self.client.target} is {info.size}x{info.dim}, the datastore "
                     f"{self.datastore.path} is {self.datastore.size}x{self.datastore.dim}")
+        self.shared_scans = bool(info.shared_scans)
         return None
 
     def close(self) -> None:
@@ -686,8 +710,9 @@ class KnnRequest:
         stats.prefill_ms = (time.perf_counter() - t0) * 1e3
         eos = frozenset() if self.params.ignore_eos else tm.eos_token_ids
         loop = _speculative if self.opts.speculate else _baseline
-        yield from loop(tm, kv, logits, hidden, self.params.max_new_tokens, eos, self.opts, self.backend, stats,
-                        self.cancelled, self.os3)
+        with self.backend.running():
+            yield from loop(tm, kv, logits, hidden, self.params.max_new_tokens, eos, self.opts, self.backend, stats,
+                            self.cancelled, self.os3)
 
     def final_chunk(self, finish: str, ids: list[int], text: str, n_tokens: int, total_ms: float) -> KnnStreamChunk:
         knn = self.stats
@@ -842,6 +867,8 @@ def _speculative(tm, kv, logits, hidden, max_new, eos, opts, backend, stats, can
     inflight: _Round | None = None
     stride = 0
     clock = StepClock()
+    stale = False  # the cache missed the fills of crowded steps: refill it with a baseline step first
+    crowded = False  # other requests share the scans (backend.crowded), asked at each round's start
     arm: str | None = None  # kind of the round being built; None = ask the gate when the next one starts
 
     def unverified() -> int:
@@ -855,9 +882,12 @@ def _speculative(tm, kv, logits, hidden, max_new, eos, opts, backend, stats, can
             return
         if not steps:
             stride = sched.next_stride() if sched is not None else opts.stride
+            crowded = opts.adaptive and backend.crowded()
             if arm is None:
-                # The first token is a baseline step: with nothing cached a round would guess the LM's token.
-                arm = gate.choose() if len(cache) or not opts.adaptive else SEQUENTIAL
+                # The first token is a baseline step: with nothing cached a round would guess the LM's token. So is
+                # every step while other requests share the scans (crowded), and the first after: it refills the
+                # cache, which crowded steps leave alone.
+                arm = SEQUENTIAL if crowded or stale or not (len(cache) or not opts.adaptive) else gate.choose()
         if arm == SEQUENTIAL and inflight is None:
             # A baseline step: Search(q_t) -> token -> LM pass, exactly the baseline's work.
             t_step = time.perf_counter()
@@ -866,7 +896,9 @@ def _speculative(tm, kv, logits, hidden, max_new, eos, opts, backend, stats, can
                 stats.generation_ms += (time.perf_counter() - t_step) * 1e3
 
             def fill(retrieved: np.ndarray) -> None:
-                if gate.cache_wanted() or not len(cache):  # a speculative round may come next: keep it warm
+                if crowded:
+                    return
+                if stale or gate.cache_wanted() or not len(cache):  # a speculative round may come next: keep it warm
                     t_fill = time.perf_counter()
                     cache.fill(retrieved)
                     stats.speculation_ms += (time.perf_counter() - t_fill) * 1e3
@@ -878,11 +910,13 @@ def _speculative(tm, kv, logits, hidden, max_new, eos, opts, backend, stats, can
                                                                                   opts, backend, stats, fill)
             if head is not None:  # its LM pass ran alone: a first estimate of a step's time
                 clock.seed((stats.generation_ms - gen_ms) / 1e3)
+            stale = crowded
             if finish:
                 return
             step_s = time.perf_counter() - t_step
-            gate.record(SEQUENTIAL, step_s)
-            gate.record_search(search_s, step_s)
+            if not crowded:  # a crowded step's costs are another regime's (requests share its scan)
+                gate.record(SEQUENTIAL, step_s)
+                gate.record_search(search_s, step_s)
             arm = None
             continue
         # 1. Speculate up to the stride; while a round is in flight, stop as soon as its answer is there. Only an

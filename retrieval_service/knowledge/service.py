@@ -298,7 +298,8 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
         return knowledge_pb2.KnowledgeInfo(
             num_passages=info["passages"], retrievers=info["retrievers"], encoder=info["encoder"], path=info["path"],
             indexes=[knowledge_pb2.VectorIndexInfo(name=v["name"], dim=v["dim"], metric=v["metric"], size=v["size"],
-                                                   retrievers=v["retrievers"], default_ef_search=v["ef_search"])
+                                                   retrievers=v["retrievers"], default_ef_search=v["ef_search"],
+                                                   shared_scans=self._cfg.kb_coalesce and "edr" in v["retrievers"])
                      for v in info["indexes"]],
             manifest_json=json.dumps(info["manifest"], sort_keys=True))
 

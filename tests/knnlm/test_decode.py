@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import numpy as np
@@ -207,6 +208,34 @@ def test_step_clock_seed_is_only_a_first_estimate():
     clock.split(0.010, True, False)
     clock.seed(0.001)  # ignored: a step alone was measured
     assert clock.alone_s == pytest.approx(0.8 * 0.008 + 0.2 * 0.010)
+
+
+# (the service shares scans, another kNN-LM request decodes meanwhile, what the request runs)
+CROWDS = [
+    (True, True, "baseline steps only: concurrent Searches already share the scans"),
+    (True, False, "speculative rounds: alone"),
+    (False, True, "speculative rounds: Searches of concurrent requests do not share scans there"),
+]
+
+
+@pytest.mark.parametrize("shared, others, expected", CROWDS)
+def test_crowded_requests_run_baseline_steps(tm, backend, prompts, baselines, shared, others, expected):
+    worker = fresh(backend)
+    worker.shared_scans = shared
+    opts = KnnLmOptions(**SCENARIOS[0][1], speculate=True, stride=2, min_search_share=0.0)
+    key = round_gate(opts, worker).key
+    for arm in ARMS:  # earlier requests found sync rounds cheapest
+        for _ in range(KNN_GATE_EXPLORE):
+            worker.round_costs.add(key, arm, 0.001 if arm == SYNC else 1.0, steps=100)
+    with worker.running() if others else contextlib.nullcontext():
+        tokens, stats = run(tm, worker, prompts["doc0"], opts)
+    assert tokens == baselines[0], expected
+    crowded = shared and others
+    assert (stats.strides == [0] * NEW) == crowded, expected
+    assert (stats.speculated == 0) == crowded, expected
+    if crowded:
+        assert stats.cache_entries == 0  # Not filled: nothing reads it while crowded
+    assert worker._active == 0  # the request is no longer counted once done
 
 
 def test_stops_at_the_budget_mid_round(tm, backend, prompts, baselines):

@@ -73,6 +73,7 @@ def test_info(stub, kb):
     info = stub.Info(pb.KnowledgeInfoRequest())
     assert info.num_passages == len(kb.passages) and list(info.retrievers) == ["edr", "adr", "sr"]
     assert info.indexes[0].name == "kb" and info.indexes[0].dim == 384 and info.indexes[0].metric == "ip"
+    assert info.indexes[0].shared_scans  # --kb-coalesce is on by default and the index has edr
 
 
 @pytest.mark.parametrize("request_, field", [

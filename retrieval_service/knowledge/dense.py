@@ -121,19 +121,20 @@ def build_fp16_scan(vectors: np.ndarray, metric: str = "ip") -> faiss.Index | No
     return index
 
 
-def exact_indexes(vectors: np.ndarray, metric: str, fp16: str = "kernel", scan_threads: int = 0
+def exact_indexes(vectors: np.ndarray, metric: str, fp16: str = "kernel", scan_threads: int = 0,
+                  scan_bounds: int = fp16_scan.BOUND_DIMS
                   ) -> tuple[faiss.Index | fp16_scan.Fp16Scan, faiss.Index | None, np.ndarray]:
     """The exact index for `vectors` [N, D] as config kb_fp16_scan asks (one of FP16_SCANS) -> (exact, faiss's
     float16 copy or None, the vectors to re-score from: the in-memory float16 rows the kernel scans, else
     `vectors` as given). "kernel" falls back to "faiss" when the kernel cannot be built; float32 vectors always
-    get the IndexFlat alone. scan_threads: config kb_scan_threads (Fp16Scan)."""
+    get the IndexFlat alone. scan_threads, scan_bounds: config kb_scan_threads, kb_scan_bounds (Fp16Scan)."""
     if fp16 not in FP16_SCANS:
         raise ValueError(f"kb_fp16_scan: {fp16!r} is not one of {FP16_SCANS}")
     if fp16 == "kernel" and vectors.dtype == np.float16 and fp16_scan.library() is not None:
         rows = np.empty(vectors.shape, np.float16)  # anonymous memory: the page-cache mapping scans slower
         for start in range(0, len(vectors), 65536):
             rows[start:start + 65536] = vectors[start:start + 65536]
-        return fp16_scan.open_scan(rows, metric, scan_threads), None, rows
+        return fp16_scan.open_scan(rows, metric, scan_threads, scan_bounds), None, rows
     return build_flat(vectors, metric), (build_fp16_scan(vectors, metric) if fp16 == "faiss" else None), vectors
 
 
@@ -403,9 +404,10 @@ class VectorIndex:
 
 def open_kb_vectors(dense_dir: Path, *, fingerprint: str, n: int, load_exact: bool, load_approx: bool,
                     ef_search: int = 128, rescore_margin: int = RESCORE_MARGIN,
-                    fp16: str = "kernel", scan_threads: int = 0) -> VectorIndex:
-    """The KB's dense index: embeddings.npy (memmap) + its exact index (exact_indexes; `fp16` and
-    `scan_threads` are config kb_fp16_scan and kb_scan_threads) + hnsw.faiss if present."""
+                    fp16: str = "kernel", scan_threads: int = 0,
+                    scan_bounds: int = fp16_scan.BOUND_DIMS) -> VectorIndex:
+    """The KB's dense index: embeddings.npy (memmap) + its exact index (exact_indexes; `fp16`, `scan_threads`
+    and `scan_bounds` are config kb_fp16_scan, kb_scan_threads and kb_scan_bounds) + hnsw.faiss if present."""
     meta_path = dense_dir / META_FILE
     emb_path = dense_dir / EMBEDDINGS_FILE
     if not meta_path.is_file() or not emb_path.is_file():
@@ -421,7 +423,7 @@ def open_kb_vectors(dense_dir: Path, *, fingerprint: str, n: int, load_exact: bo
     t0 = time.perf_counter()
     exact, exact_fp16 = None, None
     if load_exact:
-        exact, exact_fp16, vectors = exact_indexes(vectors, "ip", fp16, scan_threads)
+        exact, exact_fp16, vectors = exact_indexes(vectors, "ip", fp16, scan_threads, scan_bounds)
     flat_s = time.perf_counter() - t0
     approx = None
     hnsw_path = dense_dir / HNSW_FILE

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -175,6 +176,97 @@ void dots_group(int nb, const uint16_t* x, int64_t rows, int d, const float* q, 
     }
 }
 
+// Bounds are dot products with few columns (~128), where dots' horizontal sum per (row, query) would cost as much
+// as the products. So the bound array is stored in blocks of kLanes rows, column-major inside a block
+// ([n / kLanes][dp][kLanes] halves): one widened load holds a column of kLanes rows, and each query adds its
+// column value times it to kLanes row sums at once. Summation order differs from dots' (the slack covers it).
+constexpr int kLanes = 16;
+
+// out[b * stride + i] = q_b . row i, for the RB * kLanes rows of RB consecutive blocks and NB queries.
+template <int NB, int RB>
+void block_dots(const uint16_t* p, int dp, const float* q, float* out, int64_t stride) {
+#if defined(__AVX512F__)
+    __m512 acc[RB][NB];
+    for (int i = 0; i < RB; ++i)
+        for (int b = 0; b < NB; ++b) acc[i][b] = _mm512_setzero_ps();
+    for (int j = 0; j < dp; ++j) {
+        __m512 v[RB];
+        for (int i = 0; i < RB; ++i)
+            v[i] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + ((int64_t)i * dp + j) * kLanes)));
+        for (int b = 0; b < NB; ++b) {
+            const __m512 qb = _mm512_set1_ps(q[(int64_t)b * dp + j]);
+            for (int i = 0; i < RB; ++i) acc[i][b] = _mm512_fmadd_ps(v[i], qb, acc[i][b]);
+        }
+    }
+    for (int i = 0; i < RB; ++i)
+        for (int b = 0; b < NB; ++b) _mm512_storeu_ps(out + b * stride + i * kLanes, acc[i][b]);
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+    __m256 acc[2 * RB][NB];  // a block is two halves of 8 lanes
+    for (int i = 0; i < 2 * RB; ++i)
+        for (int b = 0; b < NB; ++b) acc[i][b] = _mm256_setzero_ps();
+    for (int j = 0; j < dp; ++j) {
+        __m256 v[2 * RB];
+        for (int i = 0; i < 2 * RB; ++i)
+            v[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + ((int64_t)(i / 2) * dp + j) * kLanes + (i % 2) * 8)));
+        for (int b = 0; b < NB; ++b) {
+            const __m256 qb = _mm256_set1_ps(q[(int64_t)b * dp + j]);
+            for (int i = 0; i < 2 * RB; ++i) acc[i][b] = _mm256_fmadd_ps(v[i], qb, acc[i][b]);
+        }
+    }
+    for (int i = 0; i < 2 * RB; ++i)
+        for (int b = 0; b < NB; ++b) _mm256_storeu_ps(out + b * stride + i * 8, acc[i][b]);
+#else
+    for (int b = 0; b < NB; ++b) {
+        for (int i = 0; i < RB * kLanes; ++i) {
+            const uint16_t* col = p + (int64_t)(i / kLanes) * dp * kLanes + i % kLanes;
+            float a = 0;
+            for (int j = 0; j < dp; ++j) a += half_to_float(col[(int64_t)j * kLanes]) * q[(int64_t)b * dp + j];
+            out[b * stride + i] = a;
+        }
+    }
+#endif
+}
+
+// block_dots over `blocks` consecutive blocks and nb (<= kGroup) queries. Queries per call and blocks per call
+// keep the accumulators in registers: AVX-512 32 zmm (8 queries x 2 blocks, or 4 blocks for up to 2 queries),
+// AVX2 16 ymm (4 queries x 1 block of two halves; more queries take a second call over the same rows, from L1).
+void bound_dots(int nb, const uint16_t* p, int64_t blocks, int dp, const float* q, float* out, int64_t stride) {
+#if defined(__AVX512F__)
+    constexpr int kMaxNB = 8;
+#else
+    constexpr int kMaxNB = 4;
+#endif
+    if (nb > kMaxNB) {
+        bound_dots(kMaxNB, p, blocks, dp, q, out, stride);
+        bound_dots(nb - kMaxNB, p, blocks, dp, q + (int64_t)kMaxNB * dp, out + kMaxNB * stride, stride);
+        return;
+    }
+    auto run = [&](auto nbc) {
+        constexpr int NB = decltype(nbc)::value;
+#if defined(__AVX512F__)
+        constexpr int RB = NB <= 2 ? 4 : 2;
+#else
+        constexpr int RB = 1;
+#endif
+        int64_t i = 0;
+        for (; i + RB <= blocks; i += RB) block_dots<NB, RB>(p + i * dp * kLanes, dp, q, out + i * kLanes, stride);
+        for (; i < blocks; ++i) block_dots<NB, 1>(p + i * dp * kLanes, dp, q, out + i * kLanes, stride);
+    };
+    switch (nb) {
+        case 1: run(std::integral_constant<int, 1>()); break;
+        case 2: run(std::integral_constant<int, 2>()); break;
+        case 3: run(std::integral_constant<int, 3>()); break;
+        case 4: run(std::integral_constant<int, 4>()); break;
+#if defined(__AVX512F__)
+        case 5: run(std::integral_constant<int, 5>()); break;
+        case 6: run(std::integral_constant<int, 6>()); break;
+        case 7: run(std::integral_constant<int, 7>()); break;
+        case 8: run(std::integral_constant<int, 8>()); break;
+#endif
+        default: break;
+    }
+}
+
 struct Hit {
     float score;
     int64_t id;
@@ -228,6 +320,78 @@ void scan_range(const uint16_t* x, int64_t lo, int64_t hi, int d, const float* q
     }
 }
 
+// Runs work(c, p) for chunks c in [0, nchunks) on `parts` threads (p = the thread's slot). Chunks go out from a
+// shared counter, so a thread that gets less CPU (another process on its core) takes fewer of them instead of
+// holding up the call. At the end the calling thread runs again whatever a helper has taken and not finished,
+// rather than wait for it: work must tolerate a chunk run twice (by two slots, possibly at the same time, writing
+// the same values).
+template <class Work>
+void parallel_chunks(int64_t nchunks, int parts, Work work) {
+    std::atomic<int64_t> next{0};
+    std::unique_ptr<std::atomic<bool>[]> done(new std::atomic<bool>[nchunks]);
+    for (int64_t c = 0; c < nchunks; ++c) done[c].store(false, std::memory_order_relaxed);
+    auto run = [&](int64_t c, int p) {
+        work(c, p);
+        done[c].store(true, std::memory_order_release);
+    };
+    auto loop = [&](int p) {
+        for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < nchunks;) run(c, p);
+    };
+    // Plain threads, not OpenMP: the library then needs no libgomp, which the retrieval image (no compiler) lacks.
+    std::vector<std::thread> pool;
+    for (int p = 1; p < parts; ++p) pool.emplace_back(loop, p);
+    loop(0);
+    for (int64_t c = 0; c < nchunks && parts > 1; ++c) {
+        if (!done[c].load(std::memory_order_acquire)) run(c, 0);
+    }
+    for (std::thread& t : pool) t.join();
+}
+
+// The best k of the hits in `lists`, sorted, a row offered twice kept once (same code, same summation order: the
+// same score both times); ids -1 and scores -inf past the hits.
+void write_best(const std::vector<std::vector<Hit>*>& lists, int64_t k, int64_t* out_ids, float* out_scores) {
+    std::vector<Hit> all;
+    for (auto* l : lists) all.insert(all.end(), l->begin(), l->end());
+    std::sort(all.begin(), all.end(), better);
+    all.erase(std::unique(all.begin(), all.end(), [](const Hit& a, const Hit& h) { return a.id == h.id; }), all.end());
+    const int64_t m = std::min<int64_t>(k, (int64_t)all.size());
+    for (int64_t i = 0; i < k; ++i) {
+        out_ids[i] = i < m ? all[i].id : -1;
+        out_scores[i] = i < m ? all[i].score : -INFINITY;
+    }
+}
+
+// The scan's score of row x0 for one query: dots<NB> sums each (row, query) in this order whatever NB and the row
+// grouping, so a row scored here scores bit for bit as in the scan.
+inline float row_score(const uint16_t* x0, int d, const float* q, const float* sq_norm) {
+    float s;
+#if defined(__AVX512F__)
+    dots_rows<1, 1>(x0, d, d - d % 16, q, &s, 1);
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+    dots_row_avx2<1>(x0, d, d - d % 8, q, &s, 1);
+#else
+    dots<1>(x0, 1, d, q, &s, 1);
+#endif
+    return sq_norm != nullptr ? 2.0f * s - *sq_norm : s;
+}
+
+// Offers rows ids[0, cnt) of x, scored for query q, to `top`; the rows' lines are prefetched a few rows ahead
+// (they are scattered: the hardware prefetcher cannot guess them).
+void offer_rows(const uint16_t* x, int d, const int64_t* ids, int64_t cnt, const float* q, const float* sq_norms,
+                TopK& top) {
+    constexpr int kAheadRows = 4;
+    const int64_t bytes = (int64_t)d * 2;
+    for (int64_t i = 0; i < cnt; ++i) {
+        if (i + kAheadRows < cnt) {
+            const char* p = (const char*)(x + ids[i + kAheadRows] * d);
+            for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+        }
+        const int64_t id = ids[i];
+        const float s = row_score(x + id * d, d, q, sq_norms != nullptr ? sq_norms + id : nullptr);
+        top.offer(&s, 1, id);
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -243,43 +407,126 @@ int fp16_topk(const uint16_t* x, int64_t n, int d, const float* q, int nq, const
         out_scores[i] = -INFINITY;
     }
     if (n == 0 || nq == 0) return 0;
-    // Rows go out in chunks from a shared counter, so a thread that gets less CPU (another process on its core)
-    // scans fewer of them instead of holding up the call. At the end the calling thread scans again whatever a
-    // helper has taken and not finished, rather than wait for it; a row offered twice is merged once.
     const int64_t chunk = 16384;
-    const int64_t nchunks = (n + chunk - 1) / chunk;
     const int parts = (int)std::max<int64_t>(1, std::min<int64_t>(threads, n / (4 * chunk)));
     std::vector<std::vector<TopK>> tops(parts, std::vector<TopK>(nq, TopK(k)));
-    std::atomic<int64_t> next{0};
-    std::unique_ptr<std::atomic<bool>[]> done(new std::atomic<bool>[nchunks]);
-    for (int64_t c = 0; c < nchunks; ++c) done[c].store(false, std::memory_order_relaxed);
-    auto scan_chunk = [&](int64_t c, std::vector<TopK>& t) {
-        scan_range(x, c * chunk, std::min(n, (c + 1) * chunk), d, q, nq, sq_norms, t);
-        done[c].store(true, std::memory_order_release);
-    };
-    auto work = [&](int p) {
-        for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < nchunks;) scan_chunk(c, tops[p]);
-    };
-    // Plain threads, not OpenMP: the library then needs no libgomp, which the retrieval image (no compiler) lacks.
-    std::vector<std::thread> pool;
-    for (int p = 1; p < parts; ++p) pool.emplace_back(work, p);
-    work(0);
-    for (int64_t c = 0; c < nchunks && parts > 1; ++c) {
-        if (!done[c].load(std::memory_order_acquire)) scan_chunk(c, tops[0]);
-    }
-    for (std::thread& t : pool) t.join();
+    parallel_chunks((n + chunk - 1) / chunk, parts, [&](int64_t c, int p) {
+        scan_range(x, c * chunk, std::min(n, (c + 1) * chunk), d, q, nq, sq_norms, tops[p]);
+    });
     for (int b = 0; b < nq; ++b) {
-        std::vector<Hit>& all = tops[0][b].buf;
-        for (int p = 1; p < parts; ++p) all.insert(all.end(), tops[p][b].buf.begin(), tops[p][b].buf.end());
-        std::sort(all.begin(), all.end(), better);
-        // A row scanned by two threads has the same score twice (same code, same summation order).
-        all.erase(std::unique(all.begin(), all.end(), [](const Hit& a, const Hit& h) { return a.id == h.id; }),
-                  all.end());
-        const int64_t m = std::min<int64_t>(k, (int64_t)all.size());
-        for (int64_t i = 0; i < m; ++i) {
-            out_ids[(int64_t)b * k + i] = all[i].id;
-            out_scores[(int64_t)b * k + i] = all[i].score;
+        std::vector<std::vector<Hit>*> lists;
+        for (int p = 0; p < parts; ++p) lists.push_back(&tops[p][b].buf);
+        write_best(lists, k, out_ids + (int64_t)b * k, out_scores + (int64_t)b * k);
+    }
+    return 0;
+}
+
+// fp16_topk's answer (the same ids and scores, bit for bit) from fewer rows, when each row r has a bound
+// ub_b(r) >= its score for query b:
+//   ub_b(r) = alpha * (qp_b . p_r) - c_r + e_b
+// p: [ceil(n / 16), dp, 16] float16 (the caller's projection of x, principal directions and the residual's norm,
+// in blocks of 16 rows: bound_dots), qp: [nq, dp],
+// c: [n], e: [nq] (the caller's slack covers rounding: fp16_scan.py). One pass over p (dp columns, not d) gives
+// every bound and the m rows of highest bound; their scores give tau, the k-th best of them, which no true top-k
+// row is below; then only rows with ub >= tau are scored.
+// ub: [nq, n] floats of workspace (the caller's, so a search does not page-fault a fresh buffer in).
+// out_scored: [nq] rows scored per query (the m, plus those that pass). Returns 0, or -1 on bad arguments.
+int fp16_topk_bounded(const uint16_t* x, int64_t n, int d, const float* q, int nq, const float* sq_norms, int64_t k,
+                      const uint16_t* p, int dp, const float* qp, float alpha, const float* c, const float* e,
+                      int64_t m, int threads, float* ub, int64_t* out_ids, float* out_scores, int64_t* out_scored) {
+    if (n < 0 || d <= 0 || dp <= 0 || nq < 0 || k <= 0 || m < k || threads <= 0) return -1;
+    if (n <= m) {  // nothing to prune
+        for (int b = 0; b < nq; ++b) out_scored[b] = n;
+        return fp16_topk(x, n, d, q, nq, sq_norms, k, threads, out_ids, out_scores);
+    }
+    if (nq == 0) return 0;
+    // 1. Bounds of every row for every query ([nq, n] floats) and each query's m rows of highest bound. A chunk
+    // run twice writes the same bounds (computed in a buffer of its own, then stored).
+    const int64_t chunk = 16384;
+    const int parts = (int)std::max<int64_t>(1, std::min<int64_t>(threads, n / (4 * chunk)));
+    std::vector<std::vector<TopK>> tops(parts, std::vector<TopK>(nq, TopK(m)));
+    parallel_chunks((n + chunk - 1) / chunk, parts, [&](int64_t ci, int part) {
+        std::vector<float> block((size_t)nq * kBlock);
+        const int64_t hi = std::min(n, (ci + 1) * chunk);
+        for (int64_t r0 = ci * chunk; r0 < hi; r0 += kBlock) {
+            const int64_t rows = std::min<int64_t>(kBlock, hi - r0);
+            for (int g = 0; g < nq; g += kGroup) {
+                bound_dots(std::min(kGroup, nq - g), p + r0 * dp, (rows + kLanes - 1) / kLanes, dp,
+                           qp + (int64_t)g * dp, block.data() + (int64_t)g * kBlock, kBlock);
+            }
+            for (int b = 0; b < nq; ++b) {
+                float* s = block.data() + (int64_t)b * kBlock;
+                for (int64_t r = 0; r < rows; ++r) s[r] = alpha * s[r] - c[r0 + r] + e[b];
+                memcpy(ub + (int64_t)b * n + r0, s, rows * sizeof(float));
+                tops[part][b].offer(s, rows, r0);
+            }
         }
+    });
+    // 2. Per query, tau: the k-th best score among its m rows of highest bound (-inf when fewer than k of them
+    // have a score: NaN rows). No row of the true top k is worse than tau, so each is one of these or has a bound
+    // >= tau. Results per thread slot: a task may run twice.
+    const int slots = std::max(1, std::min<int>(threads, nq));
+    std::vector<std::vector<std::pair<int64_t, Hit>>> taus(slots);
+    parallel_chunks(nq, slots, [&](int64_t b, int slot) {
+        std::vector<std::vector<Hit>*> lists;
+        for (int part = 0; part < parts; ++part) lists.push_back(&tops[part][b].buf);
+        std::vector<int64_t> ids(m);
+        std::vector<float> unused(m);
+        write_best(lists, m, ids.data(), unused.data());
+        ids.erase(std::remove(ids.begin(), ids.end(), -1), ids.end());
+        std::sort(ids.begin(), ids.end());  // address order
+        TopK top(k);
+        offer_rows(x, d, ids.data(), (int64_t)ids.size(), q + b * d, sq_norms, top);
+        Hit bar{-INFINITY, INT64_MAX};
+        if ((int64_t)top.buf.size() >= k) {
+            top.shrink();
+            bar = {top.threshold, top.threshold_id};
+        }
+        taus[slot].push_back({b, bar});
+    });
+    std::vector<Hit> tau(nq);
+    for (auto& list : taus)
+        for (auto& [b, bar] : list) tau[b] = bar;
+    // 3. Score the rows whose bound reaches tau, a slice of rows per task, results per thread slot.
+    struct Found {
+        int64_t task, scored;
+        std::vector<Hit> hits;
+    };
+    const int64_t slice = 65536;
+    const int64_t nslices = (n + slice - 1) / slice;
+    std::vector<std::vector<Found>> found(threads);
+    parallel_chunks(nq * nslices, threads, [&](int64_t t, int slot) {
+        const int64_t b = t / nslices, lo = (t % nslices) * slice, hi = std::min(n, lo + slice);
+        const float* s = ub + b * n;
+        const float bar = tau[b].score;
+        std::vector<int64_t> ids;
+        int64_t r = lo;
+        for (; r + kLanes <= hi; r += kLanes) {  // a mask per 16 rows (vectorised), most of them empty
+            uint32_t mask = 0;
+            for (int l = 0; l < kLanes; ++l) mask |= (uint32_t)(s[r + l] >= bar) << l;
+            for (; mask; mask &= mask - 1) ids.push_back(r + __builtin_ctz(mask));
+        }
+        for (; r < hi; ++r) {
+            if (s[r] >= bar) ids.push_back(r);
+        }
+        TopK top(k);
+        top.threshold = bar;  // a row worse than tau is not in the top k (tau's own row is: id + 1)
+        top.threshold_id = tau[b].id == INT64_MAX ? INT64_MAX : tau[b].id + 1;
+        offer_rows(x, d, ids.data(), (int64_t)ids.size(), q + b * d, sq_norms, top);
+        found[slot].push_back({t, (int64_t)ids.size(), std::move(top.buf)});
+    });
+    std::vector<const Found*> by_task(nq * nslices, nullptr);
+    for (auto& list : found)
+        for (const Found& f : list) by_task[f.task] = &f;  // a task run twice found the same rows
+    for (int b = 0; b < nq; ++b) {
+        std::vector<std::vector<Hit>*> lists;
+        out_scored[b] = m;
+        for (int64_t i = 0; i < nslices; ++i) {
+            const Found* f = by_task[b * nslices + i];
+            lists.push_back(const_cast<std::vector<Hit>*>(&f->hits));
+            out_scored[b] += f->scored;
+        }
+        write_best(lists, k, out_ids + (int64_t)b * k, out_scores + (int64_t)b * k);
     }
     return 0;
 }

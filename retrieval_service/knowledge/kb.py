@@ -174,7 +174,8 @@ class KnowledgeBase:
                 vi = dense.open_kb_vectors(path / DENSE_DIR, fingerprint=fp, n=n,
                                            load_exact="edr" in wanted & built, load_approx="adr" in wanted & built,
                                            ef_search=cfg.kb_ef_search, rescore_margin=cfg.kb_rescore_margin,
-                                           fp16=cfg.kb_fp16_scan, scan_threads=cfg.kb_scan_threads)
+                                           fp16=cfg.kb_fp16_scan, scan_threads=cfg.kb_scan_threads,
+                                           scan_bounds=cfg.kb_scan_bounds)
                 kb.vector_indexes[KB_INDEX] = vi
                 kb.encoder = encoder or dense.Encoder(threads=cfg.kb_omp_threads, cache_size=cfg.kb_query_cache,
                                                       dtype=vi.info["encoder_dtype"])

@@ -16,15 +16,15 @@ log = logging.getLogger(__name__)
 
 def open_vector_index(path: str | Path, *, load_exact: bool = True, load_approx: bool = True,
                       ef_search: int = 128, rescore_margin: int = 16,
-                      fp16: str = "kernel", scan_threads: int = 0):
+                      fp16: str = "kernel", scan_threads: int = 0, scan_bounds: int = dense.fp16_scan.BOUND_DIMS):
     """A datastore as the retrieval service's named vector index (metric l2, ids = entry ids): EDR = the exact
-    index of dense.exact_indexes over keys.npy (`fp16` and `scan_threads` are config kb_fp16_scan and
-    kb_scan_threads; float16 keys are scanned in memory by the float16 kernel), ADR = hnsw.faiss. Search
+    index of dense.exact_indexes over keys.npy (`fp16`, `scan_threads`, `scan_bounds` are config kb_fp16_scan,
+    kb_scan_threads, kb_scan_bounds; float16 keys are scanned in memory by the float16 kernel), ADR = hnsw.faiss. Search
     re-scores candidates exactly from the keys."""
     ds = open_datastore(path)
     exact, exact_fp16, keys = None, None, ds.keys
     if load_exact:
-        exact, exact_fp16, keys = dense.exact_indexes(ds.keys, "l2", fp16, scan_threads)
+        exact, exact_fp16, keys = dense.exact_indexes(ds.keys, "l2", fp16, scan_threads, scan_bounds)
     approx = None
     if load_approx and (ds.path / HNSW_FILE).is_file():
         approx = faiss.read_index(str(ds.path / HNSW_FILE))
@@ -47,7 +47,8 @@ def add_to_kb(kb, paths: str, cfg) -> None:
         t0 = time.perf_counter()
         vi = open_vector_index(p, load_exact="edr" in wanted, load_approx="adr" in wanted,
                                ef_search=cfg.kb_ef_search, rescore_margin=cfg.kb_rescore_margin,
-                               fp16=cfg.kb_fp16_scan, scan_threads=cfg.kb_scan_threads)
+                               fp16=cfg.kb_fp16_scan, scan_threads=cfg.kb_scan_threads,
+                               scan_bounds=cfg.kb_scan_bounds)
         vi.warmup()
         kb.add_vector_index(vi)
         log.info("kNN-LM index %r (%d x %d, %s, exact search: %s) from %s ready in %.1f s", vi.name, vi.size,

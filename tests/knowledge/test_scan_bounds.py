@@ -1,0 +1,158 @@
+"""Bounded float16 scans (fp16_topk_bounded, fp16_scan.ScanBounds): the full scan's answer, bit for bit.
+
+The reference is the full scan (tests/knowledge/test_fp16_scan.py checks it against brute force): a bounded search
+must return the same ids and the same float32 scores, on every instruction set, whatever the data does to the
+bounds; and on data with dominant directions it must score fewer rows (else the test could pass with no pruning).
+"""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from retrieval_service.knowledge import fp16_scan
+
+LEVELS = ["native", "x86-64-v3", "x86-64"]
+
+
+@pytest.fixture(scope="module", params=LEVELS)
+def lib(request):
+    return fp16_scan.load(request.param)
+
+
+@pytest.fixture(autouse=True)
+def small_indexes_are_bounded(monkeypatch):
+    monkeypatch.setattr(fp16_scan, "BOUND_MIN_ROWS", 0)  # tests use thousands of rows, not millions
+
+
+def low_rank(rng: np.random.Generator, n: int, d: int, rank: int = 6, noise: float = 0.05,
+             scale: float = 1.0) -> np.ndarray:
+    """Rows near a `rank`-dimensional subspace (hidden states have a few dominant directions)."""
+    basis = rng.standard_normal((rank, d)) * np.linspace(3, 1, rank)[:, None]
+    x = rng.standard_normal((n, rank)) @ basis + noise * rng.standard_normal((n, d))
+    return (scale * x).astype(np.float16)
+
+
+def data(kind: str, rng: np.random.Generator, n: int, d: int) -> np.ndarray:
+    if kind == "low rank":
+        return low_rank(rng, n, d)
+    if kind == "isotropic":
+        return rng.standard_normal((n, d)).astype(np.float16)
+    if kind == "integers, many ties":
+        return rng.integers(-2, 3, (n, d)).astype(np.float16)
+    if kind == "tiny values (float16 subnormals without the shift)":
+        return low_rank(rng, n, d, scale=1e-4)
+    if kind == "large values (float16 overflow without the shift)":
+        return low_rank(rng, n, d, scale=300.0)
+    if kind == "duplicate rows":
+        return np.repeat(low_rank(rng, n // 4, d), 4, axis=0)
+    raise ValueError(kind)
+
+
+def assert_same(full, bounded) -> None:
+    (s0, i0), (s1, i1) = full, bounded
+    np.testing.assert_array_equal(i1, i0)
+    np.testing.assert_array_equal(s1.view(np.int32), s0.view(np.int32))  # bit for bit, -inf padding included
+
+
+# (scenario: data kind, n, d, queries, k, bound columns, threads)
+CASES = [
+    ("low rank", 6000, 64, 1, 20, 16, 1),
+    ("low rank", 6000, 64, 9, 20, 16, 2),
+    ("low rank", 20_000, 96, 3, 100, 32, 8),  # more threads than cores: tasks run twice, merged once
+    ("isotropic", 5000, 48, 4, 30, 16, 2),  # the bounds prune little; the answer stays the full scan's
+    ("integers, many ties", 5000, 32, 5, 25, 8, 2),
+    ("tiny values (float16 subnormals without the shift)", 5000, 64, 3, 20, 16, 1),
+    ("large values (float16 overflow without the shift)", 5000, 64, 3, 20, 16, 1),
+    ("duplicate rows", 6000, 64, 2, 30, 16, 2),
+    ("low rank", 5000, 21, 2, 15, 8, 1),  # d not a multiple of 8 or 16: the exact score's scalar tail
+]
+
+
+@pytest.mark.parametrize("kind, n, d, nq, k, dims, threads", CASES, ids=[f"{c[0]} n={c[1]} d={c[2]} q={c[3]}"
+                                                                        for c in CASES])
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+def test_bounded_search_equals_the_full_scan(lib, kind, n, d, nq, k, dims, threads, metric):
+    rng = np.random.default_rng(n + d + nq)
+    x = data(kind, rng, n, d)
+    q = np.concatenate([data(kind, rng, nq - 1, d), x[:1]]).astype(np.float32)  # one query is a stored row
+    bounds = fp16_scan.scan_bounds(x, metric, dims)
+    scan = fp16_scan.Fp16Scan(lib, x, metric, threads, bounds)
+    full = scan.search(q, k, bounded=False)
+    s, i, scored = scan.search_counted(q, k)
+    assert_same(full, (s, i))
+    assert (scored >= 2 * k).all() and (scored <= n + 2 * k).all()
+    if kind == "low rank":
+        assert scored.mean() < 0.5 * n  # Not a full scan in disguise
+
+
+def test_the_bound_holds_for_every_row():
+    """The bound's arithmetic (float64 here) against the exact float64 score of every row, with the slack."""
+    rng = np.random.default_rng(1)
+    for metric in ("ip", "l2"):
+        x = low_rank(rng, 3000, 40, noise=0.3)
+        q = np.concatenate([low_rank(rng, 5, 40), 1000 * low_rank(rng, 1, 40)]).astype(np.float32)
+        b = fp16_scan.scan_bounds(x, metric, 10)
+        qp, e = b.queries(q)
+        ub = b.alpha * (qp.astype(np.float64) @ b.rows().astype(np.float64).T) - b.c + e[:, None]
+        xf, qf = x.astype(np.float64), q.astype(np.float64)
+        exact = qf @ xf.T
+        if metric == "l2":
+            exact = 2 * exact - (xf * xf).sum(1)
+        assert (ub >= exact).all(), metric
+        # ... and not vacuous: most rows' bounds are below the 20th best score
+        assert (ub < np.sort(exact, axis=1)[:, -20][:, None]).mean() > 0.5
+
+
+def test_nan_rows_and_queries():
+    rng = np.random.default_rng(2)
+    x = low_rank(rng, 4000, 32)
+    bounds = fp16_scan.scan_bounds(x, "l2", 8)
+    x[[5, 17]] = np.nan  # after the bounds are built: their bounds are finite, their scores NaN
+    scan = fp16_scan.Fp16Scan(fp16_scan.load(), x, "l2", 2, bounds)
+    q = np.stack([x[0], x[0]]).astype(np.float32)
+    q[1, 3] = np.nan  # every score NaN: nothing is selected
+    s, i = scan.search(q, 10)
+    assert_same(scan.search(q, 10, bounded=False), (s, i))
+    assert 5 not in i[0] and 17 not in i[0] and (i[1] == -1).all()
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 3000), d=st.integers(2, 70), nq=st.integers(1, 10), k=st.integers(1, 60),
+       dims=st.integers(2, 20), rank=st.integers(1, 10), metric=st.sampled_from(["ip", "l2"]),
+       seed=st.integers(0, 2**16))
+def test_bounded_equals_full_random_shapes(n, d, nq, k, dims, rank, metric, seed):
+    rng = np.random.default_rng(seed)
+    x = low_rank(rng, n, d, rank=rank)
+    q = low_rank(rng, nq, d, rank=rank).astype(np.float32)
+    scan = fp16_scan.Fp16Scan(fp16_scan.load("native"), x, metric, 2, fp16_scan.scan_bounds(x, metric, dims))
+    assert_same(scan.search(q, k, bounded=False), scan.search(q, k))
+
+
+# (scenario, vectors, bound columns, bounds kept)
+OPEN = [
+    ("dominant directions: kept", "low rank", 32, True),
+    ("no dominant directions: dropped (sample queries would score most rows)", "isotropic", 32, False),
+    ("bounds off (config kb_scan_bounds = 0)", "low rank", 0, False),
+    ("as many columns as the vectors: nothing to gain", "low rank", 64, False),
+]
+
+
+@pytest.mark.parametrize("scenario, kind, dims, kept", OPEN, ids=[c[0] for c in OPEN])
+def test_open_scan_keeps_bounds_that_pay(scenario, kind, dims, kept):
+    x = data(kind, np.random.default_rng(4), 40_000, 64)
+    scan = fp16_scan.open_scan(x, "l2", 2, dims, probe_k=50)
+    assert (scan.bounds is not None) == kept, scenario
+
+
+def test_small_indexes_keep_plain_scans(monkeypatch):
+    monkeypatch.setattr(fp16_scan, "BOUND_MIN_ROWS", 65536)
+    x = low_rank(np.random.default_rng(5), 5000, 64)
+    assert fp16_scan.open_scan(x, "l2", 2, 16).bounds is None
+    scan = fp16_scan.Fp16Scan(fp16_scan.load(), x, "l2", 2, fp16_scan.scan_bounds(x, "l2", 16))
+    assert (scan.search_counted(x[:2].astype(np.float32), 10)[2] == 5000).all()  # a full scan
+
+
+def test_bounds_for_other_vectors_are_rejected():
+    x = low_rank(np.random.default_rng(6), 3000, 32)
+    with pytest.raises(ValueError, match="bounds"):
+        fp16_scan.Fp16Scan(fp16_scan.load(), x[:2000], "l2", 1, fp16_scan.scan_bounds(x, "l2", 8))

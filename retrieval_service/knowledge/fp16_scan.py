@@ -129,6 +129,8 @@ BOUND_MIN_ROWS = 65536
 BOUND_SLACK = 2.0 ** -9
 # An index whose sample queries would score more than this share of its rows keeps plain scans.
 BOUND_MAX_SHARE = 0.3
+# Queries per bounded call: its workspace is this many x N floats per calling thread (64 MB at 1 M rows).
+BOUND_MAX_BATCH = 16
 # Rows per block of the bound array (kLanes in fp16_scan.cpp).
 LANES = 16
 
@@ -259,13 +261,16 @@ class Fp16Scan:
         b = self.bounds if bounded is not False else None
         m = 2 * k
         if b is not None and self.ntotal >= max(BOUND_MIN_ROWS, 8 * m) and len(q):
-            qp, e = b.queries(q)
-            ub = self._bound_buffer(len(q) * self.ntotal)
-            rc = self._lib.fp16_topk_bounded(
-                self.vectors.ctypes.data, self.ntotal, self.d, q.ctypes.data, len(q), norms, k, b.proj.ctypes.data,
-                b.proj.shape[1], qp.ctypes.data, b.alpha, b.c.ctypes.data, e.ctypes.data, m, threads,
-                ub.ctypes.data_as(_F32P), ids.ctypes.data_as(_I64P), scores.ctypes.data_as(_F32P),
-                scored.ctypes.data_as(_I64P))
+            rc = 0
+            for s in range(0, len(q), BOUND_MAX_BATCH):  # the bounds' workspace stays BOUND_MAX_BATCH x N floats
+                qs = q[s:s + BOUND_MAX_BATCH]
+                qp, e = b.queries(qs)
+                ub = self._bound_buffer(len(qs) * self.ntotal)
+                rc = rc or self._lib.fp16_topk_bounded(
+                    self.vectors.ctypes.data, self.ntotal, self.d, qs.ctypes.data, len(qs), norms, k,
+                    b.proj.ctypes.data, b.proj.shape[1], qp.ctypes.data, b.alpha, b.c.ctypes.data, e.ctypes.data, m,
+                    threads, ub.ctypes.data_as(_F32P), ids[s:].ctypes.data_as(_I64P),
+                    scores[s:].ctypes.data_as(_F32P), scored[s:].ctypes.data_as(_I64P))
         else:
             rc = self._lib.fp16_topk(self.vectors.ctypes.data, self.ntotal, self.d, q.ctypes.data, len(q), norms, k,
                                      threads, ids.ctypes.data_as(_I64P), scores.ctypes.data_as(_F32P))

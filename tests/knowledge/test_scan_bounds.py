@@ -156,3 +156,15 @@ def test_bounds_for_other_vectors_are_rejected():
     x = low_rank(np.random.default_rng(6), 3000, 32)
     with pytest.raises(ValueError, match="bounds"):
         fp16_scan.Fp16Scan(fp16_scan.load(), x[:2000], "l2", 1, fp16_scan.scan_bounds(x, "l2", 8))
+
+
+def test_large_batches_run_in_slices(monkeypatch):
+    monkeypatch.setattr(fp16_scan, "BOUND_MAX_BATCH", 3)  # 7 queries: slices of 3, 3, 1
+    rng = np.random.default_rng(7)
+    x = low_rank(rng, 6000, 48)
+    q = low_rank(rng, 7, 48).astype(np.float32)
+    scan = fp16_scan.Fp16Scan(fp16_scan.load(), x, "l2", 2, fp16_scan.scan_bounds(x, "l2", 16))
+    s, i, scored = scan.search_counted(q, 25)
+    assert_same(scan.search(q, 25, bounded=False), (s, i))
+    assert (scored < 6000).all()
+    assert len(scan._workspace.ub) == 3 * 6000  # Not 7 x N

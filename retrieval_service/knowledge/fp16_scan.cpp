@@ -430,7 +430,8 @@ int fp16_topk(const uint16_t* x, int64_t n, int d, const float* q, int nq, const
 // every bound and the m rows of highest bound; their scores give tau, the k-th best of them, which no true top-k
 // row is below; then only rows with ub >= tau are scored.
 // ub: [nq, n] floats of workspace (the caller's, so a search does not page-fault a fresh buffer in).
-// out_scored: [nq] rows scored per query (the m, plus those that pass). Returns 0, or -1 on bad arguments.
+// out_scored: [nq] rows scored per query: the m plus those that pass, or n for a query scanned instead.
+// Returns 0, or -1 on bad arguments.
 int fp16_topk_bounded(const uint16_t* x, int64_t n, int d, const float* q, int nq, const float* sq_norms, int64_t k,
                       const uint16_t* p, int dp, const float* qp, float alpha, const float* c, const float* e,
                       int64_t m, int threads, float* ub, int64_t* out_ids, float* out_scores, int64_t* out_scored) {
@@ -487,14 +488,10 @@ int fp16_topk_bounded(const uint16_t* x, int64_t n, int d, const float* q, int n
     std::vector<Hit> tau(nq);
     for (auto& list : taus)
         for (auto& [b, bar] : list) tau[b] = bar;
-    // 3. Score the rows whose bound reaches tau, a slice of rows per task, results per thread slot.
-    struct Found {
-        int64_t task, scored;
-        std::vector<Hit> hits;
-    };
+    // 3. The rows whose bound reaches tau, a slice of rows per task (results per thread slot: a task may run twice).
     const int64_t slice = 65536;
     const int64_t nslices = (n + slice - 1) / slice;
-    std::vector<std::vector<Found>> found(threads);
+    std::vector<std::vector<std::pair<int64_t, std::vector<int64_t>>>> passed(threads);
     parallel_chunks(nq * nslices, threads, [&](int64_t t, int slot) {
         const int64_t b = t / nslices, lo = (t % nslices) * slice, hi = std::min(n, lo + slice);
         const float* s = ub + b * n;
@@ -509,23 +506,60 @@ int fp16_topk_bounded(const uint16_t* x, int64_t n, int d, const float* q, int n
         for (; r < hi; ++r) {
             if (s[r] >= bar) ids.push_back(r);
         }
+        passed[slot].push_back({t, std::move(ids)});
+    });
+    std::vector<const std::vector<int64_t>*> rows_of(nq * nslices, nullptr);
+    for (auto& list : passed)
+        for (auto& [t, ids] : list) rows_of[t] = &ids;  // a task run twice found the same rows
+    // 4. Queries whose bounds leave many rows (queries unlike the rows: the bounds are loose) are scanned instead:
+    // a row scored for one query costs more than a row of a scan shared by the batch. Rule: the queries with more
+    // than n / 8 rows, when together they have more than n / 2.
+    std::vector<int64_t> count(nq, 0);
+    for (int b = 0; b < nq; ++b)
+        for (int64_t i = 0; i < nslices; ++i) count[b] += (int64_t)rows_of[b * nslices + i]->size();
+    std::vector<int> heavy;
+    int64_t heavy_rows = 0;
+    for (int b = 0; b < nq; ++b) {
+        if (count[b] > n / 8) {
+            heavy.push_back(b);
+            heavy_rows += count[b];
+        }
+    }
+    std::vector<char> scan(nq, 0);
+    if (heavy_rows > n / 2) {
+        std::vector<float> hq((size_t)heavy.size() * d);
+        for (size_t i = 0; i < heavy.size(); ++i) memcpy(hq.data() + i * d, q + (int64_t)heavy[i] * d, d * sizeof(float));
+        std::vector<int64_t> hids((size_t)heavy.size() * k);
+        std::vector<float> hscores((size_t)heavy.size() * k);
+        fp16_topk(x, n, d, hq.data(), (int)heavy.size(), sq_norms, k, threads, hids.data(), hscores.data());
+        for (size_t i = 0; i < heavy.size(); ++i) {
+            const int b = heavy[i];
+            scan[b] = 1;
+            memcpy(out_ids + (int64_t)b * k, hids.data() + i * k, k * sizeof(int64_t));
+            memcpy(out_scores + (int64_t)b * k, hscores.data() + i * k, k * sizeof(float));
+            out_scored[b] = n;  // tells a scanned query from a bounded one whose rows all passed (m + n)
+        }
+    }
+    // 5. Score the rows that passed, for the other queries.
+    std::vector<std::vector<std::pair<int64_t, std::vector<Hit>>>> found(threads);
+    parallel_chunks(nq * nslices, threads, [&](int64_t t, int slot) {
+        const int64_t b = t / nslices;
+        if (scan[b]) return;
+        const std::vector<int64_t>& ids = *rows_of[t];
         TopK top(k);
-        top.threshold = bar;  // a row worse than tau is not in the top k (tau's own row is: id + 1)
+        top.threshold = tau[b].score;  // a row worse than tau is not in the top k (tau's own row is: id + 1)
         top.threshold_id = tau[b].id == INT64_MAX ? INT64_MAX : tau[b].id + 1;
         offer_rows(x, d, ids.data(), (int64_t)ids.size(), q + b * d, sq_norms, top);
-        found[slot].push_back({t, (int64_t)ids.size(), std::move(top.buf)});
+        found[slot].push_back({t, std::move(top.buf)});
     });
-    std::vector<const Found*> by_task(nq * nslices, nullptr);
+    std::vector<const std::vector<Hit>*> hits_of(nq * nslices, nullptr);
     for (auto& list : found)
-        for (const Found& f : list) by_task[f.task] = &f;  // a task run twice found the same rows
+        for (auto& [t, hits] : list) hits_of[t] = &hits;
     for (int b = 0; b < nq; ++b) {
+        if (scan[b]) continue;
         std::vector<std::vector<Hit>*> lists;
-        out_scored[b] = m;
-        for (int64_t i = 0; i < nslices; ++i) {
-            const Found* f = by_task[b * nslices + i];
-            lists.push_back(const_cast<std::vector<Hit>*>(&f->hits));
-            out_scored[b] += f->scored;
-        }
+        for (int64_t i = 0; i < nslices; ++i) lists.push_back(const_cast<std::vector<Hit>*>(hits_of[b * nslices + i]));
+        out_scored[b] = m + count[b];
         write_best(lists, k, out_ids + (int64_t)b * k, out_scores + (int64_t)b * k);
     }
     return 0;

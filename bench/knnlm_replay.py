@@ -129,10 +129,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--strides", default="2,4,8,16", help="comma list of replayed strides (default %(default)s)")
     ap.add_argument("--capacities", default="16384,65536",
                     help="comma list of cache capacities, replayed at stride 4 (default %(default)s)")
+    ap.add_argument("--nexts", default="",
+                    help="comma list of cache_next values (entries after each neighbour), replayed at stride 4 "
+                         "and 8 (default: none)")
     ap.add_argument("--json", default="", help="write the results here (atomic; '' = none)")
     args = ap.parse_args(argv)
     strides = [int(s) for s in args.strides.split(",") if s.strip()]
     capacities = [int(c) for c in args.capacities.split(",") if c.strip()]
+    nexts = [int(n) for n in args.nexts.split(",") if n.strip()]
 
     from bench.knnlm import RetrievalProcess, _atomic_json
     from generation_service.calibrate import calibrated_model
@@ -156,6 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     default = KnnLmOptions()
     settings = [(s, default.cache_next, default.cache_capacity) for s in strides]
     settings += [(4, default.cache_next, c) for c in capacities if c != default.cache_capacity]
+    settings += [(s, n, default.cache_capacity) for s in (4, 8) for n in nexts if n != default.cache_next]
     rows = []
     for stride, next_n, capacity in settings:
         r = replay(ds, traj, opts, stride, next_n, capacity)

@@ -80,6 +80,7 @@ from generation_service.speculative import (
 )
 from ragcore.errors import InvalidArgument, Unavailable
 from ragcore.knn_store import KnnDatastore, open_datastore
+from ragcore.machine import usable_cores
 from ragcore.model_files import tokenizer_identity
 from ragcore.wire import clip
 
@@ -109,6 +110,19 @@ KNN_GATE_EXPLORE = 3
 KNN_GATE_FAR_BEHIND = math.inf
 
 
+# Cores a worker needs before async rounds are tried by default. On 2 cores an async round's LM passes share
+# them with the verification's scan: served on an AMD EPYC Zen 4 with 2 vCPU, OS3 with async rounds allowed
+# (the gate measuring them against sync rounds and baseline steps) took 1.07 / 1.01 / 1.06x the baseline in three
+# runs, OS3 with sync rounds only 1.16 / 1.22 / 1.19x (bench.knnlm, 6 requests each; the session before, with
+# full scans: 1.51 against 1.87x). Four cores leave the passes (2 threads) a pair of cores beside a scan's 2.
+ASYNC_MIN_CORES = 4
+
+
+def async_by_default(cores: int | None = None) -> bool:
+    """KnnLmOptions.async_verify when the request leaves it unset: whether this worker has ASYNC_MIN_CORES."""
+    return (usable_cores() if cores is None else cores) >= ASYNC_MIN_CORES
+
+
 @dataclass(frozen=True)
 class KnnLmOptions:
     """Per-request kNN-LM settings (proto KnnLmOptions; zero/unset wire fields take these defaults)."""
@@ -121,7 +135,9 @@ class KnnLmOptions:
     # speculation does not pay); False = the baseline: one Search per token.
     speculate: bool = True
     stride: int = 0  # speculation steps per verification; 0 = OS³
-    async_verify: bool = True  # speculate the next round while the verification Search is in flight
+    # Speculate the next round while the verification Search is in flight. Default: only on a worker with
+    # ASYNC_MIN_CORES usable cores (async_by_default).
+    async_verify: bool = field(default_factory=lambda: async_by_default())
     # Each round's kind (async / sync / a baseline step) by measured cost per emitted token (ralm_gate.RoundGate,
     # pooled over the worker's requests); False = every round as async_verify says. Not on the wire.
     adaptive: bool = True

@@ -164,7 +164,7 @@ CHEAPEST = [
 @pytest.mark.parametrize("cheapest, expected", CHEAPEST)
 def test_gate_follows_the_pooled_costs(tm, backend, prompts, baselines, cheapest, expected):
     worker = fresh(backend)
-    opts = KnnLmOptions(**SCENARIOS[0][1], speculate=True, stride=2, min_search_share=0.0)
+    opts = KnnLmOptions(**SCENARIOS[0][1], speculate=True, stride=2, async_verify=True, min_search_share=0.0)
     key = round_gate(opts, worker).key
     for arm in ARMS:  # what earlier requests measured, per emitted token
         for _ in range(KNN_GATE_EXPLORE):
@@ -222,7 +222,7 @@ CROWDS = [
 def test_crowded_requests_run_baseline_steps(tm, backend, prompts, baselines, shared, others, expected):
     worker = fresh(backend)
     worker.shared_scans = shared
-    opts = KnnLmOptions(**SCENARIOS[0][1], speculate=True, stride=2, min_search_share=0.0)
+    opts = KnnLmOptions(**SCENARIOS[0][1], speculate=True, stride=2, async_verify=True, min_search_share=0.0)
     key = round_gate(opts, worker).key
     for arm in ARMS:  # earlier requests found sync rounds cheapest
         for _ in range(KNN_GATE_EXPLORE):
@@ -268,9 +268,11 @@ def test_os3_state_is_pooled_per_setting(backend):
     # A worker's requests with the same settings share one OS³ scheduler (γ and latencies learned once); the
     # stride a request asks for is OS³'s own, so it is not part of the key; other settings get their own.
     cfg = OS3Config(s_init=2)
-    base = KnnLmOptions(k=16, speculate=True, stride=0)
-    same = [KnnLmOptions(k=16, speculate=True, stride=0), KnnLmOptions(k=16, speculate=True, stride=4)]
-    other = [KnnLmOptions(k=32, speculate=True, stride=0), KnnLmOptions(k=16, lam=0.5, speculate=True, stride=0),
+    base = KnnLmOptions(k=16, speculate=True, stride=0, async_verify=True)
+    same = [KnnLmOptions(k=16, speculate=True, stride=0, async_verify=True),
+            KnnLmOptions(k=16, speculate=True, stride=4, async_verify=True)]
+    other = [KnnLmOptions(k=32, speculate=True, stride=0, async_verify=True),
+             KnnLmOptions(k=16, lam=0.5, speculate=True, stride=0, async_verify=True),
              KnnLmOptions(k=16, speculate=True, stride=0, async_verify=False)]
     first = backend.scheduler(base, cfg)
     for opts in same:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from generation_service.config import GenerationConfig
-from generation_service.knnlm import KnnLmOptions, generate_tokens
+from generation_service.knnlm import KnnLmOptions, async_by_default, generate_tokens
 from generation_service.sampling import SamplingParams
 from proto import generation_pb2, generation_pb2_grpc
 
@@ -42,9 +42,11 @@ def test_generate_with_knnlm_options(tm, backend, doc_tokens, stub):
     prompt = doc_tokens[0][:24].astype(np.int64)
     want, _ = generate_tokens(tm, prompt, SamplingParams(max_new_tokens=NEW, ignore_eos=True),
                               KnnLmOptions(k=16, lam=0.9, speculate=False), backend)
-    for knn, mode in (({"speculate": False}, "base"), ({}, "os3"),  # Not "base": speculation is the default
-                      ({"speculate": True, "stride": 4}, "s4"),
-                      ({"speculate": True, "stride": 0}, "os3"),
+    auto = "" if async_by_default() else "-sync"  # async rounds by default only with ASYNC_MIN_CORES cores
+    for knn, mode in (({"speculate": False}, "base"), ({}, "os3" + auto),  # Not "base": speculation is the default
+                      ({"speculate": True, "stride": 4}, "s4" + auto),
+                      ({"speculate": True, "stride": 0}, "os3" + auto),
+                      ({"speculate": True, "stride": 4, "async_verify": True}, "s4"),
                       ({"speculate": True, "stride": 4, "async_verify": False}, "s4-sync")):
         reply = stub.Generate(_request(prompt, k=16, knn_weight=0.9, **knn), timeout=120)
         assert list(reply.token_ids) == want, knn  # Not the plain LM's or the cache's tokens

@@ -8,7 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from generation_service.knnlm import KnnLmOptions, interpolate, knn_distribution, mixed_distribution, next_token
+from generation_service import knnlm
+from generation_service.knnlm import (
+    KnnLmOptions,
+    async_by_default,
+    interpolate,
+    knn_distribution,
+    mixed_distribution,
+    next_token,
+)
 
 
 @pytest.mark.parametrize("scores, values, temperature, tokens, probs", [
@@ -61,3 +69,16 @@ def test_no_neighbours_keeps_the_lm_argmax():
 def test_options_name_the_bad_field(field, kwargs):
     with pytest.raises(ValueError, match=f"^{field}: "):
         KnnLmOptions(**kwargs)
+
+
+# (usable cores, async rounds by default): on 2 cores an async round's passes share them with the Search
+ASYNC_DEFAULT = [(1, False), (2, False), (3, False), (4, True), (16, True)]
+
+
+@pytest.mark.parametrize("cores, expected", ASYNC_DEFAULT)
+def test_async_rounds_by_default_only_with_spare_cores(cores, expected, monkeypatch):
+    assert async_by_default(cores) is expected
+    monkeypatch.setattr(knnlm, "usable_cores", lambda: cores)
+    opts = KnnLmOptions()
+    assert opts.async_verify is expected and opts.mode == ("os3" if expected else "os3-sync")
+    assert KnnLmOptions(async_verify=not expected).async_verify is (not expected)  # Not overridden: asked for

@@ -180,8 +180,10 @@ def scan_bounds(vectors: np.ndarray, metric: str, dims: int = BOUND_DIMS, sample
     _, vecs = np.linalg.eigh(x.T @ x)  # ascending
     basis = np.ascontiguousarray(vecs[:, ::-1][:, :dims - 1], dtype=np.float32)
     proj = np.zeros((-(-n // LANES) * LANES, dims), np.float32)  # padded to whole blocks
+    norms = np.empty(n, np.float32)  # squared_norms' values, from the chunks converted here anyway
     for s in range(0, n, chunk):
         v = np.asarray(vectors[s:s + chunk], dtype=np.float32)
+        norms[s:s + len(v)] = np.einsum("ij,ij->i", v, v)
         head = v @ basis
         proj[s:s + len(v), :-1] = head
         proj[s:s + len(v), -1] = np.linalg.norm(v - head @ basis.T, axis=1)  # not sqrt(|x|^2 - |head|^2): cancels
@@ -191,10 +193,9 @@ def scan_bounds(vectors: np.ndarray, metric: str, dims: int = BOUND_DIMS, sample
     shift = 14 - int(np.ceil(np.log2(top))) if top > 0 else 0  # largest |value| near 2^14: no overflow, few subnormals
     proj *= np.float32(2.0 ** shift)
     if metric == "l2":
-        norms = squared_norms(vectors)
         c, alpha = norms * np.float32(1 - BOUND_SLACK), 2.0
     else:
-        c, alpha = -BOUND_SLACK * squared_norms(vectors), 1.0
+        c, alpha = -BOUND_SLACK * norms, 1.0
     blocks = proj.reshape(-1, LANES, dims).transpose(0, 2, 1)
     return ScanBounds(basis, np.ascontiguousarray(blocks, dtype=np.float16), c.astype(np.float32), alpha, shift)
 

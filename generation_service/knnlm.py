@@ -137,7 +137,7 @@ class KnnLmOptions:
     stride: int = 0  # speculation steps per verification; 0 = OS³
     # Speculate the next round while the verification Search is in flight. Default: only on a worker with
     # ASYNC_MIN_CORES usable cores (async_by_default).
-    async_verify: bool = field(default_factory=lambda: async_by_default())
+    async_verify: bool = field(default_factory=async_by_default)
     # Each round's kind (async / sync / a baseline step) by measured cost per emitted token (ralm_gate.RoundGate,
     # pooled over the worker's requests); False = every round as async_verify says. Not on the wire.
     adaptive: bool = True

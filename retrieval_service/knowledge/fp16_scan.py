@@ -309,6 +309,8 @@ def open_scan(vectors: np.ndarray, metric: str, threads: int = 0, bound_dims: in
     bound_dims (config kb_scan_bounds): columns of its bounds, 0 = none. Bounds are kept only for at least
     BOUND_MIN_ROWS rows and when 16 rows of the index, as queries for probe_k neighbours, score at most
     BOUND_MAX_SHARE of the rows (vectors with no dominant directions gain nothing from them)."""
+    if bound_dims < 0 or bound_dims == 1:
+        raise ValueError(f"kb_scan_bounds: {bound_dims} must be 0 (off) or at least 2 columns")
     if vectors.dtype != np.float16 or not vectors.flags.c_contiguous:
         return None
     lib = library()

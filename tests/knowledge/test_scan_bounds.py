@@ -186,3 +186,9 @@ def test_queries_unlike_the_rows_are_scanned_instead(lib):
     assert_same(scan.search(q, 20, bounded=False), (s, i))
     assert (scored[1:4] == 8000).all()  # scanned (a bounded search whose rows all passed would say 8000 + 40)
     assert (scored[[0, 4]] < 8000 // 8).all()  # Not dragged into the scan
+
+
+@pytest.mark.parametrize("dims", [-1, 1])
+def test_bad_bound_columns_name_the_flag(dims):
+    with pytest.raises(ValueError, match="^kb_scan_bounds: "):
+        fp16_scan.open_scan(low_rank(np.random.default_rng(9), 100, 16), "l2", 1, dims)

@@ -68,7 +68,15 @@ from generation_service.engine.steps import check_prompt
 from generation_service.kb_client import KBClient, KBUnavailable, parse_search
 from generation_service.model import TargetModel, cache_length, new_cache
 from generation_service.os3 import OS3Config, StrideScheduler
-from generation_service.ralm_gate import ASYNC, MIN_SEARCH_SHARE, SEQUENTIAL, SYNC, RoundGate, SharedRoundCosts
+from generation_service.ralm_gate import (
+    ASYNC,
+    MIN_SEARCH_SHARE,
+    SEQUENTIAL,
+    SYNC,
+    RoundGate,
+    SharedRoundCosts,
+    async_by_default,
+)
 from generation_service.sampling import SamplingParams
 from generation_service.speculative import (
     FINISH_CANCELLED,
@@ -80,7 +88,6 @@ from generation_service.speculative import (
 )
 from ragcore.errors import InvalidArgument, Unavailable
 from ragcore.knn_store import KnnDatastore, open_datastore
-from ragcore.machine import usable_cores
 from ragcore.model_files import tokenizer_identity
 from ragcore.wire import clip
 
@@ -108,19 +115,6 @@ KNN_GATE_EXPLORE = 3
 # async rounds at 0.03-0.05 won for 80 rounds; sync rounds measured later ran at 0.025. A kNN-LM round is
 # ~0.1-0.2 s, so a probe of the losing arm is cheap.
 KNN_GATE_FAR_BEHIND = math.inf
-
-
-# Cores a worker needs before async rounds are tried by default. On 2 cores an async round's LM passes share
-# them with the verification's scan: served on an AMD EPYC Zen 4 with 2 vCPU, OS3 with async rounds allowed
-# (the gate measuring them against sync rounds and baseline steps) took 1.07 / 1.01 / 1.06x the baseline in three
-# runs, OS3 with sync rounds only 1.16 / 1.22 / 1.19x (bench.knnlm, 6 requests each; the session before, with
-# full scans: 1.51 against 1.87x). Four cores leave the passes (2 threads) a pair of cores beside a scan's 2.
-ASYNC_MIN_CORES = 4
-
-
-def async_by_default(cores: int | None = None) -> bool:
-    """KnnLmOptions.async_verify when the request leaves it unset: whether this worker has ASYNC_MIN_CORES."""
-    return (usable_cores() if cores is None else cores) >= ASYNC_MIN_CORES
 
 
 @dataclass(frozen=True)

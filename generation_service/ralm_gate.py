@@ -41,6 +41,7 @@ from dataclasses import astuple, dataclass
 from typing import Hashable, Sequence
 
 from generation_service.os3 import OS3Config, StrideScheduler
+from ragcore.machine import usable_cores
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,19 @@ MIN_SEARCH_SHARE = 0.2
 # ~45 ms steps) was 4 % or 11 % of them depending on whether a prefill fell in the window.
 SEARCH_WINDOW = 32
 SEARCH_DECAY = 0.95
+
+# Cores a worker needs before async rounds are tried by default. On 2 cores an async round's LM passes share
+# them with the verification's scan: served on an AMD EPYC Zen 4 with 2 vCPU, OS3 with async rounds allowed
+# (the gate measuring them against sync rounds and baseline steps) took 1.07 / 1.01 / 1.06x the baseline in three
+# runs, OS3 with sync rounds only 1.16 / 1.22 / 1.19x (bench.knnlm, 6 requests each; the session before, with
+# full scans: 1.51 against 1.87x). Four cores leave the passes (2 threads) a pair of cores beside a scan's 2.
+ASYNC_MIN_CORES = 4
+
+
+def async_by_default(cores: int | None = None) -> bool:
+    """Whether async rounds are tried when a request leaves async_verify unset (KnnLmOptions): this
+    worker has ASYNC_MIN_CORES."""
+    return (usable_cores() if cores is None else cores) >= ASYNC_MIN_CORES
 
 
 MAX_PROBE = 64  # rounds between probes at most: costs drift (load, a KB growing), a probe must still come

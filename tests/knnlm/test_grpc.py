@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from generation_service.config import GenerationConfig
-from generation_service.knnlm import KnnLmOptions, async_by_default, generate_tokens
+from generation_service.knnlm import KnnLmOptions, generate_tokens
+from generation_service.ralm_gate import async_by_default
 from generation_service.sampling import SamplingParams
 from proto import generation_pb2, generation_pb2_grpc
 

@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from generation_service import knnlm
+from generation_service import ralm_gate
 from generation_service.knnlm import (
     KnnLmOptions,
-    async_by_default,
     interpolate,
     knn_distribution,
     mixed_distribution,
@@ -77,8 +76,8 @@ ASYNC_DEFAULT = [(1, False), (2, False), (3, False), (4, True), (16, True)]
 
 @pytest.mark.parametrize("cores, expected", ASYNC_DEFAULT)
 def test_async_rounds_by_default_only_with_spare_cores(cores, expected, monkeypatch):
-    assert async_by_default(cores) is expected
-    monkeypatch.setattr(knnlm, "usable_cores", lambda: cores)
+    assert ralm_gate.async_by_default(cores) is expected
+    monkeypatch.setattr(ralm_gate, "usable_cores", lambda: cores)
     opts = KnnLmOptions()
     assert opts.async_verify is expected and opts.mode == ("os3" if expected else "os3-sync")
     assert KnnLmOptions(async_verify=not expected).async_verify is (not expected)  # Not overridden: asked for

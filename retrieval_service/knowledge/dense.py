@@ -356,7 +356,8 @@ class VectorIndex:
         valid = ids >= 0
         safe = np.where(valid, ids, 0)
         # One gather and one exact scoring for the whole batch.
-        scores = exact_scores(q, self.vectors[safe.ravel()].reshape(*safe.shape, self.dim), self.metric)
+        cand = fp16_scan.candidate_rows(self.vectors, safe.ravel())
+        scores = exact_scores(q, cand.reshape(*safe.shape, self.dim), self.metric)
         scores[~valid] = -np.inf
         order = np.lexsort((ids, -scores.astype(np.float64)), axis=-1)  # [B, kk]
         ids = np.take_along_axis(ids, order, -1)[:, :k]
@@ -383,7 +384,7 @@ class VectorIndex:
     def get_vectors(self, ids: np.ndarray) -> np.ndarray:
         """ids: [n] -> [n, D] float32."""
         if self.vectors is not None:
-            return np.asarray(self.vectors[np.asarray(ids, dtype=np.int64)], dtype=np.float32)
+            return np.asarray(fp16_scan.candidate_rows(self.vectors, ids), dtype=np.float32)
         base = self.exact if self.exact is not None else self.approx
         return np.stack([base.reconstruct(int(i)) for i in ids]) if len(ids) else np.zeros((0, self.dim), np.float32)
 

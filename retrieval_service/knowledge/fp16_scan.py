@@ -92,6 +92,8 @@ def load(march: str = "native") -> ctypes.CDLL:
                                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                                       ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                                       _F32P, _I64P, _F32P, _I64P]
+    lib.fp16_rows_f32.restype = ctypes.c_int
+    lib.fp16_rows_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, _I64P, ctypes.c_int64, _F32P]
     lib.fp16_isa.restype = ctypes.c_char_p
     return lib
 
@@ -291,6 +293,21 @@ class Fp16Scan:
         """Mean share of rows a bounded search of `queries` scores (1.0 without bounds)."""
         _, _, scored = self.search_counted(queries, k)
         return float(scored.mean() / max(1, self.ntotal))
+
+
+def candidate_rows(vectors: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """vectors[ids] [len(ids), D] for exact re-scoring: float32 when the kernel widens them (C-contiguous
+    float16 rows), else numpy's gather in their own dtype (exact_scores takes either). IndexError for an id out
+    of range, as numpy's."""
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    lib = library() if vectors.dtype == np.float16 and vectors.ndim == 2 and vectors.flags.c_contiguous else None
+    if lib is None:
+        return vectors[ids]
+    out = np.empty((len(ids), vectors.shape[1]), np.float32)
+    if lib.fp16_rows_f32(vectors.ctypes.data, len(vectors), vectors.shape[1], ids.ctypes.data_as(_I64P), len(ids),
+                         out.ctypes.data_as(_F32P)) != 0:
+        raise IndexError(f"ids: outside [0, {len(vectors)})")
+    return out
 
 
 def squared_norms(vectors: np.ndarray, chunk: int = 65536) -> np.ndarray:

@@ -131,3 +131,48 @@ def test_threads_fixed_or_one_per_core():
     assert fp16_scan.Fp16Scan(fp16_scan.load(), x, "ip").threads == usable_cores()  # Not 0
     with pytest.raises(ValueError, match="threads"):
         fp16_scan.Fp16Scan(fp16_scan.load(), x, "ip", threads=-1)
+
+
+# Candidate rows widened for exact re-scoring (fp16_rows_f32, candidate_rows): the same float32 values numpy's
+# widening gives, bit for bit (every float16 is a float32), rows in the order asked.
+# (scenario, d, ids)
+ROW_CASES = [
+    ("no ids", 16, []),
+    ("one row", 16, [3]),
+    ("d under one vector: the scalar tail only", 5, [0, 9, 4]),
+    ("d not a multiple of 8 or 16", 37, [7, 7, 0, 11, 2, 5, 1]),  # a row twice: gathered twice
+    ("the kNN-LM keys' width, ids descending", 576, list(range(11, -1, -1))),
+]
+
+
+def special_rows(n: int, d: int) -> np.ndarray:
+    rng = np.random.default_rng(d)
+    x = rng.standard_normal((n, d)).astype(np.float16)
+    specials = np.array([np.inf, -np.inf, 0.0, -0.0, 6e-8, -6e-8, 65504, 1e-5], np.float16)  # incl. subnormals
+    flat = x.reshape(-1)
+    flat[rng.choice(flat.size, min(flat.size, len(specials)), replace=False)] = specials[:min(flat.size, len(specials))]
+    return x
+
+
+@pytest.mark.parametrize("scenario, d, ids", ROW_CASES, ids=[c[0] for c in ROW_CASES])
+def test_rows_widen_exactly(lib, scenario, d, ids):
+    x = special_rows(12, d)
+    ids = np.asarray(ids, np.int64)
+    out = np.full((len(ids), d), np.nan, np.float32)
+    assert lib.fp16_rows_f32(x.ctypes.data, len(x), d, ids.ctypes.data_as(fp16_scan._I64P), len(ids),
+                             out.ctypes.data_as(fp16_scan._F32P)) == 0
+    expected = x[ids].astype(np.float32)
+    assert out.view(np.uint32).tolist() == expected.view(np.uint32).tolist()  # bits: -0.0 is not 0.0
+
+
+def test_candidate_rows_kernel_or_numpy():
+    x = special_rows(40, 24)
+    ids = np.array([39, 0, 17], np.int64)
+    got = fp16_scan.candidate_rows(x, ids)
+    assert got.dtype == np.float32 and got.view(np.uint32).tolist() == x[ids].astype(np.float32).view(np.uint32).tolist()
+    for other in (x.astype(np.float32), x[:, ::2], x.T.copy()[:, :12]):  # not float16, not C-contiguous
+        want = other[ids % len(other)]
+        assert np.array_equal(fp16_scan.candidate_rows(other, ids % len(other)), want)
+    for bad in ([40], [-1], [0, 1, 99]):
+        with pytest.raises(IndexError, match="ids"):
+            fp16_scan.candidate_rows(x, np.array(bad))

@@ -147,8 +147,8 @@ class RetrievalConfig(config_util.ShellConfig):
     # Exact float16 scans of at least 64 K rows first pass over a projection of this many columns (principal
     # directions + the residual's norm) that bounds every row's score, then score only the rows whose bound
     # reaches the k-th best: the same answer, bit for bit (fp16_scan.ScanBounds; the kNN-LM keys: 1 query
-    # 37 -> 12 ms). Built at start (~10 s per 1 M x 576 rows, 256 MB); 0 = score every row.
-    kb_scan_bounds: int = 128
+    # 37 -> ~11 ms). Built at start (~10 s per 1 M x 576 rows; int8: 160 MB); 0 = score every row.
+    kb_scan_bounds: int = 160
     kb_query_cache: int = 4096
     # Max heap of the in-process JVM (Lucene); "" = the JVM default (1/4 of RAM).
     kb_jvm_heap: str = ""

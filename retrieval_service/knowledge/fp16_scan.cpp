@@ -177,51 +177,62 @@ void dots_group(int nb, const uint16_t* x, int64_t rows, int d, const float* q, 
 }
 
 // Bounds are dot products with few columns (~128), where dots' horizontal sum per (row, query) would cost as much
-// as the products. So the bound array is stored in blocks of kLanes rows, column-major inside a block
-// ([n / kLanes][dp][kLanes] halves): one widened load holds a column of kLanes rows, and each query adds its
-// column value times it to kLanes row sums at once. Summation order differs from dots' (the slack covers it).
+// as the products, and a single query's pass is memory-bound. So the bound array holds int8 (a fixed scale per
+// column: half the bytes of float16) in blocks of kLanes rows, column pairs interleaved inside a block
+// ([n / kLanes][dp / 2][kLanes][2] int8): one widened load holds a column pair of kLanes rows as int16, and each
+// query's pair of int16 weights multiplies it into kLanes int32 row sums at once (AVX-512 VNNI's vpdpwssd, else
+// pmaddwd + add). The sums are exact integers; the caller's bound covers both quantisations (fp16_scan.py).
 constexpr int kLanes = 16;
 
-// out[b * stride + i] = q_b . row i, for the RB * kLanes rows of RB consecutive blocks and NB queries.
+// out[b * stride + i] = q_b . row i (int32 sums, as float), for the RB * kLanes rows of RB consecutive blocks and
+// NB queries; q_b: [dp / 2] int32, each a pair of int16 weights (low half: the even column).
 template <int NB, int RB>
-void block_dots(const uint16_t* p, int dp, const float* q, float* out, int64_t stride) {
-#if defined(__AVX512F__)
-    __m512 acc[RB][NB];
+void block_dots(const int8_t* p, int pairs, const int32_t* q, float* out, int64_t stride) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    __m512i acc[RB][NB];
     for (int i = 0; i < RB; ++i)
-        for (int b = 0; b < NB; ++b) acc[i][b] = _mm512_setzero_ps();
-    for (int j = 0; j < dp; ++j) {
-        __m512 v[RB];
+        for (int b = 0; b < NB; ++b) acc[i][b] = _mm512_setzero_si512();
+    for (int j = 0; j < pairs; ++j) {
+        __m512i v[RB];
         for (int i = 0; i < RB; ++i)
-            v[i] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + ((int64_t)i * dp + j) * kLanes)));
+            v[i] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(p + ((int64_t)i * pairs + j) * 2 * kLanes)));
         for (int b = 0; b < NB; ++b) {
-            const __m512 qb = _mm512_set1_ps(q[(int64_t)b * dp + j]);
-            for (int i = 0; i < RB; ++i) acc[i][b] = _mm512_fmadd_ps(v[i], qb, acc[i][b]);
+            const __m512i qb = _mm512_set1_epi32(q[(int64_t)b * pairs + j]);
+#if defined(__AVX512VNNI__)
+            for (int i = 0; i < RB; ++i) acc[i][b] = _mm512_dpwssd_epi32(acc[i][b], v[i], qb);
+#else
+            for (int i = 0; i < RB; ++i) acc[i][b] = _mm512_add_epi32(acc[i][b], _mm512_madd_epi16(v[i], qb));
+#endif
         }
     }
     for (int i = 0; i < RB; ++i)
-        for (int b = 0; b < NB; ++b) _mm512_storeu_ps(out + b * stride + i * kLanes, acc[i][b]);
-#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-    __m256 acc[2 * RB][NB];  // a block is two halves of 8 lanes
+        for (int b = 0; b < NB; ++b) _mm512_storeu_ps(out + b * stride + i * kLanes, _mm512_cvtepi32_ps(acc[i][b]));
+#elif defined(__AVX2__)
+    __m256i acc[2 * RB][NB];  // a block is two halves of 8 rows
     for (int i = 0; i < 2 * RB; ++i)
-        for (int b = 0; b < NB; ++b) acc[i][b] = _mm256_setzero_ps();
-    for (int j = 0; j < dp; ++j) {
-        __m256 v[2 * RB];
+        for (int b = 0; b < NB; ++b) acc[i][b] = _mm256_setzero_si256();
+    for (int j = 0; j < pairs; ++j) {
+        __m256i v[2 * RB];
         for (int i = 0; i < 2 * RB; ++i)
-            v[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + ((int64_t)(i / 2) * dp + j) * kLanes + (i % 2) * 8)));
+            v[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + ((int64_t)(i / 2) * pairs + j) * 2 * kLanes + (i % 2) * kLanes)));
         for (int b = 0; b < NB; ++b) {
-            const __m256 qb = _mm256_set1_ps(q[(int64_t)b * dp + j]);
-            for (int i = 0; i < 2 * RB; ++i) acc[i][b] = _mm256_fmadd_ps(v[i], qb, acc[i][b]);
+            const __m256i qb = _mm256_set1_epi32(q[(int64_t)b * pairs + j]);
+            for (int i = 0; i < 2 * RB; ++i) acc[i][b] = _mm256_add_epi32(acc[i][b], _mm256_madd_epi16(v[i], qb));
         }
     }
     for (int i = 0; i < 2 * RB; ++i)
-        for (int b = 0; b < NB; ++b) _mm256_storeu_ps(out + b * stride + i * 8, acc[i][b]);
+        for (int b = 0; b < NB; ++b) _mm256_storeu_ps(out + b * stride + i * 8, _mm256_cvtepi32_ps(acc[i][b]));
 #else
     for (int b = 0; b < NB; ++b) {
         for (int i = 0; i < RB * kLanes; ++i) {
-            const uint16_t* col = p + (int64_t)(i / kLanes) * dp * kLanes + i % kLanes;
-            float a = 0;
-            for (int j = 0; j < dp; ++j) a += half_to_float(col[(int64_t)j * kLanes]) * q[(int64_t)b * dp + j];
-            out[b * stride + i] = a;
+            const int8_t* row = p + (int64_t)(i / kLanes) * pairs * 2 * kLanes + (i % kLanes) * 2;
+            int32_t a = 0;
+            for (int j = 0; j < pairs; ++j) {
+                const int32_t w = q[(int64_t)b * pairs + j];
+                a += row[(int64_t)j * 2 * kLanes] * (int32_t)(int16_t)(w & 0xffff) +
+                     row[(int64_t)j * 2 * kLanes + 1] * (int32_t)(int16_t)(w >> 16);
+            }
+            out[b * stride + i] = (float)a;
         }
     }
 #endif
@@ -230,34 +241,35 @@ void block_dots(const uint16_t* p, int dp, const float* q, float* out, int64_t s
 // block_dots over `blocks` consecutive blocks and nb (<= kGroup) queries. Queries per call and blocks per call
 // keep the accumulators in registers: AVX-512 32 zmm (8 queries x 2 blocks, or 4 blocks for up to 2 queries),
 // AVX2 16 ymm (4 queries x 1 block of two halves; more queries take a second call over the same rows, from L1).
-void bound_dots(int nb, const uint16_t* p, int64_t blocks, int dp, const float* q, float* out, int64_t stride) {
-#if defined(__AVX512F__)
+void bound_dots(int nb, const int8_t* p, int64_t blocks, int pairs, const int32_t* q, float* out, int64_t stride) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
     constexpr int kMaxNB = 8;
 #else
     constexpr int kMaxNB = 4;
 #endif
     if (nb > kMaxNB) {
-        bound_dots(kMaxNB, p, blocks, dp, q, out, stride);
-        bound_dots(nb - kMaxNB, p, blocks, dp, q + (int64_t)kMaxNB * dp, out + kMaxNB * stride, stride);
+        bound_dots(kMaxNB, p, blocks, pairs, q, out, stride);
+        bound_dots(nb - kMaxNB, p, blocks, pairs, q + (int64_t)kMaxNB * pairs, out + kMaxNB * stride, stride);
         return;
     }
     auto run = [&](auto nbc) {
         constexpr int NB = decltype(nbc)::value;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
         constexpr int RB = NB <= 2 ? 4 : 2;
 #else
         constexpr int RB = 1;
 #endif
+        const int64_t step = (int64_t)pairs * 2 * kLanes;  // bytes per block
         int64_t i = 0;
-        for (; i + RB <= blocks; i += RB) block_dots<NB, RB>(p + i * dp * kLanes, dp, q, out + i * kLanes, stride);
-        for (; i < blocks; ++i) block_dots<NB, 1>(p + i * dp * kLanes, dp, q, out + i * kLanes, stride);
+        for (; i + RB <= blocks; i += RB) block_dots<NB, RB>(p + i * step, pairs, q, out + i * kLanes, stride);
+        for (; i < blocks; ++i) block_dots<NB, 1>(p + i * step, pairs, q, out + i * kLanes, stride);
     };
     switch (nb) {
         case 1: run(std::integral_constant<int, 1>()); break;
         case 2: run(std::integral_constant<int, 2>()); break;
         case 3: run(std::integral_constant<int, 3>()); break;
         case 4: run(std::integral_constant<int, 4>()); break;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
         case 5: run(std::integral_constant<int, 5>()); break;
         case 6: run(std::integral_constant<int, 6>()); break;
         case 7: run(std::integral_constant<int, 7>()); break;
@@ -445,19 +457,20 @@ int fp16_topk(const uint16_t* x, int64_t n, int d, const float* q, int nq, const
 
 // fp16_topk's answer (the same ids and scores, bit for bit) from fewer rows, when each row r has a bound
 // ub_b(r) >= its score for query b:
-//   ub_b(r) = alpha * (qp_b . p_r) - c_r + e_b
-// p: [ceil(n / 16), dp, 16] float16 (the caller's projection of x, principal directions and the residual's norm,
-// in blocks of 16 rows: bound_dots), qp: [nq, dp],
-// c: [n], e: [nq] (the caller's slack covers rounding: fp16_scan.py). One pass over p (dp columns, not d) gives
-// every bound and the m rows of highest bound; their scores give tau, the k-th best of them, which no true top-k
-// row is below; then only rows with ub >= tau are scored.
+//   ub_b(r) = a_b * (qp_b . p_r) + h_b * l1_r - c_r + e_b
+// p: [ceil(n / 16), dp / 2, 16, 2] int8 (the caller's quantised projection of x, principal directions and the
+// residual's norm, in blocks of 16 rows: bound_dots), qp: [nq, dp / 2] int32 (pairs of int16 weights), dp even,
+// l1, c: [n], a, h, e: [nq] (the caller's terms cover both quantisations and rounding: fp16_scan.py). One pass
+// over p (dp bytes per row, not 2 d) gives every bound and the m rows of highest bound; their scores give tau,
+// the k-th best of them, which no true top-k row is below; then only rows with ub >= tau are scored.
 // ub: [nq, n] floats of workspace (the caller's, so a search does not page-fault a fresh buffer in).
 // out_scored: [nq] rows scored per query: the m plus those that pass, or n for a query scanned instead.
 // Returns 0, or -1 on bad arguments.
 int fp16_topk_bounded(const uint16_t* x, int64_t n, int d, const float* q, int nq, const float* sq_norms, int64_t k,
-                      const uint16_t* p, int dp, const float* qp, float alpha, const float* c, const float* e,
-                      int64_t m, int threads, float* ub, int64_t* out_ids, float* out_scores, int64_t* out_scored) {
-    if (n < 0 || d <= 0 || dp <= 0 || nq < 0 || k <= 0 || m < k || threads <= 0) return -1;
+                      const int8_t* p, int dp, const int32_t* qp, const float* a, const float* h, const float* l1,
+                      const float* c, const float* e, int64_t m, int threads, float* ub, int64_t* out_ids,
+                      float* out_scores, int64_t* out_scored) {
+    if (n < 0 || d <= 0 || dp <= 0 || dp % 2 || nq < 0 || k <= 0 || m < k || threads <= 0) return -1;
     if (n <= m) {  // nothing to prune
         for (int b = 0; b < nq; ++b) out_scored[b] = n;
         return fp16_topk(x, n, d, q, nq, sq_norms, k, threads, out_ids, out_scores);
@@ -474,12 +487,12 @@ int fp16_topk_bounded(const uint16_t* x, int64_t n, int d, const float* q, int n
         for (int64_t r0 = ci * chunk; r0 < hi; r0 += kBlock) {
             const int64_t rows = std::min<int64_t>(kBlock, hi - r0);
             for (int g = 0; g < nq; g += kGroup) {
-                bound_dots(std::min(kGroup, nq - g), p + r0 * dp, (rows + kLanes - 1) / kLanes, dp,
-                           qp + (int64_t)g * dp, block.data() + (int64_t)g * kBlock, kBlock);
+                bound_dots(std::min(kGroup, nq - g), p + r0 * dp, (rows + kLanes - 1) / kLanes, dp / 2,
+                           qp + (int64_t)g * (dp / 2), block.data() + (int64_t)g * kBlock, kBlock);
             }
             for (int b = 0; b < nq; ++b) {
                 float* s = block.data() + (int64_t)b * kBlock;
-                for (int64_t r = 0; r < rows; ++r) s[r] = alpha * s[r] - c[r0 + r] + e[b];
+                for (int64_t r = 0; r < rows; ++r) s[r] = a[b] * s[r] + h[b] * l1[r0 + r] - c[r0 + r] + e[b];
                 memcpy(ub + (int64_t)b * n + r0, s, rows * sizeof(float));
                 tops[part][b].offer(s, rows, r0);
             }

@@ -89,9 +89,8 @@ def load(march: str = "native") -> ctypes.CDLL:
                               ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, _I64P, _F32P]
     lib.fp16_topk_bounded.restype = ctypes.c_int
     lib.fp16_topk_bounded.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
-                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                                      ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
-                                      _F32P, _I64P, _F32P, _I64P]
+                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
+                                      *[ctypes.c_void_p] * 6, ctypes.c_int64, ctypes.c_int, _F32P, _I64P, _F32P, _I64P]
     lib.fp16_rows_f32.restype = ctypes.c_int
     lib.fp16_rows_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, _I64P, ctypes.c_int64, _F32P]
     lib.fp16_isa.restype = ctypes.c_char_p
@@ -118,17 +117,22 @@ def library() -> ctypes.CDLL | None:
 
 
 # Bounded scans (fp16_topk_bounded). Columns of the bound array: principal directions plus the residual's norm.
-# Measured on the kNN-LM keys (1 M x 576, the LM's final hidden states) with 74 held-out contexts as queries, k =
-# 1024: rows scored per query (mean) 11 % at 48 columns, 8 % at 64, 4 % at 96, 2.4 % at 128 (the worst query
-# 28 %); a bound pass over 128 columns costs a quarter of a full scan.
-BOUND_DIMS = 128
+# Measured on the kNN-LM keys (1 M x 576, the LM's final hidden states, Zen 4, 2 threads), held-out contexts as
+# queries, k = 1040, int8 columns: rows scored per query (mean) 3.6 / 2.3 / 1.6 / 1.3 % at 96 / 128 / 160 / 192
+# columns; a search of 1 query 10.8 / 10.3 / 10.7 / 11.4 ms, of 4 queries 30 / 24 / 23 / 24 ms, of 8 queries
+# 50 / 43-44 / 39-40 / 39 ms (a single query's pass is memory-bound, a batch's pays for the rows it scores).
+BOUND_DIMS = 160
 # Below this many rows a full scan is cheap, and the bounds' m best rows would be most of them.
 BOUND_MIN_ROWS = 65536
-# The bound is exact arithmetic's; it must hold for the kernel's float32 score of float16 data too. Rounding the
-# projection to float16 moves alpha (qp . p) by at most alpha 2^-11 |q| |x| <= 2^-11 (|q|^2 + |x|^2) (alpha <= 2,
-# the projection scaled into float16's normal range); float32 sums of d products move it by ~d 2^-24 |q| |x| (3e-5
-# at d = 576). The slack is 4x the first: eps (|q|^2 + |x|^2), half on the row and half on the query.
-BOUND_SLACK = 2.0 ** -9
+# The bound is exact arithmetic's (with its quantisation terms: ScanBounds); it must hold for the kernel's float32
+# score of float16 data too. float32 sums of d products move a score by ~d 2^-24 |q| |x| (3e-5 at d = 576), the
+# float32 projection of a row by about as much, the bound's own float32 arithmetic by ~2^-22. The slack covers
+# them: eps (|q|^2 + |x|^2) >= 2 eps |q| |x|, half on the row and half on the query.
+BOUND_SLACK = 2.0 ** -10
+# Largest |value| of the int8 projection and of a query's int16 weights.
+ROW_STEPS, WEIGHT_STEPS = 127, 32767
+# The quantisation terms are computed in float64 and stored as float32: this much extra covers both roundings.
+INFLATE = 1 + 2.0 ** -12
 # An index whose sample queries would score more than this share of its rows keeps plain scans.
 BOUND_MAX_SHARE = 0.3
 # Queries per bounded call: its workspace is this many x N floats per calling thread (64 MB at 1 M rows).
@@ -140,29 +144,68 @@ LANES = 16
 @dataclass(frozen=True)
 class ScanBounds:
     """Per row r of [N, D] vectors, upper bounds of each query's score (fp16_topk_bounded):
-    q.x <= (V^T q).(V^T x) + |q - V V^T q| |x - V V^T x| (Cauchy-Schwarz on the residual), V = `basis`.
+    q.x <= (V^T q).(V^T x) + |q - V V^T q| |x - V V^T x| (Cauchy-Schwarz on the residual), V = `basis`,
+    computed in integers: the row side p = [V^T x, |residual|] is stored as int8 steps of a scale per column,
+    P = rint(p / scale) (the residual's norm rounded up), the query side qp = [V^T q, |residual|] as int16 steps
+    W = rint(qp scale / s_q) of one scale per query. Then
 
-    basis [D, dp - 1] float32 (orthonormal: principal directions of a sample), proj [N, dp] float16 = [V^T x,
-    |residual|] times 2^`shift` (into float16's normal range), in blocks of LANES rows ([ceil(N / LANES), dp,
-    LANES], the kernel's layout), c [N] float32 and alpha as the kernel takes them."""
+        qp . p <= s_q (W . P) + s_q / 2 * sum |P|  +  sum over rounded columns of |qp_j| scale_j / 2
+
+    (the rounding of W, then of P), so ub = a (W . P) + h l1 - c + e with a = alpha s_q, h = alpha s_q / 2,
+    l1 = sum |P| per row, and e the slack plus alpha times the last term: the kernel's exact int32 sums and four
+    float32 operations per row. Measured on the kNN-LM keys, held-out contexts, k = 1040: 2.3 % of the rows pass
+    (2.2 % with int8 and float32 weights, 1.6 % with the float16 projection this replaced, at half the bytes).
+
+    basis [D, cols - 1] float32 (orthonormal: principal directions of a sample), proj int8 in blocks of LANES
+    rows, column pairs interleaved ([ceil(N / LANES), dp / 2, LANES, 2], the kernel's layout; dp = cols rounded up
+    to even, a zero column pads), scale [dp] float64, l1 and c [N] float32, alpha as the kernel takes them."""
 
     basis: np.ndarray
     proj: np.ndarray
+    scale: np.ndarray
+    l1: np.ndarray
     c: np.ndarray
     alpha: float
-    shift: int
+
+    @property
+    def dims(self) -> int:
+        """dp: the bound array's columns (even)."""
+        return 2 * self.proj.shape[1]
 
     def rows(self) -> np.ndarray:
-        """proj as [N, dp] (a copy)."""
-        return self.proj.transpose(0, 2, 1).reshape(-1, self.proj.shape[1])[:len(self.c)]
+        """P as int8 [N, dp] (a copy)."""
+        return self.proj.transpose(0, 2, 1, 3).reshape(-1, self.dims)[:len(self.c)]
 
-    def queries(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """q [B, D] float32 -> (qp [B, dp] float32, e [B] float32), the query side of the bounds."""
-        head = q @ self.basis
-        resid = np.linalg.norm(q - head @ self.basis.T, axis=1, keepdims=True)
-        qp = np.concatenate([head, resid], axis=1) * np.float32(2.0 ** -self.shift)
-        e = BOUND_SLACK * np.einsum("ij,ij->i", q, q)
-        return np.ascontiguousarray(qp, dtype=np.float32), e.astype(np.float32)
+    def project(self, q: np.ndarray) -> np.ndarray:
+        """q [B, D] -> qp [B, dp] float64: [V^T q, |residual|, 0 (the pad)]."""
+        q64, basis = np.asarray(q, np.float64), self.basis.astype(np.float64)
+        head = q64 @ basis
+        qp = np.zeros((len(q64), self.dims))
+        qp[:, :basis.shape[1]] = head
+        qp[:, basis.shape[1]] = np.linalg.norm(q64 - head @ basis.T, axis=1)
+        return qp
+
+    def queries(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """q [B, D] float32 -> (W as int16 pairs [B, dp / 2] int32, a, h, e [B] float32), the query side."""
+        qp = self.project(q)
+        w = qp * self.scale
+        w[~np.isfinite(w)] = 0.0  # a NaN query: e is NaN, so no bound passes (nor does any score)
+        step = np.abs(w).max(axis=1) / WEIGHT_STEPS
+        step[step == 0] = 1.0
+        weights = np.rint(w / step[:, None]).astype(np.int16)  # |w / step| <= 32767
+        rounded = np.ones(self.dims)
+        rounded[self.basis.shape[1]] = 0.0  # the residual's column is rounded up: no half step to add
+        e = (BOUND_SLACK * np.einsum("ij,ij->i", np.asarray(q, np.float64), np.asarray(q, np.float64))
+             + self.alpha * INFLATE * 0.5 * (np.abs(qp) * self.scale * rounded).sum(axis=1))
+        return (np.ascontiguousarray(weights).view(np.int32), (self.alpha * step).astype(np.float32),
+                (self.alpha * step * 0.5 * INFLATE).astype(np.float32), e.astype(np.float32))
+
+    def upper(self, q: np.ndarray) -> np.ndarray:
+        """The kernel's bounds [B, N] in float64 (tests)."""
+        weights, a, h, e = self.queries(q)
+        dots = weights.view(np.int16).astype(np.float64) @ self.rows().astype(np.float64).T
+        return (a.astype(np.float64)[:, None] * dots + h.astype(np.float64)[:, None] * self.l1 - self.c
+                + e.astype(np.float64)[:, None])
 
 
 def scan_bounds(vectors: np.ndarray, metric: str, dims: int = BOUND_DIMS, sample: int = 65536,
@@ -181,25 +224,36 @@ def scan_bounds(vectors: np.ndarray, metric: str, dims: int = BOUND_DIMS, sample
     x -= x.mean(axis=0)
     _, vecs = np.linalg.eigh(x.T @ x)  # ascending
     basis = np.ascontiguousarray(vecs[:, ::-1][:, :dims - 1], dtype=np.float32)
-    proj = np.zeros((-(-n // LANES) * LANES, dims), np.float32)  # padded to whole blocks
+    dp = dims + dims % 2
+    proj = np.zeros((-(-n // LANES) * LANES, dp), np.float32)  # padded to whole blocks (and an even width)
     norms = np.empty(n, np.float32)  # squared_norms' values, from the chunks converted here anyway
     for s in range(0, n, chunk):
         v = np.asarray(vectors[s:s + chunk], dtype=np.float32)
         norms[s:s + len(v)] = np.einsum("ij,ij->i", v, v)
         head = v @ basis
-        proj[s:s + len(v), :-1] = head
-        proj[s:s + len(v), -1] = np.linalg.norm(v - head @ basis.T, axis=1)  # not sqrt(|x|^2 - |head|^2): cancels
-    top = float(np.abs(proj).max())
-    if not np.isfinite(top):
+        proj[s:s + len(v), :dims - 1] = head
+        proj[s:s + len(v), dims - 1] = np.linalg.norm(v - head @ basis.T, axis=1)  # not sqrt(|x|^2 - |head|^2)
+    top = np.abs(proj).max(axis=0).astype(np.float64)
+    if not np.isfinite(top).all():
         return None
-    shift = 14 - int(np.ceil(np.log2(top))) if top > 0 else 0  # largest |value| near 2^14: no overflow, few subnormals
-    proj *= np.float32(2.0 ** shift)
+    # A step per column; the residual's is a hair larger, so its values rounded up stay within 127 steps.
+    scale = np.where(top > 0, top / ROW_STEPS, 1.0)
+    scale[dims - 1] *= 1 + 2.0 ** -20
+    steps = np.empty(proj.shape, np.int8)
+    l1 = np.zeros(len(proj), np.float32)
+    for s in range(0, len(proj), chunk):
+        p = proj[s:s + chunk] / scale  # float64
+        p[:, :dims - 1] = np.rint(p[:, :dims - 1])
+        p[:, dims - 1:] = np.ceil(p[:, dims - 1:])
+        steps[s:s + chunk] = p
+        l1[s:s + chunk] = np.abs(p).sum(axis=1)
+    del proj
     if metric == "l2":
         c, alpha = norms * np.float32(1 - BOUND_SLACK), 2.0
     else:
         c, alpha = -BOUND_SLACK * norms, 1.0
-    blocks = proj.reshape(-1, LANES, dims).transpose(0, 2, 1)
-    return ScanBounds(basis, np.ascontiguousarray(blocks, dtype=np.float16), c.astype(np.float32), alpha, shift)
+    blocks = steps.reshape(-1, LANES, dp // 2, 2).transpose(0, 2, 1, 3)
+    return ScanBounds(basis, np.ascontiguousarray(blocks), scale, l1[:n], c.astype(np.float32), alpha)
 
 
 class Fp16Scan:
@@ -219,7 +273,7 @@ class Fp16Scan:
 
     bounds (scan_bounds): the same answer, bit for bit, from a pass over the bounds and the rows whose bound
     reaches the k-th best score (fp16_topk_bounded). kNN-LM keys, 1 M x 576, k = 1040, Zen 4, 2 threads: 1 query
-    37 -> ~12 ms, 8 queries 62 -> ~45 ms. Queries the bounds cannot prune for (unlike the rows: random vectors
+    37 -> ~11 ms, 8 queries 62 -> ~40 ms. Queries the bounds cannot prune for (unlike the rows: random vectors
     leave ~60 % of the keys above the bar) are scanned instead, together: 8 random queries 80 ms on a full scan,
     125 ms bounded (336 ms before that fallback).
     """
@@ -269,13 +323,13 @@ class Fp16Scan:
             rc = 0
             for s in range(0, len(q), BOUND_MAX_BATCH):  # the bounds' workspace stays BOUND_MAX_BATCH x N floats
                 qs = q[s:s + BOUND_MAX_BATCH]
-                qp, e = b.queries(qs)
+                weights, a, h, e = b.queries(qs)
                 ub = self._bound_buffer(len(qs) * self.ntotal)
                 rc = rc or self._lib.fp16_topk_bounded(
                     self.vectors.ctypes.data, self.ntotal, self.d, qs.ctypes.data, len(qs), norms, k,
-                    b.proj.ctypes.data, b.proj.shape[1], qp.ctypes.data, b.alpha, b.c.ctypes.data, e.ctypes.data, m,
-                    threads, ub.ctypes.data_as(_F32P), ids[s:].ctypes.data_as(_I64P),
-                    scores[s:].ctypes.data_as(_F32P), scored[s:].ctypes.data_as(_I64P))
+                    b.proj.ctypes.data, b.dims, weights.ctypes.data, a.ctypes.data, h.ctypes.data, b.l1.ctypes.data,
+                    b.c.ctypes.data, e.ctypes.data, m, threads, ub.ctypes.data_as(_F32P),
+                    ids[s:].ctypes.data_as(_I64P), scores[s:].ctypes.data_as(_F32P), scored[s:].ctypes.data_as(_I64P))
         else:
             rc = self._lib.fp16_topk(self.vectors.ctypes.data, self.ntotal, self.d, q.ctypes.data, len(q), norms, k,
                                      threads, ids.ctypes.data_as(_I64P), scores.ctypes.data_as(_F32P))

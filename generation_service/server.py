@@ -13,6 +13,11 @@ calibration, warm-up and every decode step run on one thread, the model thread (
 
 from __future__ import annotations
 
+from ragcore.process import worker_openmp_spin
+
+if __name__ == "__main__":  # before torch loads libgomp, which reads its spin count once (ragcore.process)
+    worker_openmp_spin()
+
 import logging
 import math
 import queue

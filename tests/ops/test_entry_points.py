@@ -41,3 +41,39 @@ def test_help_exits_zero(module):
                          cwd=ROOT, timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "usage:" in out.stdout.lower(), out.stdout[:500]
+
+
+# The worker's libgomp spin count (ragcore.process.worker_openmp_spin): libgomp reads it once, when torch loads
+# it, so what matters is its value at torch's first import. (scenario, GOMP_SPINCOUNT given, run as, expected)
+SPIN = [
+    ("the entry point's default", None, "__main__", "30000"),
+    ("the user's value wins", "500", "__main__", "500"),
+    ("imported as a library: the environment untouched", None, "generation_service.server", "None"),
+]
+SPIN_PROBE = """
+import builtins, os, runpy, sys
+sys.argv = ["generation_service.server", "--help"]
+seen, real = {}, builtins.__import__
+def spy(name, *args, **kwargs):
+    if name == "torch" and "torch" not in sys.modules and "spin" not in seen:
+        seen["spin"] = os.environ.get("GOMP_SPINCOUNT")
+    return real(name, *args, **kwargs)
+builtins.__import__ = spy
+try:
+    runpy.run_module("generation_service.server", run_name=RUN_AS, alter_sys=True)
+except SystemExit:
+    pass
+print(seen.get("spin", "torch imported elsewhere"))
+"""
+
+
+@pytest.mark.parametrize("scenario, given, run_as, expected", SPIN, ids=[c[0] for c in SPIN])
+def test_worker_sets_the_openmp_spin_before_torch_loads(scenario, given, run_as, expected):
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    if given is not None:
+        env["GOMP_SPINCOUNT"] = given
+    code = SPIN_PROBE.replace("RUN_AS", repr(run_as))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == expected, scenario

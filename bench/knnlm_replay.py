@@ -18,6 +18,11 @@ Not the served figure (bench.knnlm --serve decides): no async rounds, no round g
 
 from __future__ import annotations
 
+from ragcore.process import worker_openmp_spin
+
+if __name__ == "__main__":  # its LM passes run here: the worker's libgomp spin, set before torch loads
+    worker_openmp_spin()
+
 import argparse
 import os
 import sys

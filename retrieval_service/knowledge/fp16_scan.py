@@ -153,8 +153,9 @@ class ScanBounds:
 
     (the rounding of W, then of P), so ub = a (W . P) + h l1 - c + e with a = alpha s_q, h = alpha s_q / 2,
     l1 = sum |P| per row, and e the slack plus alpha times the last term: the kernel's exact int32 sums and four
-    float32 operations per row. Measured on the kNN-LM keys, held-out contexts, k = 1040: 2.3 % of the rows pass
-    (2.2 % with int8 and float32 weights, 1.6 % with the float16 projection this replaced, at half the bytes).
+    float32 operations per row (h and e carry INFLATE). Measured on the kNN-LM keys, held-out contexts, k = 1040,
+    at 128 columns: 2.3 % of the rows pass (2.2 % with float32 weights; 1.6 % with the float16 projection this
+    replaced, at twice the bytes); at 160 columns (BOUND_DIMS) 1.6 %.
 
     basis [D, cols - 1] float32 (orthonormal: principal directions of a sample), proj int8 in blocks of LANES
     rows, column pairs interleaved ([ceil(N / LANES), dp / 2, LANES, 2], the kernel's layout; dp = cols rounded up

@@ -17,6 +17,13 @@ pass's ms as above), not an average of per-step rates: a step's rate is noisy an
 step) rated in-process drafts at 8 clients (Sapphire Rapids, `rest`) below AR steps, which then took 37-60 % of the
 steps, while over the same steps drafts emitted 0.546 tokens/ms and AR steps 0.439 (forced to in-process drafts
 alone, 557 tokens/s against the gate's 472).
+An arm that is not the best is tried again after a wait of steps of its bucket (`explore`; `explore // 4` for a
+runner-up within `near` of the best, whose stale rate may hide that it has become the best) that doubles, up to
+`max_wait`, each time its trial step comes out slower than the best's rate; after a trial step that is faster, the
+next comes after the short wait (its window's rate catches up with a few such steps). Fixed waits spent ~19 % of the steps at 8 clients (AMD EPYC Zen 4, `rest`) on in-process and
+remote drafts rated 0.86 and 0.74 of the AR steps (`rest` 0.95x `ar` over three interleaved pairs of 40 s cells,
+1.00x with the gate held at AR steps); with the doubling waits they take 4-5 % (`rest` 0.95x again: the cells vary
+by ±5 %, more than what the trials still cost).
 """
 
 from __future__ import annotations
@@ -35,37 +42,50 @@ def bucket(n: int) -> int:
 
 @dataclass
 class DraftGate:
-    explore: int = 16  # every explore-th step of a bucket tries an arm that currently looks worse
-    near: float = 0.9  # a runner-up rated within this share of the best is tried every explore // 4 steps
+    explore: int = 16  # steps of a bucket before an arm that looks worse is tried again (its first wait)
+    near: float = 0.9  # a runner-up rated within this share of the best: first wait explore // 4
+    max_wait: int = 256  # the wait doubles per losing trial up to this
     window: int = 32  # steps per arm and bucket the rate is taken over
     rate: dict[tuple[int, str], float] = field(default_factory=dict)  # (bucket, arm) -> rate (record)
     # (bucket, arm) -> its last steps as (tokens, ms), the tokens weighted as the rate is (record)
     samples: dict[tuple[int, str], deque] = field(default_factory=dict)
     steps: dict[int, int] = field(default_factory=dict)  # steps decided per bucket
     chosen: dict[tuple[int, str], int] = field(default_factory=dict)  # (bucket, arm) -> steps it ran
+    last: dict[tuple[int, str], int] = field(default_factory=dict)  # (bucket, arm) -> the bucket's step it last ran
+    # (bucket, arm) -> trials lost in a row (-1: its last trial won)
+    losses: dict[tuple[int, str], int] = field(default_factory=dict)
+    # bucket -> (the arm its latest step tried instead of the best, the best's rate then)
+    trial: dict[int, tuple[str, float]] = field(default_factory=dict)
 
     def choose(self, n_decoding: int, arms: Sequence[str]) -> str:
         """The arm for a step with n_decoding requests decoding. arms: in order of preference at a tie (drafting
         first); each is measured once before any is preferred."""
         b = bucket(n_decoding)
         k = self.steps[b] = self.steps.get(b, 0) + 1
+        self.trial.pop(b, None)
         unmeasured = [a for a in arms if (b, a) not in self.rate]
         if unmeasured:
             arm = unmeasured[0]
         else:
             ranked = sorted(arms, key=lambda a: -self.rate[(b, a)])  # stable: a tie keeps the earlier arm
-            if len(ranked) > 1 and k % self.explore == 0:  # every arm now and then
-                arm = ranked[1 + (k // self.explore) % (len(ranked) - 1)]
-            elif len(ranked) > 1 and k % max(2, self.explore // 4) == 0 and (
-                    self.rate[(b, ranked[1])] >= self.near * self.rate[(b, ranked[0])]):
-                # A close runner-up, often: its rate is from steps long past while the best's is fresh, and the
-                # batch's phase moves them (a dip of the best handed AR steps 20-60 % of a run at 8 clients, each
-                # episode lasting until rare explore steps had refreshed the drafts' rate).
-                arm = ranked[1]
-            else:
-                arm = ranked[0]
+            arm = ranked[0]
+            self.losses.pop((b, arm), None)  # the best's wait starts short once it is overtaken
+            # The trial most overdue, if any: every arm keeps being measured, as often as it has lately won.
+            due = [(k - self.last.get((b, a), 0) - self.wait(b, a, ranked[0]), a) for a in ranked[1:]]
+            late, a = max(due, default=(-1, arm), key=lambda d: d[0])  # a tie: the better rated
+            if late >= 0:
+                self.trial[b] = (a, self.rate[(b, arm)])
+                arm = a
+        self.last[(b, arm)] = k
         self.chosen[(b, arm)] = self.chosen.get((b, arm), 0) + 1
         return arm
+
+    def wait(self, b: int, arm: str, best: str) -> int:
+        """Steps of bucket b between trials of `arm` while `best` is rated best."""
+        lost = self.losses.get((b, arm), 0)
+        near = self.rate[(b, arm)] >= self.near * self.rate[(b, best)]
+        first = max(2, self.explore // 4) if near or lost < 0 else self.explore
+        return min(first << max(lost, 0), max(self.max_wait, first))
 
     def record(self, n_decoding: int, arm: str, tokens: int, ms: float, ar_ms: float = 0.0) -> None:
         """A step of n_decoding requests with `arm` emitted `tokens` in `ms` (drafting, pass and commit). ar_ms:
@@ -73,8 +93,12 @@ class DraftGate:
         fast as that AR pass (0: raw tokens per ms)."""
         if ms <= 0:
             return
-        key = (bucket(n_decoding), arm)
+        b = bucket(n_decoding)
+        key = (b, arm)
         weighted = tokens if ar_ms <= 0 else tokens * ar_ms / max(n_decoding, 1)
+        tried, best = self.trial.pop(b, (None, 0.0))
+        if tried == arm:  # judged on its own step: its window may hold a phase long past
+            self.losses[key] = -1 if weighted / ms >= best else min(max(self.losses.get(key, 0), 0) + 1, 30)
         last = self.samples.setdefault(key, deque(maxlen=self.window))
         last.append((weighted, ms))
         self.rate[key] = sum(t for t, _ in last) / sum(m for _, m in last)

@@ -24,22 +24,21 @@ def _measured(on_rate: float, off_rate: float, n: int = 8) -> DraftGate:
     return g
 
 
-# (tokens/ms with remote drafts, without) -> the choice on the next three steps, then the exploring fourth.
+# (tokens/ms with remote drafts, without) -> the choices of steps 3..6 (after one measured step each; explore = 4:
+# a runner-up within `near` of the best waits 2 steps after its last run, a far one 4).
 SCENARIOS = [
-    ("drafts pay", 1.5, 1.0, [REMOTE, LOCAL]),
-    ("drafts cost more than they bring", 0.8, 1.0, [LOCAL, REMOTE]),
-    ("a tie keeps drafting, and tries the other every other step", 1.0, 1.0, [REMOTE, LOCAL]),
+    ("drafts pay", 1.5, 1.0, [REMOTE, REMOTE, REMOTE, LOCAL]),
+    ("drafts cost more than they bring", 0.8, 1.0, [LOCAL, LOCAL, REMOTE, LOCAL]),
+    ("a tie keeps drafting, and tries the other every other step", 1.0, 1.0, [REMOTE, LOCAL, REMOTE, LOCAL]),
 ]
 
 
-@pytest.mark.parametrize("name,on,off,choice", SCENARIOS, ids=[s[0] for s in SCENARIOS])
-def test_picks_the_measured_better_and_explores_the_other(name, on, off, choice):
+@pytest.mark.parametrize("name,on,off,steps", SCENARIOS, ids=[s[0] for s in SCENARIOS])
+def test_picks_the_measured_better_and_tries_the_other_after_its_wait(name, on, off, steps):
     g = _measured(on, off)
-    better, other = choice
-    steps = [g.choose(8, ARMS) for _ in range(4)]  # steps 3..6 of the bucket; 4 is an explore step (k % 4 == 0)
-    near = g.rate[(8, other)] >= g.near * g.rate[(8, better)]  # a close runner-up is also tried on even steps
-    assert steps == [better, other, better, other if near else better]
-    assert other != better  # not: the worse one never tried again
+    got = [g.choose(8, ARMS) for _ in range(4)]
+    assert got == steps
+    assert set(got) == set(ARMS)  # not: the worse one never tried again
 
 
 def test_buckets_are_measured_apart_and_bad_samples_ignored():
@@ -78,38 +77,69 @@ def test_one_slow_step_does_not_flip_the_choice():
     assert [g.choose(8, (LOCAL, NONE)) for _ in range(5)] == [LOCAL] * 5  # Not: NONE until an explore step
 
 
-def test_no_drafting_wins_where_it_is_fastest_and_every_other_arm_is_still_explored():
+def _run(g: DraftGate, rates: dict[str, float], steps: int, n: int = 8) -> list[str]:
+    """`steps` steps of a bucket, each arm emitting at its fixed rate: the arms chosen, in order."""
+    chosen = []
+    for _ in range(steps):
+        arm = g.choose(n, tuple(rates))
+        g.record(n, arm, int(rates[arm] * 100), 100.0)
+        chosen.append(arm)
+    return chosen
+
+
+def test_no_drafting_wins_where_it_is_fastest_and_every_other_arm_is_still_tried():
     g = DraftGate(explore=4)
-    arms = (REMOTE, LOCAL, NONE)
-    for arm, rate in zip(arms, (0.7, 0.8, 1.0)):  # a big batch: drafting costs more than its nodes bring
-        assert g.choose(16, arms) == arm  # each measured once, in order
-        g.record(16, arm, int(rate * 100), 100.0)
-    steps = [g.choose(16, arms) for _ in range(13)]  # steps 4..16 of the bucket: explores at 4, 8, 12, 16
-    assert steps.count(NONE) == 9  # the AR step, Not drafts that do not pay
-    assert {a for a in steps if a != NONE} == {REMOTE, LOCAL}  # Not one arm never measured again
+    arms = {REMOTE: 0.7, LOCAL: 0.8, NONE: 1.0}  # a big batch: drafting costs more than its nodes bring
+    steps = _run(g, arms, 40, n=16)
+    assert steps[:3] == [REMOTE, LOCAL, NONE]  # each measured once, in order
+    assert steps.count(NONE) >= 32  # the AR step, Not drafts that do not pay
+    assert {REMOTE, LOCAL} <= set(steps[3:])  # Not one arm never measured again
 
 
-# runner-up's rate against the best's 1.0 -> how often it runs in steps 3..34 of a bucket (explore = 16)
-RUNNER_UP_SCENARIOS = {
-    "close: every 4th step": (0.95, 8),
-    "far: every 16th step only": (0.7, 2),
+# (the arms' rates, steps) -> how often the worse arm runs in them: at most, and more than (its first measurement
+# included). Losing trials double its wait (16, 32, ... up to max_wait 256): over 1000 steps 1 + 6 runs, not the 62
+# of a fixed wait of 16; a close runner-up starts at a wait of 4.
+BACKOFF_SCENARIOS = {
+    "far and losing: ever rarer": ({NONE: 1.0, LOCAL: 0.8}, 1000, 8, 4),
+    "close and losing: ever rarer too": ({NONE: 1.0, LOCAL: 0.95}, 1000, 10, 5),
+    "far and losing, a short run: its first trials": ({NONE: 1.0, LOCAL: 0.7}, 34, 3, 1),
 }
 
 
-@pytest.mark.parametrize("name", list(RUNNER_UP_SCENARIOS))
-def test_a_close_runner_up_is_tried_often_a_far_one_rarely(name):
-    rate, runs = RUNNER_UP_SCENARIOS[name]
+@pytest.mark.parametrize("name", list(BACKOFF_SCENARIOS))
+def test_a_losing_arm_is_tried_ever_less_often(name):
+    rates, n_steps, at_most, more_than = BACKOFF_SCENARIOS[name]
+    worse = min(rates, key=rates.get)
+    runs = _run(DraftGate(), rates, n_steps).count(worse)
+    assert more_than < runs <= at_most
+
+
+def test_a_winning_trial_is_repeated_soon_and_the_arm_takes_over():
+    """In-process drafts now pay (1.3x AR), but their window still holds a slow phase (0.5): their trials win, so
+    they are tried after the short wait, and their rate catches up within a few dozen trials, not hundreds."""
     g = DraftGate()
-    for arm, r in ((LOCAL, 1.0), (NONE, rate)):
-        assert g.choose(8, (LOCAL, NONE)) == arm
-        g.record(8, arm, int(r * 100), 100.0)
-    steps = [g.choose(8, (LOCAL, NONE)) for _ in range(32)]
-    assert steps.count(NONE) == runs and steps.count(LOCAL) == 32 - runs
+    for _ in range(32):
+        g.record(8, LOCAL, 50, 100.0)
+        g.record(8, NONE, 100, 100.0)
+    steps = _run(g, {LOCAL: 1.3, NONE: 1.0}, 200)
+    took_over = next(i for i in range(len(steps)) if steps[i:i + 20] == [LOCAL] * 20)
+    assert took_over < 120  # Not: ~320 steps at one trial every 16
+    assert steps[-50:].count(LOCAL) >= 45
+
+
+def test_a_losing_trial_lengthens_only_that_arms_wait():
+    g = DraftGate(explore=4, max_wait=16)
+    _run(g, {LOCAL: 0.5, REMOTE: 0.6, NONE: 1.0}, 60)
+    assert g.wait(8, LOCAL, NONE) == 16 and g.wait(8, REMOTE, NONE) == 16  # capped at max_wait
+    g.record(8, NONE, 100, 100.0)
+    g.trial[8] = (REMOTE, 1.0)
+    g.record(8, REMOTE, 120, 100.0)  # a trial faster than the best: its next trial comes soon
+    assert g.wait(8, REMOTE, NONE) == 2 and g.wait(8, LOCAL, NONE) == 16
 
 
 def test_report_counts_each_arms_steps_per_bucket():
     g = _measured(1.5, 1.0)  # steps 1, 2: remote, local
-    for _ in range(4):  # steps 3..6: remote, local (explore), remote, remote
+    for _ in range(4):  # steps 3..6: remote, remote, remote, local (its first trial)
         g.choose(8, ARMS)
     g.choose(2, (LOCAL, NONE))  # another bucket, nothing measured there yet
     assert g.chosen == {(8, REMOTE): 4, (8, LOCAL): 2, (2, LOCAL): 1}

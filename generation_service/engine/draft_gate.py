@@ -20,10 +20,10 @@ alone, 557 tokens/s against the gate's 472).
 An arm that is not the best is tried again after a wait of steps of its bucket (`explore`; `explore // 4` for a
 runner-up within `near` of the best, whose stale rate may hide that it has become the best) that doubles, up to
 `max_wait`, each time its trial step comes out slower than the best's rate; after a trial step that is faster, the
-next comes after the short wait (its window's rate catches up with a few such steps). Fixed waits spent ~19 % of the steps at 8 clients (AMD EPYC Zen 4, `rest`) on in-process and
-remote drafts rated 0.86 and 0.74 of the AR steps (`rest` 0.95x `ar` over three interleaved pairs of 40 s cells,
-1.00x with the gate held at AR steps); with the doubling waits they take 4-5 % (`rest` 0.95x again: the cells vary
-by ±5 %, more than what the trials still cost).
+next comes after the short wait (its window's rate catches up with a few such steps). Fixed waits spent ~19 % of the
+steps at 8 clients (AMD EPYC Zen 4, `rest`) on in-process and remote drafts rated 0.86 and 0.74 of the AR steps
+(`rest` 0.95x `ar` over three interleaved pairs of 40 s cells, 1.00x with the gate held at AR steps); with the
+doubling waits they take 4-5 % (`rest` 0.95x again: the cells vary by ±5 %, more than what the trials still cost).
 """
 
 from __future__ import annotations

@@ -332,6 +332,19 @@ class LeanForward {
     }
   }
 
+  // Decoded bf16 copies of the weights (decode_bf16, in the order of the constructor's lists) for block_linear's
+  // wide: passes of more than 8 rows then read them instead of decoding every block; empty lists drop them.
+  void set_wide(std::vector<torch::Tensor> wqkv, std::vector<torch::Tensor> wo, std::vector<torch::Tensor> wgu,
+                std::vector<torch::Tensor> wd, torch::Tensor head) {
+    const size_t L = wqkv_.size();
+    TORCH_CHECK(bf16_ && wide_bf16() || wqkv.empty(), "decoded weights need the AVX512-BF16 path of bf16 linears");
+    TORCH_CHECK(wqkv.empty() ? wo.empty() && wgu.empty() && wd.empty()
+                             : wqkv.size() == L && wo.size() == L && wgu.size() == L && wd.size() == L && head.defined(),
+                "decoded weights: one per linear of every layer, and the head");
+    wide_qkv_ = wqkv, wide_o_ = wo, wide_gu_ = wgu, wide_d_ = wd;
+    wide_head_ = wqkv.empty() ? torch::Tensor() : head;
+  }
+
   // ids, positions: int64 [N]; cos, sin: float32 [P, D] tables (P > max position); per segment its row count, past
   // length, cache k/v and mask (an empty tensor for none) and logits rows (0 = all). -> (logits [sum q', V],
   // final normed hidden rows [sum q', hidden]).
@@ -374,7 +387,7 @@ class LeanForward {
     const KeyLists keys = key_lists(segs, N);  // the same for every layer
     for (size_t i = 0; i < ln1_.size(); ++i) {
       rms_norm(xp, ln1_[i].data_ptr<float>(), h.data_ptr<float>(), N, Hd, eps_);
-      torch::Tensor qkv = block_linear(h, wqkv_[i], bf16_);  // [N, (H + 2 Hkv) D]
+      torch::Tensor qkv = block_linear(h, wqkv_[i], bf16_, wide(wide_qkv_, i));  // [N, (H + 2 Hkv) D]
       float* qp = qkv.data_ptr<float>();
       for (int64_t n = 0; n < N; ++n)
         rope(qp + n * wq, H + Hkv, D, cp + pos[n] * D, sp + pos[n] * D);  // q and k heads are adjacent
@@ -382,15 +395,15 @@ class LeanForward {
         attend_all<c10::Half>(i, segs, keys, qp, wq, o.data_ptr<float>());
       else
         attend_all<float>(i, segs, keys, qp, wq, o.data_ptr<float>());
-      add_into(x, block_linear(o, wo_[i], bf16_));
+      add_into(x, block_linear(o, wo_[i], bf16_, wide(wide_o_, i)));
       rms_norm(xp, ln2_[i].data_ptr<float>(), h.data_ptr<float>(), N, Hd, eps_);
-      torch::Tensor gu = block_linear(h, wgu_[i], bf16_);  // [N, 2 I]
+      torch::Tensor gu = block_linear(h, wgu_[i], bf16_, wide(wide_gu_, i));  // [N, 2 I]
       const int64_t I = gu.size(1) / 2;
       torch::Tensor act = torch::empty({N, I}, x.options());
       const float* g = gu.data_ptr<float>();
       float* a = act.data_ptr<float>();
       for (int64_t n = 0; n < N; ++n) silu_mul(g + n * 2 * I, g + n * 2 * I + I, a + n * I, I);
-      add_into(x, block_linear(act, wd_[i], bf16_));
+      add_into(x, block_linear(act, wd_[i], bf16_, wide(wide_d_, i)));
     }
     // The rows whose logits are asked for, normed.
     std::vector<int64_t> keep;
@@ -401,7 +414,7 @@ class LeanForward {
     torch::Tensor sel = (int64_t)keep.size() == N ? x : x.index_select(0, torch::tensor(keep, ids.options()));
     torch::Tensor fin = torch::empty_like(sel);
     rms_norm(sel.data_ptr<float>(), norm_.data_ptr<float>(), fin.data_ptr<float>(), sel.size(0), Hd, eps_);
-    return {block_linear(fin, head_, bf16_), fin};
+    return {block_linear(fin, head_, bf16_, wide_head_), fin};
   }
 
  private:
@@ -664,8 +677,14 @@ class LeanForward {
       }
   }
 
+  static torch::Tensor wide(const std::vector<torch::Tensor>& w, size_t i) {
+    return w.empty() ? torch::Tensor() : w[i];
+  }
+
   torch::Tensor embed_;
   std::vector<torch::Tensor> ln1_, wqkv_, wo_, ln2_, wgu_, wd_;
+  std::vector<torch::Tensor> wide_qkv_, wide_o_, wide_gu_, wide_d_;  // set_wide
+  torch::Tensor wide_head_;
   torch::Tensor norm_, head_;
   int64_t H_, Hkv_, D_, hidden_ = 0;
   float eps_, scale_;
@@ -684,6 +703,8 @@ void bind_lean_forward(pybind11::module_& m) {
            pybind11::arg("ln2"), pybind11::arg("wgu"), pybind11::arg("wd"), pybind11::arg("norm"),
            pybind11::arg("head"), pybind11::arg("heads"), pybind11::arg("kv_heads"), pybind11::arg("head_dim"),
            pybind11::arg("eps"), pybind11::arg("bf16") = false)
+      .def("set_wide", &LeanForward::set_wide, pybind11::arg("wqkv"), pybind11::arg("wo"), pybind11::arg("wgu"),
+           pybind11::arg("wd"), pybind11::arg("head"))
       .def("forward", &LeanForward::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("row_attention", []() {
 #if defined(RAGSERVE_ROW_KERNEL)

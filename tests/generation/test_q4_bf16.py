@@ -51,6 +51,29 @@ def test_kernel_matches_bf16_rounded_matmul(kind, m, n, blocks, seed):
     assert np.array_equal(w(torch.from_numpy(mixed)).numpy()[-1], got[-1])
 
 
+needs_wide = pytest.mark.skipif(kernel() is None or not kernel().bf16() or not kernel().wide_bf16(),
+                                reason="the bf16 path here does not take decoded weights (AMX, or no AVX512-BF16)")
+
+
+@needs_wide
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.sampled_from(["q4_1", "q8_0"]), m=st.integers(1, 40), n=st.integers(1, 70), blocks=st.integers(1, 12),
+       seed=st.integers(0, 2**32 - 1))
+def test_decoded_copy_gives_the_same_bits(kind, m, n, blocks, seed):
+    """decode_bf16 = the bf16 rounding of the exact values, and a pass through it (block_linear's wide, taken past 8
+    rows) = the pass over the blocks, bit for bit; a wide of the wrong shape is refused."""
+    rng = np.random.default_rng(seed)
+    k = 32 * blocks
+    packed = torch.from_numpy(random_blocks(rng, kind, n, k))
+    wide = kernel().decode_bf16(packed, k)
+    assert wide.dtype == torch.bfloat16 and torch.equal(wide, torch.from_numpy(dequantize(kind, packed.numpy(), k))
+                                                        .bfloat16())
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    assert torch.equal(kernel().block_linear(x, packed, True, wide), kernel().block_linear(x, packed, True))
+    with pytest.raises(RuntimeError, match="wide must be"):
+        kernel().block_linear(torch.zeros(9, k), packed, True, wide[:, 1:].contiguous())
+
+
 def test_q4_1_bf16_is_refused_without_a_bf16_kernel(monkeypatch):
     real = kernel()
     if real is None:
@@ -84,3 +107,21 @@ def test_logits_near_q4_1_and_rows_invariant(tmq4bf16, tmq4):
 def test_q4_1_bf16_loads_only_on_the_lean_forward():
     with pytest.raises(ValueError, match="lean forward only"):
         load_model("", dtype="q4_1_bf16", device="cpu", forward="hf")
+
+
+@needs_wide
+@pytest.mark.model
+def test_wide_passes_give_a_row_the_bits_of_its_solo_step(tmq4bf16):
+    """Passes of more than 8 rows read the decoded copy, smaller ones the blocks: a 12-node tree's root row (wide)
+    equals that token decoded alone (blocks), bit for bit."""
+    assert tmq4bf16.lean.wide_bytes > 0
+    rng = np.random.default_rng(1)
+    prompt = torch.from_numpy(rng.integers(0, 30000, 60))
+    parents = np.array([-1, 0, 0, 1, 1, 2, 3, -1, 7, 7, 8, 9], np.int32)
+    tokens = rng.integers(0, 30000, len(parents)).astype(np.int32)
+    cache, solo = new_cache(tmq4bf16), new_cache(tmq4bf16)
+    prefill(tmq4bf16, cache, prompt, chunk=1024)
+    prefill(tmq4bf16, solo, prompt, chunk=1024)
+    tree = verify_tree(tmq4bf16, cache, 7, tokens, parents)
+    one = verify_tree(tmq4bf16, solo, 7, tokens[:0], parents[:0])
+    assert len(tree) == len(parents) + 1 and torch.equal(tree[0], one[0])

@@ -280,7 +280,9 @@ class LeanLlamaQ4(LeanLlama):
         wide = {n: [k.decode_bf16(ly.quant[n].packed, ly.quant[n].in_features) for ly in self.layers] for n in names}
         head = k.decode_bf16(self.embed_blocks.packed, self.embed_blocks.in_features)
         self.fused.set_wide(*(wide[n] for n in names), head)
-        return sum(t.numel() * 2 for ts in wide.values() for t in ts) + head.numel() * 2
+        size = sum(t.numel() * 2 for ts in wide.values() for t in ts) + head.numel() * 2
+        log.info("q4_1_bf16: passes of more than 8 rows read the weights decoded to bf16 (%.0f MB)", size / 2**20)
+        return size
 
     def _linear(self, x: torch.Tensor, layer: _Layer, name: str) -> torch.Tensor:
         if x.shape[0] < self.dense_min_rows or not self.pack:

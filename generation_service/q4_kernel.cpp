@@ -503,12 +503,10 @@ void amx_configure() {
   _tile_loadconfig(&cfg);
 }
 
-// One block's 32 weights as bf16 (round to nearest even of the exact fp32 value) into dst.
+// One block's 32 weights as bf16 into dst: the AVX512-BF16 path's decode (Q4_1 by table), so the same values.
 template <class B>
 inline void decode_bf16(const uint8_t* blk, uint16_t* dst) {
-  __m512 w0, w1;
-  B::decode(blk, w0, w1);
-  _mm512_store_si512((__m512i*)dst, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+  _mm512_store_si512((__m512i*)dst, (__m512i)decode_block_bf16<B>(blk));
 }
 
 // r[0..15] as the rows of a 16 x 16 matrix of 32-bit elements -> its columns, in place: unpacks of 32- then 64-bit

@@ -417,7 +417,8 @@ torch::Tensor decode_rows_bf16(const uint8_t* wp, int64_t N, int64_t row_bytes, 
   at::parallel_for(0, N, kChunk, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t b = 0; b < nb; ++b)
-        _mm512_storeu_si512((void*)(op + n * K + b * kBlock), (__m512i)BlockSrc<B>::load(wp + n * row_bytes + b * B::bytes));
+        _mm512_storeu_si512((void*)(op + n * K + b * kBlock),
+                            (__m512i)BlockSrc<B>::load(wp + n * row_bytes + b * B::bytes));
   });
   return out;
 }
@@ -425,15 +426,7 @@ torch::Tensor decode_rows_bf16(const uint8_t* wp, int64_t N, int64_t row_bytes, 
 template <class B>
 torch::Tensor linear_rows_bf16dp(const torch::Tensor& x, const uint8_t* wp, int64_t N, int64_t row_bytes) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
-  // x rounded to bf16 once (round to nearest even), rows of K elements.
-  std::vector<uint16_t> xb(M * K);
-  const float* xp = x.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* s = xp + m * K + b * kBlock;
-      _mm512_storeu_si512((void*)(xb.data() + m * K + b * kBlock),
-                          (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + 16), _mm512_loadu_ps(s)));
-    }
+  const std::vector<uint16_t> xb = x_to_bf16(x);
   auto out = torch::empty({M, N}, x.options());
   float* op = out.data_ptr<float>();
   if (M <= kTileBf16) {  // one tile of x: decode each block once, right where it is used

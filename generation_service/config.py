@@ -33,6 +33,8 @@ FLAG_HELP = {
     "threads": "torch intra-op threads (0 = the fastest measured count)",
     "adaptive_threads": "with --threads 0: fewer threads per pass while other processes keep the cores busy "
                         "(measured pass times)",
+    "live_pass_costs": "size draft trees on the calibrated pass-cost curve corrected by the measured decode passes "
+                       "(off: the start-up curve alone)",
     "retrieval": "retrieval service target(s): host:port, a comma list, or dns:///name:port (\"\" = no drafts)",
     "draft_timeout_ms": "deadline of one Draft call; a slower draft is skipped and that step decodes AR",
     "retry_after_s": "after a failed Draft call, skip drafting this long before trying again",
@@ -99,6 +101,9 @@ class GenerationConfig(config_util.ShellConfig):
     device: str = "auto"  # auto | cpu | cuda
     threads: int = 0  # torch intra-op threads; 0 = the fastest measured count
     adaptive_threads: bool = True  # with threads 0: fewer threads per pass while the cores are contended
+    # The start-up curve's shape varies between start-ups (rel(15) 2.9-4.1 on one Zen 4): the engine corrects it
+    # with the passes it runs (engine/pass_costs.py).
+    live_pass_costs: bool = True
     # Forward implementation: auto = the lean forward for supported architectures (Llama-family), else
     # transformers' | lean = require the lean one | hf = always transformers' (generation_service/lean_llama.py).
     forward: str = "auto"

@@ -183,7 +183,8 @@ class Worker:
                              kv_cache_mb=cfg.kv_cache_mb, queue_size=cfg.queue_size, drafter=self._drafter,
                              loop=self._loop_request, learn=link.learn, model_thread=model_thread, threads=threads,
                              acceptance_path=acceptance_path(cfg, tm), prefix_cache_mb=cfg.prefix_cache_mb,
-                             stream_interval_ms=cfg.stream_interval_ms, follow_wait_ms=cfg.follow_wait_ms)
+                             stream_interval_ms=cfg.stream_interval_ms, follow_wait_ms=cfg.follow_wait_ms,
+                             live_pass_costs=cfg.live_pass_costs)
 
     @property
     def model_thread(self) -> ModelThread:

@@ -24,7 +24,7 @@ import time
 import numpy as np
 import torch
 
-from generation_service.draft_budget import DraftSizer, SharedCalibration, best_size, keep_best, subtree
+from generation_service.draft_budget import DraftSizer, SharedCalibration, StepCost, best_size, keep_best, subtree
 from generation_service.drafters import Drafter, DraftUnavailable
 from generation_service.engine.prefix_cache import PrefixCache, PrefixHit
 from generation_service.engine.steps import (
@@ -216,16 +216,16 @@ class TreeRequest:
             log.exception("draft from %s unusable", getattr(source, "name", source))
             degrade(self.stats, f"drafter error: {type(e).__name__}: {e}")
 
-    def choose(self, n: int | None = None) -> None:
+    def choose(self, n: int | None = None, cost: StepCost | None = None) -> None:
         """Keep n nodes of the fetched tree (the best by estimate, plus their ancestors); None = as many as pay
-        for this request alone on the calibrated curve (all of them without a sizer)."""
+        for this request alone on `cost` (default: the sizer's calibrated curve; all of them without a sizer)."""
         self.tokens, self.parents = _EMPTY, _EMPTY
         if self._tree is None:
             return
         tokens, parents, scores, remote = self._tree
         if self.sizer is not None:
             if n is None:
-                n = best_size(np.sort(self.p)[::-1], self.sizer.cost)
+                n = best_size(np.sort(self.p)[::-1], cost or self.sizer.cost)
             keep = keep_best(parents, self.p, n)
             self.sizer.keep(keep, remote)
             tokens, parents, scores = tokens[keep], subtree(keep, parents), scores[keep]

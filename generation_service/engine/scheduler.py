@@ -48,10 +48,11 @@ import torch
 
 from generation_service import metrics
 from generation_service.calibrate import ModelThread
-from generation_service.draft_budget import SharedCalibration, batch_sizes
+from generation_service.draft_budget import SharedCalibration, StepCost, batch_sizes
 from generation_service.engine.admission import FollowWait
 from generation_service.engine.draft_gate import LOCAL, NONE, REMOTE, DraftGate
 from generation_service.engine.effects import EffectRun, Emit, Pass, on_done
+from generation_service.engine.pass_costs import PassCosts
 from generation_service.engine.prefix_cache import PrefixCache
 from generation_service.engine.requests import TreeRequest
 from generation_service.engine.steps import SpeculationStats, is_prefill, prefill, tree_segment
@@ -168,7 +169,7 @@ class Engine:
                  learn: Callable[[np.ndarray, list[int]], None] | None = None,
                  model_thread: ModelThread | None = None, threads: ThreadGovernor | None = None,
                  acceptance_path: Path | None = None, prefix_cache_mb: int = 0, stream_interval_ms: float = 0.0,
-                 follow_wait_ms: float = 0.0):
+                 follow_wait_ms: float = 0.0, live_pass_costs: bool = True):
         """drafter(job): the job's Drafter (None = AR); loop(job): the request of a RAG / kNN-LM job (an object with
         effects(), final_chunk() and chunk: ralm.RagRequest, knnlm.KnnRequest); learn(prompt, completion): called
         (on a helper thread) for finished jobs that asked to learn; threads: picks torch's intra-op threads per
@@ -179,9 +180,11 @@ class Engine:
         handed to its gRPC thread at most this often (its first token and its final chunk at once; tokens decoded
         in between go out merged with the next), 0 = every step's tokens at once; follow_wait_ms: after a request
         finishes, how long the next pass may wait for its replacement while clients run closed loops
-        (engine/admission.py; 0 = never)."""
+        (engine/admission.py; 0 = never); live_pass_costs: size trees on the calibrated pass-cost curve corrected
+        by the measured decode passes (engine/pass_costs.py), not on the start-up curve alone."""
         self.tm = tm
         self.threads = threads
+        self.live_cost = PassCosts(tm.step_cost) if live_pass_costs and tm.step_cost.measured else None
         self._idle = IdleMeter() if threads is not None else None
         self.max_batch = max(1, max_batch)
         self.prefill_chunk = max(1, prefill_chunk)
@@ -436,8 +439,9 @@ class Engine:
                 r.req.skip_draft()
         else:
             self._fetch_drafts([r.req for r in decoding], arm == REMOTE)
+        cost = self.step_cost
         if len(decoding) == 1 and not loop_rows:
-            decoding[0].req.choose()  # alone: exactly the solo decision
+            decoding[0].req.choose(cost=cost)  # alone: the solo decision
         elif decoding:
             # Sized against the decoding rows only. A prefill chunk's rows emit no token, so counted in they make
             # the pass's tokens per ms tiny and any node look worth its row (trees of 64 nodes beside a 200-row
@@ -445,7 +449,7 @@ class Engine:
             # pass: it must pay against the decoding rows' own rate.
             sized = [r for r in decoding if r.req.sizer is not None]
             base = len(decoding) * self.tm.min_rows + sum(r.loop.pending.segment.ids.shape[0] for r in loop_rows)
-            counts = batch_sizes([r.req.p for r in sized], self.tm.step_cost, base, len(decoding) + len(loop_rows),
+            counts = batch_sizes([r.req.p for r in sized], cost, base, len(decoding) + len(loop_rows),
                                  self.segment_ms, base_tokens=len(decoding) + len(loop_rows))
             for r, n in zip(sized, counts):
                 r.req.choose(n)
@@ -463,8 +467,12 @@ class Engine:
             logits, hidden = forward_batch_hidden(self.tm, segments)
         else:
             logits, hidden = forward_batch(self.tm, segments), [None] * len(segments)
+        pass_ms = (time.perf_counter() - t_pass) * 1e3
         if self.threads is not None:
-            self.threads.record(n_threads, pass_rows, (time.perf_counter() - t_pass) * 1e3)
+            self.threads.record(n_threads, pass_rows, pass_ms)
+        if self.live_cost is not None and not prefills and (self.threads is None or n_threads == self.threads.start):
+            # The calibrated curve is one sequence's pass: the others' attention and bookkeeping is outside it.
+            self.live_cost.record(pass_rows, pass_ms, (len(segments) - 1) * self.segment_ms)
         self.passes += 1
         if self.passes % SAVE_PASSES == 0:
             self.save_acceptance()
@@ -473,6 +481,8 @@ class Engine:
                 log.info("engine: draft gate after %d passes: %s", self.passes, self.gate.report())
             if self.threads is not None:
                 log.info("engine: threads after %d passes: %s", self.passes, self.threads.report())
+            if self.live_cost is not None:
+                log.info("engine: pass costs after %d passes: %s", self.passes, self.live_cost.report())
             if self.prefix_cache is not None:
                 log.info("engine: prefix cache after %d passes: %s", self.passes, self.prefix_cache.stats())
             if self.follow.gaps:
@@ -500,6 +510,11 @@ class Engine:
             step = r.req.prefilled(lg)
             if step is not None:
                 self._feed(r, step)
+
+    @property
+    def step_cost(self) -> StepCost:
+        """The pass-cost curve trees are sized on: the calibrated one, corrected by measured passes when live."""
+        return self.live_cost.cost if self.live_cost is not None else self.tm.step_cost
 
     def _set_threads(self, rows: int) -> int:
         """torch's intra-op threads for the next pass (on the model thread: its OpenMP team)."""

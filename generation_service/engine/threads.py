@@ -63,6 +63,7 @@ class ThreadGovernor:
         self._clock = clock
         now = clock()
         self.arms = {t: _Arm(t, c, seen=now) for t, c in sorted(costs.items())}
+        self.start = start  # the calibrated choice (the count the served cost curve is for)
         self.current = start
         self.switches = 0  # times the chosen count changed (stats, logs)
 

@@ -18,6 +18,7 @@ import torch
 from generation_service.calibrate import ModelThread
 from generation_service.draft_budget import StepCost, batch_sizes, best_size
 from generation_service.drafters import PromptLookupDrafter
+from generation_service.engine.pass_costs import MAX_RATIO
 from generation_service.engine.scheduler import Engine, job_kv_rows, kv_bytes_per_row
 from generation_service.lean_llama import Segment
 from generation_service.model import forward_batch, new_cache
@@ -307,11 +308,12 @@ class _WeakChains:
 def test_a_prefill_chunk_does_not_make_weak_nodes_pay(tm32):
     """Two requests decode while a long prompt prefills in chunks beside them. On this (AVX2-like) curve a 3 % node
     never pays against two AR rows; counted against a pass that also carries 48 prefill rows it would (the pass's
-    tokens per ms look tiny), and every prefill pass grew their trees."""
+    tokens per ms look tiny), and every prefill pass grew their trees. (The curve stays as given: not corrected by
+    this machine's passes.)"""
     tm = dataclasses.replace(tm32, step_cost=StepCost([1, 2, 4, 8, 16, 32, 64], [68, 100, 120, 136, 167, 176, 230]))
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     drafters: dict[int, object] = {}
-    engine = _engine(tm, drafters)
+    engine = _engine(tm, drafters, live_pass_costs=False)
     try:
         weak = [_job(encode(tm, t), params, "pld") for t in humaneval_prompts(2)]
         for job in weak:
@@ -329,6 +331,32 @@ def test_a_prefill_chunk_does_not_make_weak_nodes_pay(tm32):
     for _, finish, stats in results:
         assert finish == "length"
         assert stats.draft_tokens_proposed == 0  # Not 6 per request per prefill pass
+
+
+def test_the_engine_corrects_its_cost_curve_with_its_decode_passes(tm32):
+    """A calibrated curve 1 s per pass (far slower than any pass here): the decode passes pull it down to the
+    clip (MAX_RATIO) within a few dozen passes; prompt-chunk passes are not recorded; a generic (uncalibrated)
+    curve or live_pass_costs=False leaves the curve alone."""
+    slow = StepCost([1, 8, 64], [1000.0, 1100.0, 2000.0])
+    tm = dataclasses.replace(tm32, step_cost=slow)
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    engine = _engine(tm, {})
+    try:
+        jobs = [_job(encode(tm, t), params, "ar") for t in humaneval_prompts(2)]
+        for job in jobs:
+            engine.submit(job)
+        for job in jobs:
+            _collect(job)
+    finally:
+        engine.stop()
+    live = engine.live_cost
+    assert 0 < live.passes < engine.passes  # Not the prefill passes
+    assert live.overall < 1.0 / MAX_RATIO + 1e-6 and engine.step_cost is live.cost is not slow
+    assert float(engine.step_cost.pass_ms(1)) < 500  # Not the start-up curve's 1000 ms
+    for setting in ({"live_pass_costs": False}, {}):
+        other = _engine(tm if setting else tm32, {}, **setting)
+        other.stop()
+        assert other.live_cost is None and other.step_cost is (tm if setting else tm32).step_cost
 
 
 class _RecordingRemote:

@@ -1,0 +1,107 @@
+"""The calibrated pass-cost curve, corrected in service by the passes the engine actually runs.
+
+Why: the start-up calibration times each row count a few times on a machine that is doing other things, and its
+shape varies from start to start more than the sizer can afford. On a 2-core AMD EPYC Zen 4 (q4_1_bf16, 2 threads)
+six start-ups measured 1 row at 5.7-6.1 ms, 8 rows at 11.7-14.3 and 16 rows at 17.4-24.3, so rel(15) — what a
+15-node tree costs against an AR step — ranged from 2.9 to 4.1, and the trees the sizer chose (and the served
+tok/s: 171-218 at 8 Locust users) followed the noise. The engine times every pass anyway; this turns those
+timings into a correction of the curve's shape, so the sizer decides on what passes cost now.
+
+The fit: pass_ms is linear between calibration points, so a corrected curve m_j x ms_j (one multiplier per point)
+predicts a pass of `rows` rows at sum_j w_j m_j times its calibrated cost, w_j being point j's share of that cost
+(spread: the two points bracketing rows). Each pass gives one equation
+    ratio = measured ms (less the per-sequence part outside the curve) / calibrated pass_ms(rows)  ~  w . m
+and m solves the decayed least squares over the passes so far, ridged toward the overall ratio g:
+    (A + PRIOR I) m = b + PRIOR g,     A = sum lambda^age w w^T,  b = sum lambda^age w ratio
+A joint fit, not a per-point average: a pass of 24 rows says how 16 and 32 rows cost together, and passes of 20 and
+28 rows then separate them. A point no pass has touched lately follows g (the machine's overall slowdown), so a
+size the sizer stopped choosing is judged by the calibrated shape again. In a simulation of this machine's two
+start-ups (tests/generation/test_pass_costs.py) the corrected sizer reached 99.9 % of the tokens per ms of sizing on
+the true curve, against 96.7-97.2 % for the calibrated curve alone.
+
+Only passes without prompt chunks, at the thread count the curve was calibrated for, are recorded: a chunk's rows
+cost what prefill costs, not what decode rows do, and another thread count has another curve (engine/threads.py
+corrects for contention by switching counts; this corrects the shape at the serving count).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from generation_service.draft_budget import StepCost
+
+FORGET = 0.995  # lambda per pass: the fit remembers the last ~200 passes (4-10 s of serving)
+PRIOR = 1.0  # ridge weight toward the overall ratio, in passes
+GLOBAL_ALPHA = 0.05  # EWMA weight of one pass in the overall ratio g
+MAX_RATIO = 3.0  # a pass 3x off the curve is a stall (GC, a lost core), not its shape; multipliers stay within it
+REBUILD_PASSES = 32  # a new fit and StepCost this often (~0.1 ms; sizes change little pass to pass)
+
+
+def spread(points: np.ndarray, ms: np.ndarray, rows: float) -> np.ndarray:
+    """float64 [P]: each calibration point's share of the calibrated cost of a pass over `rows` rows. The curve is
+    linear in rows between points, so pass_ms = (1 - t) ms_j + t ms_j+1: point j's share is (1 - t) ms_j / pass_ms.
+    Outside the calibrated range all of it is the end point's.
+        spread([1, 2, 4, 8], [6, 6, 8, 12], 3) -> [0, 3/7, 4/7, 0]     (t = 1/2: 3 ms from 2 rows, 4 from 4 rows)
+    """
+    w = np.zeros(points.shape[0])
+    j = int(np.searchsorted(points, rows, side="right")) - 1
+    if j < 0:
+        w[0] = 1.0
+    elif j >= points.shape[0] - 1:
+        w[-1] = 1.0
+    else:
+        t = (rows - points[j]) / (points[j + 1] - points[j])
+        lo, hi = (1.0 - t) * ms[j], t * ms[j + 1]
+        w[j], w[j + 1] = lo / (lo + hi), hi / (lo + hi)
+    return w
+
+
+class PassCosts:
+    """The calibrated StepCost `base`, corrected by record()ed passes; `cost` is the curve to size trees with.
+
+        live = PassCosts(tm.step_cost)
+        live.record(rows, ms, fixed_ms=(sequences - 1) * segment_ms)   # after each decode pass
+        batch_sizes(p, live.cost, ...)
+    """
+
+    def __init__(self, base: StepCost, rebuild_passes: int = REBUILD_PASSES):
+        self.base = base
+        self.rows = base._rows.copy()  # calibration points
+        n = self.rows.shape[0]
+        self._a = np.zeros((n, n))  # decayed sum of w w^T
+        self._b = np.zeros(n)  # decayed sum of w x ratio
+        self.overall = 1.0  # g: measured / calibrated over all passes (EWMA)
+        self.passes = 0
+        self.rebuild_passes = max(1, rebuild_passes)
+        self.cost = base
+
+    def record(self, rows: int, ms: float, fixed_ms: float = 0.0) -> None:
+        """A pass over `rows` rows (no prompt chunk) took `ms`, of which `fixed_ms` is outside the curve (the other
+        sequences' attention and bookkeeping)."""
+        calibrated = float(self.base.pass_ms(rows))
+        own = ms - fixed_ms
+        if not (rows >= 1 and math.isfinite(ms) and own > 0 and calibrated > 0):
+            return
+        ratio = min(max(own / calibrated, 1.0 / MAX_RATIO), MAX_RATIO)
+        w = spread(self.rows, self.base._ms, rows)
+        self._a = FORGET * self._a + np.outer(w, w)
+        self._b = FORGET * self._b + w * ratio
+        self.overall = ratio if self.passes == 0 else (1 - GLOBAL_ALPHA) * self.overall + GLOBAL_ALPHA * ratio
+        self.passes += 1
+        if self.passes % self.rebuild_passes == 0:
+            self.cost = self.corrected()
+
+    def multipliers(self) -> np.ndarray:
+        """float64 [P]: m_j, each calibration point's measured / calibrated cost."""
+        n = self.rows.shape[0]
+        m = np.linalg.solve(self._a + PRIOR * np.eye(n), self._b + PRIOR * self.overall)
+        return np.clip(m, 1.0 / MAX_RATIO, MAX_RATIO)
+
+    def corrected(self) -> StepCost:
+        return StepCost(self.rows, self.base._ms * self.multipliers(), max_nodes=self.base.rel.shape[0] - 1,
+                        tree_ms=self.base.tree_ms, measured=self.base.measured)
+
+    def report(self) -> str:
+        return " ".join(f"{int(r)}:{m:.1f}" for r, m in zip(self.rows, self.cost._ms)) + \
+            f" ms (calibrated x{self.overall:.2f} overall, {self.passes} passes)"

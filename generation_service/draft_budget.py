@@ -99,6 +99,11 @@ class StepCost:
         pays = np.flatnonzero(self.rel < 1.0 + np.arange(self.rel.shape[0]))
         self.max_nodes = int(pays.max()) if pays.shape[0] else 0
 
+    @property
+    def points(self) -> tuple[np.ndarray, np.ndarray]:
+        """The calibrated curve: rows and ms per pass (made non-decreasing), as measured."""
+        return self._rows, self._ms
+
     @classmethod
     def linear(cls, node_cost: float = DEFAULT_NODE_COST) -> "StepCost":
         if not node_cost > 0:

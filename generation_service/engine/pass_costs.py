@@ -67,7 +67,7 @@ class PassCosts:
 
     def __init__(self, base: StepCost, rebuild_passes: int = REBUILD_PASSES):
         self.base = base
-        self.rows = base._rows.copy()  # calibration points
+        self.rows, self._calibrated_ms = base.points  # calibration points
         n = self.rows.shape[0]
         self._a = np.zeros((n, n))  # decayed sum of w w^T
         self._b = np.zeros(n)  # decayed sum of w x ratio
@@ -84,7 +84,7 @@ class PassCosts:
         if not (rows >= 1 and math.isfinite(ms) and own > 0 and calibrated > 0):
             return
         ratio = min(max(own / calibrated, 1.0 / MAX_RATIO), MAX_RATIO)
-        w = spread(self.rows, self.base._ms, rows)
+        w = spread(self.rows, self._calibrated_ms, rows)
         self._a = FORGET * self._a + np.outer(w, w)
         self._b = FORGET * self._b + w * ratio
         self.overall = ratio if self.passes == 0 else (1 - GLOBAL_ALPHA) * self.overall + GLOBAL_ALPHA * ratio
@@ -99,9 +99,9 @@ class PassCosts:
         return np.clip(m, 1.0 / MAX_RATIO, MAX_RATIO)
 
     def corrected(self) -> StepCost:
-        return StepCost(self.rows, self.base._ms * self.multipliers(), max_nodes=self.base.rel.shape[0] - 1,
+        return StepCost(self.rows, self._calibrated_ms * self.multipliers(), max_nodes=self.base.rel.shape[0] - 1,
                         tree_ms=self.base.tree_ms, measured=self.base.measured)
 
     def report(self) -> str:
-        return " ".join(f"{int(r)}:{m:.1f}" for r, m in zip(self.rows, self.cost._ms)) + \
+        return " ".join(f"{int(r)}:{m:.1f}" for r, m in zip(self.rows, self.cost.points[1])) + \
             f" ms (calibrated x{self.overall:.2f} overall, {self.passes} passes)"

@@ -89,8 +89,9 @@ bench-step: model kernels
 CODE_DATASTORE := $(RAGSERVE_HOME)/datastores/code
 DOCS_DATASTORE := $(RAGSERVE_HOME)/datastores/docs
 bench-datastores: model system-packages
-	$(PYTHON) -m retrieval_service.datastore.build --stdlib --site-packages --tokenizer $(MODEL_DIR) --out $(CODE_DATASTORE)
-	$(PYTHON) -m retrieval_service.datastore.build --docs --tokenizer $(MODEL_DIR) --out $(DOCS_DATASTORE)
+	$(PYTHON) -m retrieval_service.datastore.build --stdlib --site-packages --tokenizer $(MODEL_DIR) --out $(CODE_DATASTORE) \
+		--keep-finished
+	$(PYTHON) -m retrieval_service.datastore.build --docs --tokenizer $(MODEL_DIR) --out $(DOCS_DATASTORE) --keep-finished
 
 # The serving benchmark of record (README): services with default flags, over gRPC; ~40 min on 2 cores.
 bench-serving: bench-datastores

@@ -48,6 +48,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, metavar="N",
                     help="tokens per shard (default: %(default)s)")
     ap.add_argument("--limit-tokens", type=int, default=None, metavar="N", help="stop after N tokens (sampled stores)")
+    ap.add_argument("--keep-finished", action="store_true",
+                    help="if --out already holds a finished datastore, keep it even when the corpus has changed "
+                         "since (a reinstalled venv gives every site-packages file a new mtime) instead of failing")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--report", default="", metavar="FILE",
                     help="write build figures (tokens, bytes, seconds, peak RSS, machine) as JSON here")
@@ -78,6 +81,12 @@ def build(args: argparse.Namespace) -> dict:
     key = corpus.corpus_key(sources, tokenizer_id=tokenizer_id, shard_tokens=args.shard_tokens,
                             limit_tokens=args.limit_tokens, format_version=shards.FORMAT_VERSION)
     out = Path(args.out).expanduser()
+    if args.keep_finished and (out / shards.MANIFEST).exists():
+        manifest = shards.read_manifest(out)
+        if manifest.get("corpus_key") != key:
+            print(f"{out} is already built ({manifest['num_tokens']:,} tokens) from a corpus that has changed since; "
+                  f"kept as it is (--keep-finished; remove it to rebuild)")
+            return manifest
     point = shards.resume_point(out, key) if out.exists() else shards.ResumePoint(0, 0, 0)
     if (out / shards.MANIFEST).exists():
         manifest = shards.read_manifest(out)

@@ -41,6 +41,28 @@ def test_build_cli_files_and_jsonl(tmp_path, capsys):
         SuffixArrayDatastore.open(out, expected_tokenizer_id="vocab1-other")
 
 
+def test_a_finished_datastore_is_kept_only_when_asked_after_its_corpus_changed(tmp_path, capsys):
+    """A reinstalled venv rewrites every site-packages mtime: `make bench-datastores` keeps what it built."""
+    src = tmp_path / "a.py"
+    src.write_text("def add(a, b):\n    return a + b\n")
+    out = tmp_path / "ds"
+    argv = ["--input", str(src), "--out", str(out), "--no-progress"]
+    assert build.main(argv) == 0
+    src.write_text("def sub(a, b):\n    return a - b\n")  # the corpus changed after the build
+    capsys.readouterr()
+    scenarios = [  # (extra flags, expected exit code, expected in the output, not expected)
+        ([], 2, "another corpus", "kept"),
+        (["--keep-finished"], 0, "kept as it is", "another corpus"),
+    ]
+    for extra, code, said, not_said in scenarios:
+        assert build.main(argv + extra) == code
+        text = "".join(capsys.readouterr())
+        assert said in text and not_said not in text
+    tokenizer = load_tokenizer(default_model_dir())
+    ds = SuffixArrayDatastore.open(out, expected_tokenizer_id=tokenizer_identity(tokenizer))
+    assert tokenizer.decode(ds.shards[0].document(0)) == "def add(a, b):\n    return a + b\n"  # not rebuilt
+
+
 def test_build_cli_rejects_bad_arguments(tmp_path, capsys):
     with pytest.raises(SystemExit):
         build.main(["--out", str(tmp_path / "x")])  # no corpus

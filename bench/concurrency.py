@@ -331,7 +331,10 @@ def main(argv: list[str] | None = None) -> int:
     prompts = prompt_mix(args.prompts)
     plan = cell_order(args.levels, args.methods)
     cell_s = args.warmup_s + args.duration_s
-    result = {"command": "python -m bench.concurrency " + shlex.join(sys.argv[1:] if argv is None else argv),
+    cmd = list(sys.argv[1:] if argv is None else argv)
+    if not args.json:  # the command of record names the file it wrote, which a default depends on the CPU for
+        cmd += ["--json", os.path.relpath(json_path, Path(__file__).resolve().parent.parent)]
+    result = {"command": "python -m bench.concurrency " + shlex.join(cmd),
               "machine": machine(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "loadavg_start": os.getloadavg(), "datastore": args.datastore,
               "settings": {"levels": args.levels, "methods": args.methods, "duration_s": args.duration_s,

@@ -333,7 +333,7 @@ class LeanForward {
   }
 
   // Decoded bf16 copies of the weights (decode_bf16, in the order of the constructor's lists) for block_linear's
-  // wide: passes of more than 8 rows then read them instead of decoding every block; empty lists drop them.
+  // wide: passes of more than 10 rows then read them instead of decoding every block; empty lists drop them.
   void set_wide(std::vector<torch::Tensor> wqkv, std::vector<torch::Tensor> wo, std::vector<torch::Tensor> wgu,
                 std::vector<torch::Tensor> wd, torch::Tensor head) {
     const size_t L = wqkv_.size();

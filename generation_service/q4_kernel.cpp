@@ -275,10 +275,22 @@ torch::Tensor linear_rows(const torch::Tensor& x, const uint8_t* wp, int64_t N, 
 // values are the q4_1_bf16 format's: x and the decoded weights rounded to bf16 (round to nearest even), products
 // summed in fp32; the order of the sums differs from the AMX path's, so the two CPUs' bits differ in the last places.
 //
-// Two weight sources share one tile routine: GGUF blocks decoded on the fly (passes of a few rows, where each decoded
-// block is used by every row of the tile), and a chunk of weight rows decoded once into an L2-resident bf16 buffer
-// (passes of more rows than one tile, which would otherwise decode every block once per tile of x).
-constexpr int kTileBf16 = 8;        // rows of x per pass over a weight row
+// Two weight sources share one tile routine: GGUF blocks decoded on the fly (passes of up to kOneTileBf16 rows, all
+// in one tile, so each decoded block is used by every row of x), and weights decoded to bf16 beforehand (passes of
+// more rows, in tiles of up to kWideTileBf16 rows, which would otherwise decode every block once per tile of x).
+//
+// Tile shapes, measured on a 2-core Zen 4 (the 135M model's linears, median of 9-15 rounds in random order, the same
+// bits from every shape): what bounds a tile there is loads, one 64-byte vector per cycle, not the dot products. A
+// tile of NR weight rows x R rows of x loads NR + R vectors per NR * R products, so 4 x 6 (0.42 loads per product)
+// beats 2 x 8 (0.63); 4 x 8 would need more than the 32 vector registers. With 2 x 8 tiles, decoded weights took
+// 16 / 24 / 32 / 64 rows 12.5-15.5 / 17-22 / 24-29 / 45-46 ms; with balanced tiles of up to 6 rows (16 rows: 6, 5, 5)
+// 9.8-10.1 / 13.4-14.3 / 16.6-17.4 / 31-33. And a pass just past one 8-row tile paid a whole second pass over the
+// weights for a row or two (9 / 10 rows 8.6-10.6 ms against 5.7-6.3 for 8), where one 2 x 10 tile on the fly takes
+// 6.1-7.1 ms; past 10 rows such a tile runs out of registers (11 rows 7.7 ms either way, 12 rows 9.8 on the fly
+// against 8.3 decoded).
+constexpr int kOneTileBf16 = 10;    // passes of up to this many rows: one tile, blocks decoded on the fly
+constexpr int kWideTileBf16 = 6;    // longer passes: balanced tiles of up to this many rows over decoded weights
+constexpr int kQuadRowsBf16 = 6;    // tiles of up to this many rows take 4 weight rows at a time (4 x 6 accumulators)
 constexpr int64_t kBufRows = 16;    // weight rows decoded per buffer (K = 1536: 48 KB)
 
 // One block's 32 weights as bf16 (round to nearest even of the exact fp32 value).
@@ -351,28 +363,52 @@ inline void tile_dot_bf16(const uint16_t* x, int64_t ldx, const uint8_t* row, in
     for (int r = 0; r < R; ++r) out[n + r * ldo] = _mm512_reduce_add_ps(acc[n][r]);
 }
 
+// f(std::integral_constant<int, R>{}) with R = rows for R in [Lo, Hi] (more counts as Hi).
+template <int Lo, int Hi, class F>
+inline void with_rows_upto(int rows, F&& f) {
+  if constexpr (Lo >= Hi)
+    f(std::integral_constant<int, Hi>{});
+  else if (rows <= Lo)
+    f(std::integral_constant<int, Lo>{});
+  else
+    with_rows_upto<Lo + 1, Hi>(rows, f);
+}
+
+// Tiles of more than 8 rows out of line. Why: inlined beside the smaller ones, the compiler's register allocation of
+// the whole dispatch changed: a 10-row tile took 8.6 ms (its own function: 6.7) and 7 / 8 rows 5-9 % more than before.
+template <class S, int NR, int R>
+__attribute__((noinline)) void tile_dot_bf16_outlined(const uint16_t* x, int64_t ldx, const uint8_t* row,
+                                                      int64_t row_bytes, int64_t nb, float* out, int64_t ldo) {
+  tile_dot_bf16<S, NR, R>(x, ldx, row, row_bytes, nb, out, ldo);
+}
+
 template <class S, int NR>
 void rows_dot_bf16(const uint16_t* x, int64_t ldx, int rows, const uint8_t* w, int64_t row_bytes, int64_t nb,
                    float* out, int64_t ldo) {
-  with_rows(rows, [&](auto r) { tile_dot_bf16<S, NR, decltype(r)::value>(x, ldx, w, row_bytes, nb, out, ldo); });
+  if (rows <= 8)
+    with_rows(rows, [&](auto r) { tile_dot_bf16<S, NR, decltype(r)::value>(x, ldx, w, row_bytes, nb, out, ldo); });
+  else
+    with_rows_upto<9, kOneTileBf16>(
+        rows, [&](auto r) { tile_dot_bf16_outlined<S, NR, decltype(r)::value>(x, ldx, w, row_bytes, nb, out, ldo); });
 }
 
-// Weight rows [n0, n1) against every tile of x, NR rows at a time (more weight rows per tile when x has few rows:
-// more independent chains and weight streams in flight).
+// Weight rows [n0, n1) against every tile of x: ceil(M / max_tile) tiles as equal in size as can be (17 rows at 6:
+// 6, 6, 5; 13 rows: 5, 4, 4, not 6, 6, 1), 4 weight rows at a time in tiles of up to kQuadRowsBf16 rows, else 2.
 template <class S>
 void chunk_dot_bf16(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t n0,
-                    int64_t n1, float* op, int64_t N) {
-  const int64_t nb = K / kBlock;
-  for (int64_t r = 0; r < M; r += kTileBf16) {
-    const int rows = (int)std::min<int64_t>(kTileBf16, M - r);
+                    int64_t n1, float* op, int64_t N, int max_tile) {
+  const int64_t nb = K / kBlock, tiles = (M + max_tile - 1) / max_tile;
+  for (int64_t t = 0, r = 0; t < tiles; ++t) {
+    const int rows = (int)(M / tiles + (t < M % tiles));
     int64_t n = n0;
-    if (rows <= 4)
+    if (rows <= kQuadRowsBf16)
       for (; n + 4 <= n1; n += 4)
         rows_dot_bf16<S, 4>(x + r * K, K, rows, w + (n - n0) * row_bytes, row_bytes, nb, op + r * N + n, N);
     for (; n + 2 <= n1; n += 2)
       rows_dot_bf16<S, 2>(x + r * K, K, rows, w + (n - n0) * row_bytes, row_bytes, nb, op + r * N + n, N);
     for (; n < n1; ++n)
       rows_dot_bf16<S, 1>(x + r * K, K, rows, w + (n - n0) * row_bytes, row_bytes, nb, op + r * N + n, N);
+    r += rows;
   }
 }
 
@@ -395,7 +431,8 @@ std::vector<uint16_t> x_to_bf16(const torch::Tensor& x) {
 // reading them (~5 ms of the 135M model's linears on a 2-core Zen 4, whatever the rows), and past one tile of x the
 // dot products no longer hide it; reading 2 bytes per weight instead of 0.6 costs less there. Measured on that
 // machine (linears of the model, min of 11 alternating rounds): 12 / 16 / 24 / 32 rows 16.8 / 19.5 / 27.3 / 34.0 ms
-// from blocks, 13.4 / 15.6 / 23.7 / 30.5 decoded; up to 8 rows the blocks are as fast or faster (1 row 5.1 vs 8.9).
+// from blocks, 13.4 / 15.6 / 23.7 / 30.5 decoded (2 x 8 tiles; the tiles are now those of chunk_dot_bf16); up to 10
+// rows, in one tile, the blocks are as fast or faster (1 row 5.1 vs 8.9).
 torch::Tensor linear_dense_bf16dp(const torch::Tensor& x, const torch::Tensor& w) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   const std::vector<uint16_t> xb = x_to_bf16(x);
@@ -404,7 +441,8 @@ torch::Tensor linear_dense_bf16dp(const torch::Tensor& x, const torch::Tensor& w
   const uint8_t* wp = (const uint8_t*)w.data_ptr();
   at::parallel_for(0, N, kChunk, [&](int64_t c0, int64_t c1) {
     for (int64_t n0 = c0; n0 < c1; n0 += kChunk)
-      chunk_dot_bf16<DenseSrc>(xb.data(), M, K, wp + n0 * K * 2, K * 2, n0, std::min(c1, n0 + kChunk), op, N);
+      chunk_dot_bf16<DenseSrc>(xb.data(), M, K, wp + n0 * K * 2, K * 2, n0, std::min(c1, n0 + kChunk), op, N,
+                               kWideTileBf16);
   });
   return out;
 }
@@ -429,11 +467,11 @@ torch::Tensor linear_rows_bf16dp(const torch::Tensor& x, const uint8_t* wp, int6
   const std::vector<uint16_t> xb = x_to_bf16(x);
   auto out = torch::empty({M, N}, x.options());
   float* op = out.data_ptr<float>();
-  if (M <= kTileBf16) {  // one tile of x: decode each block once, right where it is used
+  if (M <= kOneTileBf16) {  // one tile of x: decode each block once, right where it is used
     at::parallel_for(0, N, kChunk, [&](int64_t c0, int64_t c1) {
       for (int64_t n0 = c0; n0 < c1; n0 += kChunk)
         chunk_dot_bf16<BlockSrc<B>>(xb.data(), M, K, wp + n0 * row_bytes, row_bytes, n0, std::min(c1, n0 + kChunk),
-                                    op, N);
+                                    op, N, kOneTileBf16);
     });
     return out;
   }
@@ -445,7 +483,7 @@ torch::Tensor linear_rows_bf16dp(const torch::Tensor& x, const uint8_t* wp, int6
         for (int64_t b = 0; b < nb; ++b)
           _mm512_storeu_si512((void*)(buf.data() + (n - n0) * K + b * kBlock),
                               (__m512i)BlockSrc<B>::load(wp + n * row_bytes + b * B::bytes));
-      chunk_dot_bf16<BufSrc>(xb.data(), M, K, (const uint8_t*)buf.data(), K * 2, n0, n1, op, N);
+      chunk_dot_bf16<BufSrc>(xb.data(), M, K, (const uint8_t*)buf.data(), K * 2, n0, n1, op, N, kWideTileBf16);
     }
   });
   return out;
@@ -789,11 +827,11 @@ torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& w, bool 
     return rows_for<F32>(x, (const uint8_t*)w.data_ptr<float>(), w.size(0), K * 4, bf16);
   }
 #if defined(__AVX512BF16__)
-  if (wide.defined() && bf16 && x.size(0) > kTileBf16 && wide_bf16()) {
+  if (wide.defined() && bf16 && wide_bf16()) {  // checked whatever the rows: a wrong copy fails on every pass
     TORCH_CHECK(wide.scalar_type() == torch::kBFloat16 && wide.dim() == 2 && wide.is_contiguous() &&
                     wide.size(0) == w.size(0) && wide.size(1) == K,
                 "wide must be contiguous bf16 [", w.size(0), ", ", K, "]");
-    return linear_dense_bf16dp(x, wide);
+    if (x.size(0) > kOneTileBf16) return linear_dense_bf16dp(x, wide);
   }
 #endif
   TORCH_CHECK(w.scalar_type() == torch::kUInt8, "weight must be float32 or GGUF blocks (uint8)");
@@ -813,7 +851,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         },
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bf16") = false, pybind11::arg("wide") = pybind11::none(),
         "x[M, K] float32 @ W^T, W dense float32 or Q4_1 / Q8_0 blocks; bf16: bf16 activations (AMX or AVX512-BF16); "
-        "wide: W decoded to bf16 (decode_bf16), used by passes of more than 8 rows where wide_bf16()");
+        "wide: W decoded to bf16 (decode_bf16), used by passes of more than 10 rows where wide_bf16()");
   m.def("wide_bf16", &wide_bf16, "whether bf16-activation linears here take decoded bf16 weights (block_linear's "
         "wide): AVX512-BF16 dot products, not AMX tiles");
   m.def("bf16", &bf16_kernel, "what runs bf16-activation linears here: 'amx' (built for AMX and granted the tile "

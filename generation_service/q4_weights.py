@@ -47,7 +47,7 @@ FORMAT = "q4_1"  # the --dtype value
 FORMAT_BF16 = "q4_1_bf16"
 FORMATS = (FORMAT, FORMAT_BF16)
 # In q4_1_bf16 on AVX512-BF16 (not AMX) the fused pass also holds the weights decoded to bf16 (2 bytes per
-# weight: 256 MiB for the default model) and passes of more than 8 rows read those instead of decoding every block:
+# weight: 256 MiB for the default model) and passes of more than 10 rows read those instead of decoding every block:
 # the same values in the same sums, so the same bits (q4_kernel.cpp, linear_dense_bf16dp: ~4 ms less per pass of 12
 # to 32 rows on a 2-core Zen 4, where 16 rows took 19.5 ms).
 # Passes with at least this many rows use the dense fp32 copies (LeanLlamaQ4). Measured on a 2-core Zen 5 (min ms of
@@ -281,7 +281,7 @@ class LeanLlamaQ4(LeanLlama):
         head = k.decode_bf16(self.embed_blocks.packed, self.embed_blocks.in_features)
         self.fused.set_wide(*(wide[n] for n in names), head)
         size = sum(t.numel() * 2 for ts in wide.values() for t in ts) + head.numel() * 2
-        log.info("q4_1_bf16: passes of more than 8 rows read the weights decoded to bf16 (%.0f MB)", size / 2**20)
+        log.info("q4_1_bf16: passes of more than 10 rows read the weights decoded to bf16 (%.0f MB)", size / 2**20)
         return size
 
     def _linear(self, x: torch.Tensor, layer: _Layer, name: str) -> torch.Tensor:

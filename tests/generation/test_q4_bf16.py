@@ -28,7 +28,7 @@ def bf16(a: np.ndarray) -> np.ndarray:
 
 @needs_bf16
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(kind=st.sampled_from(["q4_1", "q8_0"]), m=st.sampled_from([1, 2, 3, 4, 5, 15, 16, 17, 33, 96, 97, 130]),
+@given(kind=st.sampled_from(["q4_1", "q8_0"]), m=st.sampled_from([1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 13, 15, 16, 17, 33, 96, 97, 130]),
        n=st.integers(1, 70), blocks=st.integers(1, 12), seed=st.integers(0, 2**32 - 1))
 def test_kernel_matches_bf16_rounded_matmul(kind, m, n, blocks, seed):
     rng = np.random.default_rng(seed)
@@ -60,7 +60,7 @@ needs_wide = pytest.mark.skipif(kernel() is None or not kernel().bf16() or not k
 @given(kind=st.sampled_from(["q4_1", "q8_0"]), m=st.integers(1, 40), n=st.integers(1, 70), blocks=st.integers(1, 12),
        seed=st.integers(0, 2**32 - 1))
 def test_decoded_copy_gives_the_same_bits(kind, m, n, blocks, seed):
-    """decode_bf16 = the bf16 rounding of the exact values, and a pass through it (block_linear's wide, taken past 8
+    """decode_bf16 = the bf16 rounding of the exact values, and a pass through it (block_linear's wide, taken past 10
     rows) = the pass over the blocks, bit for bit; a wide of the wrong shape is refused."""
     rng = np.random.default_rng(seed)
     k = 32 * blocks
@@ -70,8 +70,27 @@ def test_decoded_copy_gives_the_same_bits(kind, m, n, blocks, seed):
                                                         .bfloat16())
     x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
     assert torch.equal(kernel().block_linear(x, packed, True, wide), kernel().block_linear(x, packed, True))
-    with pytest.raises(RuntimeError, match="wide must be"):
-        kernel().block_linear(torch.zeros(9, k), packed, True, wide[:, 1:].contiguous())
+    for rows in (1, 11):  # one tile on the fly, or the decoded copy's tiles: refused either way
+        with pytest.raises(RuntimeError, match="wide must be"):
+            kernel().block_linear(torch.zeros(rows, k), packed, True, wide[:, 1:].contiguous())
+
+
+@needs_bf16
+@pytest.mark.parametrize("wide", [False, True])
+def test_every_row_of_every_pass_size_has_its_solo_bits(wide):
+    """Pass sizes 1..40 cover every tiling (one tile on the fly up to 10 rows, balanced tiles of decoded weights past
+    it: 11 = 6 + 5, 13 = 5 + 4 + 4, ...): each row of each pass equals that row computed alone, bit for bit; not
+    merely close (a tiling that mixed rows into one sum would round differently)."""
+    rng = np.random.default_rng(7)
+    k, n = 32 * 5, 37  # n: quads, pairs and a single weight row at the end of a chunk
+    packed = torch.from_numpy(random_blocks(rng, "q4_1", n, k))
+    dec = kernel().decode_bf16(packed, k) if wide and kernel().wide_bf16() else None
+    x = torch.from_numpy(rng.standard_normal((40, k)).astype(np.float32))
+    solo = torch.cat([kernel().block_linear(x[r:r + 1], packed, True, dec) for r in range(40)])
+    for m in range(1, 41):
+        got = kernel().block_linear(x[:m].contiguous(), packed, True, dec)
+        assert torch.equal(got, solo[:m]), f"rows of a {m}-row pass differ from their solo bits"
+        assert not torch.equal(got, torch.zeros_like(got))
 
 
 def test_q4_1_bf16_is_refused_without_a_bf16_kernel(monkeypatch):
@@ -112,7 +131,7 @@ def test_q4_1_bf16_loads_only_on_the_lean_forward():
 @needs_wide
 @pytest.mark.model
 def test_wide_passes_give_a_row_the_bits_of_its_solo_step(tmq4bf16):
-    """Passes of more than 8 rows read the decoded copy, smaller ones the blocks: a 12-node tree's root row (wide)
+    """Passes of more than 10 rows read the decoded copy, smaller ones the blocks: a 12-node tree's root row (wide)
     equals that token decoded alone (blocks), bit for bit."""
     assert tmq4bf16.lean.wide_bytes > 0
     rng = np.random.default_rng(1)

@@ -40,7 +40,7 @@ def test_reference_dequantize_worked_example():
 
 @needs_kernel
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(kind=st.sampled_from(["q4_1", "q8_0"]), m=st.sampled_from([1, 2, 3, 7, 8, 9, 16, 17, 64]),
+@given(kind=st.sampled_from(["q4_1", "q8_0"]), m=st.sampled_from([1, 2, 3, 7, 8, 9, 10, 11, 13, 16, 17, 21, 64]),
        n=st.integers(1, 70), blocks=st.integers(1, 12), seed=st.integers(0, 2**32 - 1))
 def test_kernel_matches_dequantized_matmul(kind, m, n, blocks, seed):
     rng = np.random.default_rng(seed)
@@ -56,6 +56,29 @@ def test_kernel_matches_dequantized_matmul(kind, m, n, blocks, seed):
     assert got.shape == (m, n) and np.all(np.abs(got - ref) <= bound)
     # Row-consistent: a row's result does not depend on the other rows in the pass (lossless speculation).
     assert np.array_equal(w(torch.from_numpy(x[-1:])).numpy()[0], got[-1])
+
+
+@needs_kernel
+@pytest.mark.parametrize("path", ["fp32", "bf16 blocks", "bf16 decoded copy"])
+def test_every_row_of_every_pass_size_has_its_solo_bits(path):
+    """Pass sizes 1..40 cover every tiling (on AVX-512 one tile up to 10 rows, then balanced tiles: 11 = 6 + 5 or
+    one tile, 13 = 7 + 6 or 5 + 4 + 4, ...): each row of each pass equals that row computed alone, bit for bit, and
+    is not all zeros (a tiling that mixed rows into one sum, or skipped one, would show)."""
+    bf16 = path != "fp32"
+    if bf16 and not kernel().bf16():
+        pytest.skip("no AMX tiles or AVX512-BF16 here")
+    if path == "bf16 decoded copy" and not kernel().wide_bf16():
+        pytest.skip("the bf16 path here does not take decoded weights")
+    rng = np.random.default_rng(7)
+    k, n = 32 * 5, 37  # n: quads, pairs and a single weight row at the end of a chunk
+    packed = torch.from_numpy(random_blocks(rng, "q4_1", n, k))
+    dec = kernel().decode_bf16(packed, k) if path == "bf16 decoded copy" else None
+    x = torch.from_numpy(rng.standard_normal((40, k)).astype(np.float32))
+    solo = torch.cat([kernel().block_linear(x[r:r + 1], packed, bf16, dec) for r in range(40)])
+    for m in range(1, 41):
+        got = kernel().block_linear(x[:m].contiguous(), packed, bf16, dec)
+        assert torch.equal(got, solo[:m]), f"rows of a {m}-row pass differ from their solo bits"
+        assert bool((got != 0).any(dim=1).all())
 
 
 def test_bad_shapes_are_refused():

@@ -75,24 +75,6 @@ def test_decoded_copy_gives_the_same_bits(kind, m, n, blocks, seed):
             kernel().block_linear(torch.zeros(rows, k), packed, True, wide[:, 1:].contiguous())
 
 
-@needs_bf16
-@pytest.mark.parametrize("wide", [False, True])
-def test_every_row_of_every_pass_size_has_its_solo_bits(wide):
-    """Pass sizes 1..40 cover every tiling (one tile on the fly up to 10 rows, balanced tiles of decoded weights past
-    it: 11 = 6 + 5, 13 = 5 + 4 + 4, ...): each row of each pass equals that row computed alone, bit for bit; not
-    merely close (a tiling that mixed rows into one sum would round differently)."""
-    rng = np.random.default_rng(7)
-    k, n = 32 * 5, 37  # n: quads, pairs and a single weight row at the end of a chunk
-    packed = torch.from_numpy(random_blocks(rng, "q4_1", n, k))
-    dec = kernel().decode_bf16(packed, k) if wide and kernel().wide_bf16() else None
-    x = torch.from_numpy(rng.standard_normal((40, k)).astype(np.float32))
-    solo = torch.cat([kernel().block_linear(x[r:r + 1], packed, True, dec) for r in range(40)])
-    for m in range(1, 41):
-        got = kernel().block_linear(x[:m].contiguous(), packed, True, dec)
-        assert torch.equal(got, solo[:m]), f"rows of a {m}-row pass differ from their solo bits"
-        assert not torch.equal(got, torch.zeros_like(got))
-
-
 def test_q4_1_bf16_is_refused_without_a_bf16_kernel(monkeypatch):
     real = kernel()
     if real is None:

@@ -241,6 +241,8 @@ inline void with_rows_upto(int rows, F&& f) {
     with_rows_upto<Lo + 1, Hi>(rows, f);
 }
 
+// Tiles of more than 8 rows out of line, so the dispatch of the smaller ones compiles as before (tile_dot_bf16_outlined
+// says what inlining them all cost there).
 template <class B, int NR, int R>
 __attribute__((noinline)) void tile_dot_outlined(const float* x, int64_t ldx, const uint8_t* row, int64_t row_bytes,
                                                  int64_t nb, float* out, int64_t ldo) {

@@ -41,16 +41,19 @@ namespace {
 
 constexpr int kBlock = 32;
 constexpr int kTile = 8;  // rows of x per pass over a weight row (with_rows' largest tile)
-// Passes of up to kTileMax rows are one tile of x, longer ones ceil(M / kTileMax) tiles as equal as can be. Why: a
+// Passes of up to kTileMax rows are one tile of x, longer ones ceil(M / kTileLong) tiles as equal as can be. Why: a
 // tile decodes every weight block again, so a 9-row pass split 8 + 1 paid a second decode of the whole model for one
-// row. With AVX-512's 32 registers a 2 x 10 tile (20 accumulators) still fits; AVX2's 16 do not take more than 8.
-// Measured on a 2-core Zen 4 (the 135M model's q4_1 linears, fp32 activations, old vs new build in one process, 11
-// alternating rounds, outputs equal): 9 / 10 rows 0.84 / 0.81x the time, 17 / 20 rows 0.89 / 0.88x, 1-4 rows
-// 1.01-1.02x (noise), 8 / 16 / 32 rows 0.93-0.95x.
-#if defined(__AVX512F__)
+// row. AVX-512's 32 registers take 2 x 10 tiles in any pass; with AVX2's 16 a 10-row tile (10 accumulators + 4
+// weight vectors) pays for itself only when it saves a whole decode, so longer passes keep tiles of up to 8 there.
+// Measured on a 2-core Zen 4 (the 135M model's q4_1 linears, fp32 activations, old vs new build in one process,
+// 11-21 alternating rounds, outputs equal): AVX-512 9 / 10 rows 0.84 / 0.81x the time, 17 / 20 rows 0.89 / 0.88x,
+// 8 / 16 / 32 rows 0.93-0.95x, 1-4 rows 1.01-1.02x (noise); the AVX2 build on the same CPU 9 / 10 rows 0.80 /
+// 0.89x, 1-8 and 11-32 rows 0.99-1.01x (with 10-row tiles in longer passes too, 20 rows took 1.04x).
 constexpr int kTileMax = 10;
+#if defined(__AVX512F__)
+constexpr int kTileLong = kTileMax;  // tiles of longer passes: at most this many rows
 #else
-constexpr int kTileMax = kTile;
+constexpr int kTileLong = kTile;
 #endif
 constexpr int64_t kChunk = 32;  // weight rows per cache-resident chunk (and the parallel grain)
 // Weight rows ahead of the one being read, fetched into L2 (not L1: 32 fp32 rows of K = 1536 are 200 KB). Measured on
@@ -279,7 +282,7 @@ torch::Tensor linear_rows(const torch::Tensor& x, const uint8_t* wp, int64_t N, 
   at::parallel_for(0, N, kChunk, [&](int64_t c0, int64_t c1) {
     for (int64_t n0 = c0; n0 < c1; n0 += kChunk) {
       const int64_t n1 = std::min(c1, n0 + kChunk);
-      const int64_t tiles = (M + kTileMax - 1) / kTileMax;
+      const int64_t tiles = M <= kTileMax ? 1 : (M + kTileLong - 1) / kTileLong;
       for (int64_t t = 0, r = 0; t < tiles; ++t) {
         const int rows = (int)(M / tiles + (t < M % tiles));
         int64_t n = n0;

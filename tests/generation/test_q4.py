@@ -61,9 +61,10 @@ def test_kernel_matches_dequantized_matmul(kind, m, n, blocks, seed):
 @needs_kernel
 @pytest.mark.parametrize("path", ["fp32", "bf16 blocks", "bf16 decoded copy"])
 def test_every_row_of_every_pass_size_has_its_solo_bits(path):
-    """Pass sizes 1..40 cover every tiling (on AVX-512 one tile up to 10 rows, then balanced tiles: 11 = 6 + 5 or
-    one tile, 13 = 7 + 6 or 5 + 4 + 4, ...): each row of each pass equals that row computed alone, bit for bit, and
-    is not all zeros (a tiling that mixed rows into one sum, or skipped one, would show)."""
+    """Pass sizes 1..40 cover every tiling (one tile up to 10 rows; past it balanced tiles of up to 10 rows (fp32 on
+    AVX-512), 8 (AVX2) or 6 (the bf16 decoded copy): 13 = 7 + 6 or 5 + 4 + 4, ...): each row of each pass equals that
+    row computed alone, bit for bit, and is not all zeros (a tiling that mixed rows into one sum, or skipped one,
+    would show)."""
     bf16 = path != "fp32"
     if bf16 and not kernel().bf16():
         pytest.skip("no AMX tiles or AVX512-BF16 here")

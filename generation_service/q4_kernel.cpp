@@ -233,6 +233,10 @@ inline void with_rows(int rows, F&& f) {
   }
 }
 
+// Rows of tile t when M rows of x are split into `tiles` tiles as equal in size as can be (13 rows in 3: 5, 4, 4, not
+// 6, 6, 1): the last tile is never a row or two that costs a whole pass over the weights.
+inline int tile_rows(int64_t M, int64_t tiles, int64_t t) { return (int)(M / tiles + (t < M % tiles)); }
+
 // f(std::integral_constant<int, R>{}) with R = rows for R in [Lo, Hi] (more counts as Hi).
 template <int Lo, int Hi, class F>
 inline void with_rows_upto(int rows, F&& f) {
@@ -284,7 +288,7 @@ torch::Tensor linear_rows(const torch::Tensor& x, const uint8_t* wp, int64_t N, 
       const int64_t n1 = std::min(c1, n0 + kChunk);
       const int64_t tiles = M <= kTileMax ? 1 : (M + kTileLong - 1) / kTileLong;
       for (int64_t t = 0, r = 0; t < tiles; ++t) {
-        const int rows = (int)(M / tiles + (t < M % tiles));
+        const int rows = tile_rows(M, tiles, t);
         int64_t n = n0;
         // Few rows of x: more weight rows at once, so enough independent FMA chains hide the FMA latency and more
         // weight streams are in flight (4 x 4 accumulators still fit the 32 vector registers).
@@ -420,14 +424,14 @@ void rows_dot_bf16(const uint16_t* x, int64_t ldx, int rows, const uint8_t* w, i
         rows, [&](auto r) { tile_dot_bf16_outlined<S, NR, decltype(r)::value>(x, ldx, w, row_bytes, nb, out, ldo); });
 }
 
-// Weight rows [n0, n1) against every tile of x: ceil(M / max_tile) tiles as equal in size as can be (17 rows at 6:
-// 6, 6, 5; 13 rows: 5, 4, 4, not 6, 6, 1), 4 weight rows at a time in tiles of up to kQuadRowsBf16 rows, else 2.
+// Weight rows [n0, n1) against every tile of x: ceil(M / max_tile) tiles (tile_rows), 4 weight rows at a time in
+// tiles of up to kQuadRowsBf16 rows, else 2.
 template <class S>
 void chunk_dot_bf16(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t n0,
                     int64_t n1, float* op, int64_t N, int max_tile) {
   const int64_t nb = K / kBlock, tiles = (M + max_tile - 1) / max_tile;
   for (int64_t t = 0, r = 0; t < tiles; ++t) {
-    const int rows = (int)(M / tiles + (t < M % tiles));
+    const int rows = tile_rows(M, tiles, t);
     int64_t n = n0;
     if (rows <= kQuadRowsBf16)
       for (; n + 4 <= n1; n += 4)

@@ -92,6 +92,7 @@ class Job:
     # False (unary Generate): the worker hands over one merged chunk at the end instead of one per step, so the
     # gRPC thread does not wake (and take a core from the model's OpenMP team) on every token.
     stream: bool = True
+    early: object = None  # the engine's state of a first token it sent at submit (engine/scheduler.py)
 
     def is_cancelled(self) -> bool:
         return self.cancelled.is_set() or (self.deadline is not None and time.monotonic() > self.deadline)

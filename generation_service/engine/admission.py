@@ -2,7 +2,8 @@
 
 A pass starts as soon as the previous one ended. A client that sends its next request the moment its reply ends
 (a load test's users, a benchmark's closed loop, an agent or script calling in a loop) lands 1-3 ms into the next
-pass and waits all of it before its first token, even when its prompt is cached and that token needs no pass: on a
+pass and waits all of it before its first token, even when its prompt is cached and that token needs no pass (a
+stream now gets that one at submit, engine/scheduler.py, but its second still waits for the pass after): on a
 2-core Zen 4 at 8 clients a pass takes 17-20 ms, and TTFT p95 there was 4.1x the solo one (29 ms against 7). The
 engine used to absorb those arrivals by accident: a finish moved another request's KV (~3 ms) before the next
 pass, and the concurrency records before and after that move was dropped show TTFT p50 at 8 clients going from

@@ -15,11 +15,13 @@ different lengths round differently (bf16 prefill linears from 32 rows, fp32 bel
 not allow. Rows are identical to a fresh prefill up to the batch-composition rounding every batched prefill has
 (engine/scheduler.py); tests/generation/test_prefix_cache.py checks outputs against the solo run.
 
-Bounded by bytes, least recently used first out. It lives on the engine's model thread (no lock).
+Bounded by bytes, least recently used first out. The engine's model thread looks prompts up and stores them; a
+gRPC thread may take a whole prompt's hit (lookup_whole) to send its first token at once, so one lock guards both.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -60,6 +62,7 @@ class PrefixCache:
         self._boundaries: dict[bytes, dict[bytes, None]] = {}
         self.lookups = {"full": 0, "partial": 0, "miss": 0}
         self.rows_reused = 0
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -67,13 +70,25 @@ class PrefixCache:
     def lookup(self, prompt: np.ndarray) -> PrefixHit | None:
         """The longest reusable part of `prompt` (None: nothing; see the module docstring)."""
         key = prompt_key(prompt)
+        with self._lock:
+            return self._whole(key) or self._aligned(key, len(prompt))
+
+    def lookup_whole(self, prompt: np.ndarray) -> PrefixHit | None:
+        """`prompt`'s hit if the whole prompt is held, else None, uncounted (the request's own lookup later counts
+        what it finds). An entry's tensors are never written, so a hit stays valid after its eviction."""
+        with self._lock:
+            return self._whole(prompt_key(prompt))
+
+    def _whole(self, key: bytes) -> PrefixHit | None:
         e = self._entries.get(key)
-        if e is not None:
-            self._touch(key)
-            self.lookups["full"] += 1
-            self.rows_reused += e.k.shape[2]
-            return PrefixHit(e.k.shape[2], e.k, e.v, e.logits)
-        n = len(prompt)
+        if e is None:
+            return None
+        self._touch(key)
+        self.lookups["full"] += 1
+        self.rows_reused += e.k.shape[2]
+        return PrefixHit(e.k.shape[2], e.k, e.v, e.logits)
+
+    def _aligned(self, key: bytes, n: int) -> PrefixHit | None:
         for rows in range((n - 1) // self.chunk * self.chunk, 0, -self.chunk):
             holders = self._boundaries.get(key[:4 * rows])
             if holders:
@@ -92,21 +107,26 @@ class PrefixCache:
         copied), logits [V] of its last row. A prompt larger than the whole budget is not kept."""
         key = prompt_key(prompt)
         n = len(prompt)
-        if key in self._entries:
-            self._touch(key)
-            return
+        with self._lock:
+            if key in self._entries:
+                self._touch(key)
+                return
         nbytes = 2 * k[:, :, :n].numel() * k.element_size() + logits.numel() * logits.element_size()
         if nbytes > self.max_bytes:
             return
-        while self.nbytes + nbytes > self.max_bytes:
-            self._evict()
+        # The copies outside the lock: a gRPC thread's lookup need not wait for them.
         entry = _Entry(k[:, :, :n].clone(), v[:, :, :n].clone(), logits.detach().clone(), nbytes)
-        for rows in range(self.chunk, n, self.chunk):
-            b = key[:4 * rows]
-            entry.boundaries.append(b)
-            self._boundaries.setdefault(b, {})[key] = None
-        self._entries[key] = entry
-        self.nbytes += nbytes
+        with self._lock:
+            if key in self._entries:
+                return
+            while self.nbytes + nbytes > self.max_bytes:
+                self._evict()
+            for rows in range(self.chunk, n, self.chunk):
+                b = key[:4 * rows]
+                entry.boundaries.append(b)
+                self._boundaries.setdefault(b, {})[key] = None
+            self._entries[key] = entry
+            self.nbytes += nbytes
 
     def _touch(self, key: bytes) -> None:
         """Most recently used: last out, and the first holder its chunks are taken from."""
@@ -126,5 +146,6 @@ class PrefixCache:
                 del self._boundaries[b]
 
     def stats(self) -> dict:
-        return {"entries": len(self._entries), "mb": round(self.nbytes / 2**20, 1), **self.lookups,
-                "rows_reused": self.rows_reused}
+        with self._lock:
+            return {"entries": len(self._entries), "mb": round(self.nbytes / 2**20, 1), **self.lookups,
+                    "rows_reused": self.rows_reused}

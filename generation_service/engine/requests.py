@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -50,24 +51,54 @@ log = logging.getLogger(__name__)
 _EMPTY = np.zeros(0, np.int32)
 
 
+@dataclass(frozen=True)
+class FirstPick:
+    """A prompt held whole in the prefix cache and its first output step, taken before the request starts (the
+    engine sends that token from the submitting thread instead of after the pass in flight)."""
+    hit: PrefixHit
+    sampler: Sampler  # it drew the first token: the request goes on with its stream
+    token: int
+    step: tuple[list[int], str | None]  # (output tokens, finish), as TreeRequest.first_step will give them
+
+
+def pick_first(tm: TargetModel, prompt_ids, params: SamplingParams, prefix_cache: PrefixCache) -> FirstPick | None:
+    """The first step of a prompt the prefix cache holds whole, else None. Pure but for the cache's LRU order and
+    counts: the token is the one the request's own first step picks from the same logits."""
+    prompt = check_prompt(tm, prompt_ids, params)
+    hit = prefix_cache.lookup_whole(prompt)
+    if hit is None:
+        return None
+    sampler = Sampler(params)
+    token = sampler.pick(hit.logits)
+    return FirstPick(hit, sampler, token, cut_emitted([token], params.max_new_tokens, output_eos(tm, params)))
+
+
+def output_eos(tm: TargetModel, params: SamplingParams) -> frozenset[int]:
+    """The tokens that end this request's output."""
+    return frozenset() if params.ignore_eos else tm.eos_token_ids
+
+
 class TreeRequest:
     def __init__(self, tm: TargetModel, prompt_ids, params: SamplingParams, *, drafter: Drafter | None = None,
                  draft_budget: int = DEFAULT_DRAFT_BUDGET, stats: SpeculationStats | None = None,
                  adaptive_budget: bool = True, prefill_chunk: int = PREFILL_CHUNK, cache=None,
-                 calibration: SharedCalibration | None = None, prefix_cache: PrefixCache | None = None):
+                 calibration: SharedCalibration | None = None, prefix_cache: PrefixCache | None = None,
+                 first: FirstPick | None = None):
         """adaptive_budget: verify only the cost-effective part of each draft tree and skip useless remote drafts
         (draft_budget.py); False = always verify up to draft_budget nodes. Either way the output is the same.
         cache: an empty KV cache to use (a batch's slab slot; it must hold kv_rows_needed()), else a new one.
         calibration: acceptance evidence pooled over the worker's requests (the sizer's prior), None = none.
         prefix_cache: the worker's prompt KV cache (engine/prefix_cache.py): the prompt takes what it holds of it
-        (all of it: first_step is then the first output step, no prefill pass) and leaves its own rows there."""
+        (all of it: first_step is then the first output step, no prefill pass) and leaves its own rows there.
+        first: pick_first's answer for this prompt and params, taken earlier (its hit and its pick stand in for the
+        lookup and the first draw)."""
         self.prompt = check_prompt(tm, prompt_ids, params)
         if isinstance(draft_budget, bool) or not isinstance(draft_budget, (int, np.integer)) or draft_budget < 0:
             raise ValueError(f"draft_budget must be an integer >= 0 (0 = no drafting), got {draft_budget!r}")
         self.tm, self.params, self.drafter = tm, params, drafter
         self.stats = stats if stats is not None else SpeculationStats(decoding=drafter.name if drafter else "ar")
-        self.eos = frozenset() if params.ignore_eos else tm.eos_token_ids
-        self.sampler = Sampler(params)
+        self.eos = output_eos(tm, params)
+        self.sampler = first.sampler if first is not None else Sampler(params)
         n_prompt = self.prompt.shape[0]
         self.context = np.empty(n_prompt + params.max_new_tokens, np.int32)  # prompt + output, the drafter's view
         self.context[:n_prompt] = self.prompt
@@ -82,7 +113,10 @@ class TreeRequest:
         self.last = -1  # the last emitted token (not yet in the cache)
         self._t_prefill = 0.0
         self._prefix_cache = prefix_cache
-        hit = prefix_cache.lookup(self.prompt) if prefix_cache is not None else None
+        if first is not None:
+            hit = first.hit
+        else:
+            hit = prefix_cache.lookup(self.prompt) if prefix_cache is not None else None
         self.stats.cached_prompt_tokens = hit.rows if hit is not None else 0
         if hit is not None:
             self._restore(hit)
@@ -90,7 +124,11 @@ class TreeRequest:
         self._prefill = prefill_segments(torch.from_numpy(rest.astype(np.int64)).to(tm.device), self.cache,
                                          prefill_chunk) if rest.shape[0] else []
         # The first output step when the whole prompt came from the prefix cache (the engine sends it at once).
-        self.first_step = self._first(hit.logits) if hit is not None and hit.logits is not None else None
+        self.first_step = None
+        if first is not None:
+            self.first_step = self._first(first.token)
+        elif hit is not None and hit.logits is not None:
+            self.first_step = self._first(self.sampler.pick(hit.logits))
         # The current step's draft: the full checked tree, then the chosen part in verifier order.
         self._tree: tuple | None = None
         self.tokens, self.parents = _EMPTY, _EMPTY
@@ -126,12 +164,12 @@ class TreeRequest:
         self.stats.prefill_ms = (time.perf_counter() - self._t_prefill) * 1e3
         if self._prefix_cache is not None:
             self._prefix_cache.store(self.prompt, self.cache.k, self.cache.v, logits[-1])
-        return self._first(logits[-1])
+        return self._first(self.sampler.pick(logits[-1]))
 
-    def _first(self, logits: torch.Tensor) -> tuple[list[int], str | None]:
-        """The first output step, from the last prompt row's logits [V]."""
-        self.last = self.sampler.pick(logits)
-        return self._emit([self.last], self.params.max_new_tokens)
+    def _first(self, token: int) -> tuple[list[int], str | None]:
+        """The first output step: the token picked from the last prompt row's logits."""
+        self.last = token
+        return self._emit([token], self.params.max_new_tokens)
 
     @torch.inference_mode()
     def _restore(self, hit: PrefixHit) -> None:

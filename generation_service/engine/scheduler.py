@@ -54,7 +54,7 @@ from generation_service.engine.draft_gate import LOCAL, NONE, REMOTE, DraftGate
 from generation_service.engine.effects import EffectRun, Emit, Pass, on_done
 from generation_service.engine.pass_costs import PassCosts
 from generation_service.engine.prefix_cache import PrefixCache
-from generation_service.engine.requests import TreeRequest
+from generation_service.engine.requests import FirstPick, TreeRequest, pick_first
 from generation_service.engine.steps import SpeculationStats, is_prefill, prefill, tree_segment
 from generation_service.engine.threads import IdleMeter, ThreadGovernor
 from generation_service.lean_llama import KVSlab, capacity_for
@@ -152,6 +152,8 @@ class _Running:
     held: list[StreamChunk] = field(default_factory=list)  # chunks not handed to the gRPC thread yet
     last_put: float | None = None  # perf_counter() when a chunk was last handed over (None: never)
     tokens: list[int] = field(default_factory=list)  # output tokens sent so far
+    first: FirstPick | None = None  # its first step, taken at submit from a prompt cached whole
+    first_sent: bool = False  # ... and already handed to its gRPC thread
 
     def prefill_rows(self) -> int:
         """Rows of the prefill chunk this request wants in the next pass (0: none)."""
@@ -199,6 +201,7 @@ class Engine:
         self._waiting = None  # the next job, held back until the KV budget has room for it
         self._kv_used = 0
         self._wake = threading.Event()  # a loop's retrieval finished, or a job arrived
+        self._submitting = threading.Lock()  # one gRPC thread at a time checks the queue's room and fills it
         self._stop = threading.Event()
         self.segment_ms = 0.0
         self.gate = DraftGate()
@@ -240,8 +243,39 @@ class Engine:
         if rows > self.kv_budget_rows:
             raise ResourceExhausted(f"the request needs {rows} KV cache rows, more than this worker's whole budget "
                                     f"of {self.kv_budget_rows} (kv_cache_mb); shorten the prompt or max_new_tokens")
-        self.jobs.put_nowait(job)
+        piece = self._first_at_once(job, rows)
+        with self._submitting:
+            if self.jobs.full():  # checked before the first token goes out: a refused request gets none
+                raise queue.Full
+            if piece is not None:
+                self._send(job.early, piece)
+            self.jobs.put_nowait(job)
         self._wake.set()
+
+    def _first_at_once(self, job, rows: int) -> StreamChunk | None:
+        """A stream whose prompt the prefix cache holds whole gets its first token at submit, from the cached
+        logits, not after the pass in flight (at 8 clients that wait was most of the TTFT: up to a pass, ~3x the
+        solo one). The token is the one the engine would pick; the request goes on from that pick (job.early) when
+        it starts. -> the chunk to send now (None: nothing, or nothing yet: the engine sends it)."""
+        if self.prefix_cache is None or not job.stream or job.rag is not None or job.knnlm is not None:
+            return None
+        try:
+            first = pick_first(self.tm, job.prompt_ids, job.params, self.prefix_cache)
+        except Exception:  # a bad prompt fails where every other failure is reported: at its start
+            return None
+        if first is None:
+            return None
+        run = _Running(job, rows, metrics.GenerationObserver(job.decoding, job.submitted), first=first)
+        job.early = run
+        tokens, finish = first.step
+        if finish is not None:  # its only step: it goes out with the final chunk, from the engine
+            return None
+        out = TextOutput(self.tm.tokenizer, job.prompt_ids, job.params.stop)
+        piece, done = out.feed(tokens, None)
+        if done is not None:  # a stop sequence in the first token: likewise, from a fresh TextOutput
+            return None
+        run.out, run.first_sent = out, True  # piece None: its text waits for the next tokens (TextStream)
+        return piece
 
     def depth(self) -> int:
         return self.jobs.qsize() + (self._waiting is not None)
@@ -345,7 +379,8 @@ class Engine:
         if job.is_cancelled():
             job.chunks.put(None)
             return
-        run = _Running(job, rows, metrics.GenerationObserver(job.decoding, job.submitted))
+        run = getattr(job, "early", None) or _Running(job, rows, metrics.GenerationObserver(job.decoding,
+                                                                                             job.submitted))
         try:
             if job.rag is not None or job.knnlm is not None:
                 run.loop_request = self._loop_request(job)
@@ -359,17 +394,18 @@ class Engine:
                 run.req = TreeRequest(self.tm, job.prompt_ids, job.params, drafter=self._drafter(job),
                                       draft_budget=job.budget, stats=SpeculationStats(decoding=job.decoding),
                                       prefill_chunk=self.prefill_chunk, cache=cache, calibration=self.calibration,
-                                      prefix_cache=self.prefix_cache)
+                                      prefix_cache=self.prefix_cache, first=run.first)
                 if cache is not None:
                     self._slot_users[free] = run
-                run.out = TextOutput(self.tm.tokenizer, job.prompt_ids, job.params.stop)
+                if run.out is None:
+                    run.out = TextOutput(self.tm.tokenizer, job.prompt_ids, job.params.stop)
         except Exception as e:
             self._fail(run, e, started=False)
             return
         self._kv_used += rows
         self.running.append(run)
-        if run.req is not None and run.req.first_step is not None:  # the whole prompt was in the prefix cache
-            self._feed(run, run.req.first_step)
+        if run.req is not None and run.req.first_step is not None and not run.first_sent:
+            self._feed(run, run.req.first_step)  # the whole prompt was in the prefix cache
 
     def _step(self) -> None:
         self._wake.clear()  # a completion from here on makes the wait below return at once

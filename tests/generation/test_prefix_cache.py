@@ -4,6 +4,9 @@ engine with the real model: a repeated or chunk-sharing prompt decodes exactly a
 
 from __future__ import annotations
 
+import dataclasses
+import queue
+import threading
 import time
 
 import numpy as np
@@ -12,6 +15,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from generation_service.calibrate import ModelThread
+from generation_service.engine import scheduler
 from generation_service.engine.prefix_cache import PrefixCache
 from generation_service.sampling import SamplingParams
 from generation_service.speculative import decode, first_divergence
@@ -210,3 +214,78 @@ def test_engine_without_prefix_cache_prefills_every_time(tm32):
         engine.stop()
     assert engine.prefix_cache is None
     assert [o[2].cached_prompt_tokens for o in outs] == [0, 0] and outs[0][0] == outs[1][0]
+
+
+@pytest.mark.model
+def test_a_cached_prompt_streams_its_first_token_while_a_pass_runs(tm32, monkeypatch):
+    """A stream whose prompt is cached whole gets its first token from submit(), not after the pass in flight (held
+    here); the rest of its output is the solo run's, seeded sampling included. Unary calls and uncached prompts wait
+    for the engine, as before; a stop string in the first token ends the request from the engine; a request the full
+    queue refuses gets nothing."""
+    greedy = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    seeded = SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0.8, top_p=0.9, seed=5)
+    code = np.asarray(encode(tm32, humaneval_prompts(1)[0]), np.int64)
+    talk = np.asarray(chat(tm32, "Say hello."), np.int64)
+    other = np.asarray(chat(tm32, "Count to three."), np.int64)
+    held, in_pass = threading.Event(), threading.Event()
+    held.set()
+    real = scheduler.forward_batch
+
+    def forward_when_let(tm, segments):
+        in_pass.set()
+        assert held.wait(120)
+        return real(tm, segments)
+
+    monkeypatch.setattr(scheduler, "forward_batch", forward_when_let)
+    engine = _engine(tm32, {}, prefix_cache_mb=64, queue_size=5)
+    try:
+        want = {}
+        for name, prompt, params in (("code", code, greedy), ("talk", talk, seeded)):
+            job = _job(prompt, params)
+            engine.submit(job)
+            want[name] = _collect(job)[0]
+        first_text = tm32.tokenizer.decode(want["code"][:1])
+        busy = _job(other, SamplingParams(max_new_tokens=40, ignore_eos=True))
+        engine.submit(busy)
+        assert not isinstance(busy.chunks.get(timeout=120), BaseException)  # it decodes: passes keep coming
+        held.clear()
+        in_pass.clear()
+        assert in_pass.wait(120)  # the model thread is inside a pass now, and stays there
+        cases = [  # (name, job, first token before the pass ends?)
+            ("code", _job(code, greedy), True),
+            ("talk", _job(talk, seeded), True),
+            ("code", _job(code, greedy, stream=False), False),  # unary: one merged reply at the end
+            ("fresh", _job(code[:-1], greedy), False),  # not cached: its prefill needs the pass
+            ("stop", _job(code, dataclasses.replace(greedy, stop=[first_text])), False),  # ends at once: engine
+        ]
+        for _, job, _ in cases:
+            engine.submit(job)
+        refused = _job(code, greedy)
+        with pytest.raises(queue.Full):  # the queue holds len(cases) jobs
+            engine.submit(refused)
+        time.sleep(0.5)
+        assert refused.chunks.empty()  # Not a first token for a request the worker refused
+        firsts = []
+        for name, job, early in cases:
+            if early:
+                first = job.chunks.get(timeout=5)
+                assert first.token_ids == want[name][:1] and first.finish_reason is None
+                firsts.append(first.token_ids)
+            else:
+                assert job.chunks.empty(), name
+                firsts.append([])
+        held.set()
+        got = [(f + tokens, finish, stats) for f, (_, job, _) in zip(firsts, cases)
+               for tokens, finish, stats in [_collect(job)]]
+        _collect(busy)
+    finally:
+        held.set()
+        engine.stop()
+    for (name, job, early), (tokens, finish, stats) in zip(cases, got):
+        if name == "stop":
+            assert finish == "stop" and tokens == []  # the stop string is cut from the output
+            continue
+        if name != "fresh":
+            assert stats.cached_prompt_tokens == job.prompt_ids.shape[0]
+            assert tokens == want[name], name  # the first token sent once, the rest as solo
+        assert finish == "length" and len(tokens) == greedy.max_new_tokens

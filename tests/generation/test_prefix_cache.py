@@ -74,6 +74,25 @@ def test_lookup(stored, prompt, rows, full):
         assert torch.equal(hit.logits, want_logits)
 
 
+@pytest.mark.parametrize("stored, prompt, full", [
+    ([[1, 2, 3, 4, 5]], [1, 2, 3, 4, 5], True),     # held whole: its rows and logits
+    ([[1, 2, 3, 4, 5]], [1, 2, 3, 4, 9], False),    # a chunk in common: Not a whole-prompt hit (lookup's business)
+    ([[1, 2, 3, 4, 5]], [1, 2, 3, 4], False),       # a prefix of a held prompt: Not held whole
+    ([], [1, 2, 3, 4, 5], False),
+])
+def test_lookup_whole_takes_only_whole_prompts_and_counts_only_hits(stored, prompt, full):
+    """The gRPC thread's lookup (a stream's first token at submit): a miss is left uncounted, so the request's own
+    lookup later counts it once, as a partial hit or a miss."""
+    cache = PrefixCache(1 << 20, CHUNK)
+    for p in stored:
+        _store(cache, p)
+    hit = cache.lookup_whole(np.asarray(prompt))
+    assert (hit is not None) == full
+    assert cache.lookups == {"full": int(full), "partial": 0, "miss": 0}
+    if full:
+        assert hit.rows == len(prompt) and torch.equal(hit.logits, _rows(prompt)[2])
+
+
 def test_byte_bound_evicts_least_recently_used():
     cache = PrefixCache(2 * _entry_bytes(5) + 1, CHUNK)
     a, b, c = [1, 2, 3, 4, 5], [6, 7, 8, 9, 1], [2, 3, 4, 5, 6]

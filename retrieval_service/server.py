@@ -202,6 +202,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             num_documents=ds.num_documents, num_shards=ds.num_shards, bytes_on_disk=ds.bytes_on_disk,
             path=str(ds.path), sources=sources, learning=self._learner is not None,
             learned_tokens=self._learner.learned_tokens if self._learner is not None else 0,
+            searchable_learned_tokens=self._learner.searchable_tokens if self._learner is not None else 0,
         )
 
     def Learn(self, request, context):

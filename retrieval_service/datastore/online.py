@@ -46,6 +46,7 @@ class OnlineLearner:
         self._compacted: list[Shard] = self._load_compacted()
         self._seq = 1 + max((self._seq_of(s) for s in self._compacted), default=0)
         self.documents_learned = 0
+        self._searchable = 0  # tokens in the learned shards drafting searches now (_publish)
         self._publish(delta=None)
         self._thread = None
         if background:
@@ -78,6 +79,12 @@ class OnlineLearner:
     def learned_tokens(self) -> int:
         with self._lock:
             return self._pending_tokens + sum(s.num_tokens for s in self._compacted)
+
+    @property
+    def searchable_tokens(self) -> int:
+        """Learned tokens drafts can use now; learned_tokens minus those waiting for the next rebuild."""
+        with self._lock:
+            return self._searchable
 
     def stats(self) -> dict:
         with self._lock:
@@ -159,5 +166,7 @@ class OnlineLearner:
 
     def _publish(self, delta: Shard | None) -> None:
         with self._lock:
-            extra = list(self._compacted)
-        self.ds.set_extra(extra + ([delta] if delta is not None else []))
+            extra = list(self._compacted) + ([delta] if delta is not None else [])
+        self.ds.set_extra(extra)
+        with self._lock:
+            self._searchable = sum(s.num_tokens for s in extra)

@@ -26,6 +26,28 @@ def test_learned_output_becomes_draftable():
     assert learner.stats()["pending_tokens"] == 4
 
 
+@pytest.mark.parametrize("outputs, compact_tokens, max_tokens, searchable", [
+    ([[7, 8, 9]], 50, 100, 3),  # in the delta shard
+    ([[7, 8, 9], [10, 11]], 50, 100, 5),  # two outputs in one delta
+    ([[7, 8, 9, 10, 11, 12]], 6, 100, 6),  # compacted into a shard of its own
+    ([[20, 21, 22, 23, 24, 25], [30, 31, 32, 33, 34, 35], [40, 41]], 6, 12, 14),  # two shards and a delta
+    ([[20, 21, 22, 23, 24, 25], [30, 31, 32, 33, 34, 35], [40, 41, 42, 43, 44, 45]], 6, 12, 12),  # oldest evicted
+])
+def test_searchable_tokens_follow_the_rebuilds(outputs, compact_tokens, max_tokens, searchable):
+    """learned_tokens counts an output once it is added; searchable_tokens once a rebuild has published it."""
+    learner = OnlineLearner(base_store(), max_tokens=max_tokens, compact_tokens=compact_tokens, background=False)
+    assert learner.searchable_tokens == 0
+    for out in outputs[:-1]:
+        learner.add(np.array(out))
+        learner.flush()
+    before = learner.searchable_tokens
+    learner.add(np.array(outputs[-1]))
+    assert learner.searchable_tokens == before  # Not yet: the last output waits for the next rebuild
+    assert learner.learned_tokens > before
+    learner.flush()
+    assert learner.searchable_tokens == learner.learned_tokens == searchable
+
+
 @settings(max_examples=25, deadline=None)
 @given(st.lists(st.lists(st.integers(10, 14), min_size=1, max_size=8), min_size=1, max_size=6),
        st.lists(st.integers(10, 14), min_size=1, max_size=4))

@@ -22,19 +22,24 @@ PROMPT = "# A tiny inventory system for a fictional zorblax warehouse\nclass Zor
 def test_second_pass_drafts_from_the_learned_output(tm, datastore):
     own = SuffixArrayDatastore.open(datastore.path)  # its own shard set: learning must not leak into others
     retrieval = build_retrieval(RetrievalConfig(port=0, learn=True), datastore=own)
-    running, servicer = start_generation(tm, retrieval.address)
+    # A generous draft deadline: on a loaded machine a 50 ms draft can miss it, and the second pass must draft.
+    running, servicer = start_generation(tm, retrieval.address, draft_timeout_ms=5000)
     try:
         with GenerationClient(running.address) as c, grpc.insecure_channel(retrieval.address) as ch:
             stub = draft_pb2_grpc.DraftServiceStub(ch)
             params = dict(max_new_tokens=32, decoding="rest-ds", ignore_eos=True, timeout=300)
             first = c.generate(PROMPT, learn_from_output=True, **params)
-            for _ in range(100):  # learning happens after the reply, in the background
-                if stub.Info(draft_pb2.DatastoreInfoRequest(), timeout=5).learned_tokens > 0:
+            learned = 16 + len(first.token_ids)  # prompt tail + output
+            # Learning happens after the reply, in the background, and the output becomes searchable at the
+            # learning shard's next rebuild: waited for, not slept on (a loaded machine can take longer).
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                info = stub.Info(draft_pb2.DatastoreInfoRequest(), timeout=5)
+                if info.searchable_learned_tokens == learned:
                     break
                 time.sleep(0.05)
-            info = stub.Info(draft_pb2.DatastoreInfoRequest(), timeout=5)
-            assert info.learning and info.learned_tokens == 16 + len(first.token_ids)  # prompt tail + output
-            time.sleep(0.5)  # let the delta shard rebuild
+            assert info.learning and info.learned_tokens == learned
+            assert info.searchable_learned_tokens == learned
             second = c.generate(PROMPT, **params)
             assert list(second.token_ids) == list(first.token_ids)  # lossless either way
             # The repeat is drafted from its own earlier output: far fewer forward passes.

@@ -15,22 +15,32 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from generation_service.draft_budget import StepCost
 
-ALPHA = 0.3  # EWMA weight of a pass's slowdown (a pass is ~10-100 ms: a few passes follow a change of load)
+# An arm's slowdown is its measured over its calibrated ms across its passes of the last WINDOW_MS of pass time:
+# a contended team's one pass (100-1000 ms) fills the window alone, so a real change of load is seen at once, while
+# one pass that lost its core for a scheduler slice is one pass among dozens. An average of per-pass ratios (EWMA,
+# 0.3 per pass) moved to one thread on such single passes: at one client (1-row passes of 3.6 ms, each delta
+# waking a gRPC thread) a 5x pass now and then made 25-35 % of the passes run on one thread, the mean pass
+# 4.6 ms against a median of 4.0.
+WINDOW_MS = 250.0
 # Fewer threads must be this much cheaper before the engine moves to them: the calibrated curves predict a pass
 # within ~30 % (prompt chunks of other sizes, attention over longer caches), while a team that lost a core is
 # 2-100x slower. Back to more threads as soon as they are cheaper (the calibrated choice).
 SWITCH_MARGIN = 1.5
-STALE_S = 1.0  # a ratio older than this is replaced by the next measurement, not averaged with it
+STALE_S = 1.0  # passes older than this leave the window: after a pause the next pass is measured alone
 EXPLORE_S = 4.0  # first retry of a losing count after this long; doubled each time it loses again
 MAX_EXPLORE_S = 32.0  # at most this long; a retry that loses costs one slow pass (up to ~1 s when contended)
 # More threads are retried sooner while the machine shows the idle cores they need (the other load has gone):
-# after IDLE_RETRY_S, or an eighth of the backoff if longer (a burst of other load may be back by then).
+# after IDLE_RETRY_S, or IDLE_RETRY_SHARE of the backoff if longer (a burst of other load may be back by then):
+# at most 1 s on one thread once the cores are free (an eighth, up to 4 s, kept a worker whose neighbour had
+# stopped on one thread for 3 s requests). Behind a steadily busy neighbour the cores never look idle.
 IDLE_RETRY_S = 0.5
+IDLE_RETRY_SHARE = 1 / 32
 IDLE_NEEDED = 0.75  # idle cores per extra thread
 
 
@@ -38,13 +48,31 @@ IDLE_NEEDED = 0.75  # idle cores per extra thread
 class _Arm:
     threads: int
     cost: StepCost
-    ratio: float = 1.0  # measured pass ms / calibrated pass ms (EWMA)
+    ratio: float = 1.0  # measured / calibrated ms over its passes in `recent` (1.0 before any)
+    recent: deque = field(default_factory=deque)  # (clock, measured ms, calibrated ms) of its last passes
+    measured_ms: float = 0.0  # sums over `recent`
+    calibrated_ms: float = 0.0
     seen: float = -math.inf  # clock of its last measured pass
     tried: float = -math.inf  # clock of its last retry (a pass that failed is not measured)
     wait_s: float = EXPLORE_S  # next retry this long after the last one
 
     def expected_ms(self, rows: int) -> float:
         return self.ratio * float(self.cost.pass_ms(rows))
+
+    def add(self, now: float, ms: float, rows: int) -> None:
+        """A pass of `rows` rows took `ms`: into the window, passes older than STALE_S or beyond WINDOW_MS out."""
+        calibrated = max(float(self.cost.pass_ms(rows)), 1e-6)
+        self.recent.append((now, ms, calibrated))
+        self.measured_ms += ms
+        self.calibrated_ms += calibrated
+        while len(self.recent) > 1 and (now - self.recent[0][0] > STALE_S
+                                        or self.measured_ms - self.recent[0][1] >= WINDOW_MS):
+            _, old_ms, old_calibrated = self.recent.popleft()
+            self.measured_ms -= old_ms
+            self.calibrated_ms -= old_calibrated
+        if len(self.recent) == 1:  # exact again: running sums drift over millions of passes
+            self.measured_ms, self.calibrated_ms = ms, calibrated
+        self.ratio = self.measured_ms / self.calibrated_ms
 
 
 class ThreadGovernor:
@@ -78,7 +106,7 @@ class ThreadGovernor:
             since = now - max(arm.seen, arm.tried)
             idle = (idle_cores is not None and arm.threads > self.current
                     and idle_cores >= IDLE_NEEDED * (arm.threads - self.current))
-            if since >= arm.wait_s or (idle and since >= max(IDLE_RETRY_S, arm.wait_s / 8)):
+            if since >= arm.wait_s or (idle and since >= max(IDLE_RETRY_S, arm.wait_s * IDLE_RETRY_SHARE)):
                 arm.tried = now
                 return arm.threads
         best = min(self.arms.values(), key=lambda a: a.expected_ms(rows))
@@ -97,8 +125,7 @@ class ThreadGovernor:
         if arm is None or not (ms > 0 and math.isfinite(ms)):
             return
         now = self._clock()
-        ratio = ms / max(float(arm.cost.pass_ms(rows)), 1e-6)
-        arm.ratio = ratio if now - arm.seen > STALE_S else (1 - ALPHA) * arm.ratio + ALPHA * ratio
+        arm.add(now, ms, rows)
         arm.seen = now
         if threads != self.current:  # a retry: back off while it loses, retry soon again once it wins
             arm.wait_s = EXPLORE_S if self._better(arm, rows) else min(2 * arm.wait_s, MAX_EXPLORE_S)

@@ -332,17 +332,20 @@ class LeanForward {
     }
   }
 
-  // Decoded bf16 copies of the weights (decode_bf16, in the order of the constructor's lists) for block_linear's
-  // wide: passes of more than 10 rows then read them instead of decoding every block; empty lists drop them.
+  // The weights prepared for this CPU's bf16 linears (in the order of the constructor's lists), block_linear's wide:
+  // decoded bf16 copies (decode_bf16) where wide_bf16(), which passes of more than 10 rows read instead of decoding
+  // every block; or the Q4_1 weights' AMX group layout (amx_layout) where bf16() is "amx", which every pass decodes
+  // (the head, Q8_0, may be an empty tensor: it then decodes its GGUF blocks). Empty lists drop them.
   void set_wide(std::vector<torch::Tensor> wqkv, std::vector<torch::Tensor> wo, std::vector<torch::Tensor> wgu,
                 std::vector<torch::Tensor> wd, torch::Tensor head) {
     const size_t L = wqkv_.size();
-    TORCH_CHECK(bf16_ && wide_bf16() || wqkv.empty(), "decoded weights need the AVX512-BF16 path of bf16 linears");
+    TORCH_CHECK(bf16_ && !bf16_kernel().empty() || wqkv.empty(), "prepared weights need a path of bf16 linears");
     TORCH_CHECK(wqkv.empty() ? wo.empty() && wgu.empty() && wd.empty()
-                             : wqkv.size() == L && wo.size() == L && wgu.size() == L && wd.size() == L && head.defined(),
-                "decoded weights: one per linear of every layer, and the head");
+                             : wqkv.size() == L && wo.size() == L && wgu.size() == L && wd.size() == L &&
+                                   (head.numel() > 0 || !wide_bf16()),
+                "prepared weights: one per linear of every layer, and the head where they are decoded copies");
     wide_qkv_ = wqkv, wide_o_ = wo, wide_gu_ = wgu, wide_d_ = wd;
-    wide_head_ = wqkv.empty() ? torch::Tensor() : head;
+    wide_head_ = wqkv.empty() || head.numel() == 0 ? torch::Tensor() : head;
   }
 
   // ids, positions: int64 [N]; cos, sin: float32 [P, D] tables (P > max position); per segment its row count, past

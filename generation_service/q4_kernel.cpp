@@ -557,11 +557,15 @@ bool amx_permitted() {
   return ok;
 }
 
-void amx_configure() {
+// cols: rows of x per B / C tile (A, the weights, is always 16 x 64 bytes). Passes of fewer than 16 rows configure
+// that many columns: the unit then loads and multiplies only them, where 16 would multiply zero padding. Why: on a
+// 2-core Sapphire Rapids a 1-row pass's linears took 9.4 ms with 16 columns, ~8 with one (with the group layout
+// below: 7.2 -> 5.8). Bits: a column of C is one row of x's own chain of products, so its width changes none.
+void amx_configure(int cols) {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
     cfg.rows[t] = kAmxRows;
-    cfg.colsb[t] = 64;
+    cfg.colsb[t] = t == 0 ? 64 : 4 * cols;
   }
   _tile_loadconfig(&cfg);
 }
@@ -571,6 +575,97 @@ template <class B>
 inline void decode_bf16(const uint8_t* blk, uint16_t* dst) {
   _mm512_store_si512((__m512i*)dst, (__m512i)decode_block_bf16<B>(blk));
 }
+
+// The AMX group layout of a Q4_1 weight (amx_layout_q4_1): per group of 16 weight rows and block b, 320 contiguous
+// bytes: the 16 rows' (d, m) fp16 pairs (64 bytes), then each row's 16 bytes of codes, reordered so that one
+// variable shift per 16-bit word and a mask put code w in word w. Why: decoding, not the tiles, bounds a pass of a
+// few rows, and the GGUF layout decodes a row's block with ~15 vector instructions, 9-10 of them on the one port that
+// also permutes (broadcasts of d and m from a register, the nibble unpack and widening, the table look-up). Here d and
+// m are converted for 16 rows at once and broadcast from memory (load ports), the codes are one broadcast load,
+// shift and mask, and two rows share one conversion of their tables: 6 instructions a row. The values are the table's
+// (the same fma and rounding), so a pass gives the GGUF layout's bits. On a 2-core Sapphire Rapids the 135M model's
+// linears at 1 / 4 / 16 rows took 9.4 / 9.2 / 9.7 ms in the GGUF layout and 5.8 / 5.6 / 7.3 here (min of 14).
+// Byte order in a row's 16: byte 2p = code p | code 8 + p << 4, byte 2p + 1 = code 16 + p | code 24 + p << 4, so the
+// 16-bit word p of the 128-bit lane L holds code 8 L + p at bit 4 L.
+constexpr int64_t kGroupBlockBytes = kAmxRows * 20;  // Q4_1 blocks of 16 rows
+
+torch::Tensor amx_layout_q4_1(const torch::Tensor& w, int64_t K) {
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous() && K % kBlock == 0 &&
+                  w.size(1) == K / kBlock * Q41::bytes,
+              "w must be contiguous Q4_1 blocks [N, K / 32 * 20]");
+  const int64_t N = w.size(0), nb = K / kBlock, groups = (N + kAmxRows - 1) / kAmxRows;
+  auto out = torch::zeros({groups * nb, kGroupBlockBytes}, torch::kUInt8);  // rows past N: d = m = 0
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* dst = op + (g * nb + b) * kGroupBlockBytes;
+        for (int64_t n = 0; n < kAmxRows && g * kAmxRows + n < N; ++n) {
+          const uint8_t* blk = wp + (g * kAmxRows + n) * w.size(1) + b * Q41::bytes;
+          std::memcpy(dst + 4 * n, blk, 4);
+          uint8_t code[kBlock];
+          for (int j = 0; j < 16; ++j) code[j] = blk[4 + j] & 0x0f, code[16 + j] = blk[4 + j] >> 4;
+          uint8_t* codes = dst + 4 * kAmxRows + 16 * n;
+          for (int p = 0; p < 8; ++p) {
+            codes[2 * p] = (uint8_t)(code[p] | code[8 + p] << 4);
+            codes[2 * p + 1] = (uint8_t)(code[16 + p] | code[24 + p] << 4);
+          }
+        }
+      }
+  });
+  return out;
+}
+
+// Block b of a group's 16 rows (gb: its 320 bytes) -> dst [16][32] bf16.
+inline void decode_group_q41(const uint8_t* gb, uint16_t* dst) {
+  alignas(64) float dm[2 * kAmxRows];  // d0 m0 d1 m1 ...
+  const __m512i h = _mm512_loadu_si512((const void*)gb);
+  _mm512_store_ps(dm, _mm512_cvtph_ps(_mm512_castsi512_si256(h)));
+  _mm512_store_ps(dm + kAmxRows, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)));
+  asm volatile("" ::: "memory");  // else GCC broadcasts d and m by permutes of these registers, on the busy port
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i shifts = _mm512_set_epi64(0x000c000c000c000cLL, 0x000c000c000c000cLL, 0x0008000800080008LL,
+                                          0x0008000800080008LL, 0x0004000400040004LL, 0x0004000400040004LL, 0, 0);
+  const __m512i low4 = _mm512_set1_epi16(0x000f), second = _mm512_set1_epi16(0x0010);
+  const uint8_t* codes = gb + 4 * kAmxRows;
+  for (int n = 0; n < kAmxRows; n += 2) {
+    const __m512 v0 = _mm512_fmadd_ps(iota, _mm512_set1_ps(dm[2 * n]), _mm512_set1_ps(dm[2 * n + 1]));
+    const __m512 v1 = _mm512_fmadd_ps(iota, _mm512_set1_ps(dm[2 * n + 2]), _mm512_set1_ps(dm[2 * n + 3]));
+    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(v1, v0);  // words 0..15: row n's values, 16..31: row n + 1's
+    const __m512i c0 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(codes + 16 * n)));
+    const __m512i c1 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(codes + 16 * n + 16)));
+    const __m512i i0 = _mm512_and_si512(_mm512_srlv_epi16(c0, shifts), low4);
+    const __m512i i1 = _mm512_ternarylogic_epi32(_mm512_srlv_epi16(c1, shifts), low4, second, 0xEA);  // a & b | c
+    _mm512_store_si512((__m512i*)(dst + n * kBlock), _mm512_permutexvar_epi16(i0, table));
+    _mm512_store_si512((__m512i*)(dst + (n + 1) * kBlock), _mm512_permutexvar_epi16(i1, table));
+  }
+}
+
+// Where linear_rows_amx gets a group's decoded block: GGUF rows (any block format) or the group layout (Q4_1).
+template <class B>
+struct GgufRows {
+  const uint8_t* wp;
+  int64_t row_bytes;
+  void operator()(int64_t n0, int64_t nr, int64_t b, uint16_t* dst) const {
+    for (int64_t n = 0; n < nr; ++n) {
+      const uint8_t* blk = wp + (n0 + n) * row_bytes + b * B::bytes;
+      // The next group's rows, block by block as this group reads them (the fp32 path's rows-ahead scheme).
+      _mm_prefetch((const char*)(blk + kAmxRows * row_bytes), _MM_HINT_T1);
+      decode_bf16<B>(blk, dst + n * kBlock);
+    }
+  }
+};
+
+struct Q41Groups {
+  const uint8_t* wp;
+  int64_t nb;
+  void operator()(int64_t n0, int64_t, int64_t b, uint16_t* dst) const {
+    const uint8_t* gb = wp + (n0 / kAmxRows * nb + b) * kGroupBlockBytes;
+    for (int l = 0; l < 5; ++l) _mm_prefetch((const char*)(gb + 2 * kGroupBlockBytes + 64 * l), _MM_HINT_T0);
+    decode_group_q41(gb, dst);
+  }
+};
 
 // r[0..15] as the rows of a 16 x 16 matrix of 32-bit elements -> its columns, in place: unpacks of 32- then 64-bit
 // pairs leave a 4 x 4 block transposed in each 128-bit lane, then two lane shuffles move the blocks.
@@ -661,8 +756,9 @@ inline void amx_store(int j, float* c) {
   }
 }
 
-template <class B>
-torch::Tensor linear_rows_amx(const torch::Tensor& x, const uint8_t* wp, int64_t N, int64_t row_bytes) {
+// decode(n0, nr, b, dst): weight rows n0 .. n0 + nr - 1, block b -> dst [16][32] bf16 (GgufRows, Q41Groups).
+template <class Decode>
+torch::Tensor linear_rows_amx(const torch::Tensor& x, const Decode& decode_rows, int64_t N) {
   TORCH_CHECK(amx_permitted(), "AMX tiles are not available to this process");
   const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
   const int64_t groups = (M + kAmxRows - 1) / kAmxRows;
@@ -671,7 +767,7 @@ torch::Tensor linear_rows_amx(const torch::Tensor& x, const uint8_t* wp, int64_t
   float* op = out.data_ptr<float>();
   const int64_t ngroups = (N + kAmxRows - 1) / kAmxRows;
   at::parallel_for(0, ngroups, 1, [&](int64_t a, int64_t z) {
-    amx_configure();  // tile configuration is per thread
+    amx_configure(groups == 1 ? (int)M : kAmxRows);  // tile configuration is per thread
     // Two A buffers: block b + 1 is decoded while block b's tile multiplies, so a tile load does not wait for the
     // stores that just wrote its buffer (on Sapphire Rapids no measurable change at 1 row; harmless).
     alignas(64) uint16_t wt[2][kAmxRows * kBlock];
@@ -679,14 +775,7 @@ torch::Tensor linear_rows_amx(const torch::Tensor& x, const uint8_t* wp, int64_t
     for (int64_t ng = a; ng < z; ++ng) {
       const int64_t n0 = ng * kAmxRows, nr = std::min<int64_t>(kAmxRows, N - n0);
       if (nr < kAmxRows) std::memset(wt, 0, sizeof(wt));
-      auto decode = [&](int64_t b, uint16_t* dst) {
-        for (int64_t n = 0; n < nr; ++n) {
-          const uint8_t* blk = wp + (n0 + n) * row_bytes + b * B::bytes;
-          // The next group's rows, block by block as this group reads them (the fp32 path's rows-ahead scheme).
-          _mm_prefetch((const char*)(blk + kAmxRows * row_bytes), _MM_HINT_T1);
-          decode_bf16<B>(blk, dst + n * kBlock);
-        }
-      };
+      auto decode = [&](int64_t b, uint16_t* dst) { decode_rows(n0, nr, b, dst); };
       for (int64_t g0 = 0; g0 < groups; g0 += kAmxGroups) {
         const int cnt = (int)std::min<int64_t>(kAmxGroups, groups - g0);
         _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
@@ -760,7 +849,7 @@ template <class B>
 torch::Tensor rows_for(const torch::Tensor& x, const uint8_t* wp, int64_t N, int64_t row_bytes, bool bf16) {
   if (!bf16) return linear_rows<B>(x, wp, N, row_bytes);
 #if defined(RAGSERVE_AMX)
-  if (amx_permitted()) return linear_rows_amx<B>(x, wp, N, row_bytes);
+  if (amx_permitted()) return linear_rows_amx(x, GgufRows<B>{wp, row_bytes}, N);
 #endif
 #if defined(__AVX512BF16__)
   return linear_rows_bf16dp<B>(x, wp, N, row_bytes);
@@ -867,6 +956,15 @@ torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& w, bool 
   }
 #endif
   TORCH_CHECK(w.scalar_type() == torch::kUInt8, "weight must be float32 or GGUF blocks (uint8)");
+#if defined(RAGSERVE_AMX)
+  if (wide.defined() && bf16 && amx_permitted()) {
+    TORCH_CHECK(w.size(1) == nb * Q41::bytes && wide.scalar_type() == torch::kUInt8 && wide.dim() == 2 &&
+                    wide.is_contiguous() && wide.size(0) == (w.size(0) + kAmxRows - 1) / kAmxRows * nb &&
+                    wide.size(1) == kGroupBlockBytes,
+                "wide must be this Q4_1 weight's AMX group layout (amx_layout_q4_1)");
+    return linear_rows_amx(x, Q41Groups{wide.data_ptr<uint8_t>(), nb}, w.size(0));
+  }
+#endif
   if (w.size(1) == nb * Q41::bytes) return rows_for<Q41>(x, w.data_ptr<uint8_t>(), w.size(0), w.size(1), bf16);
   if (w.size(1) == nb * Q80::bytes) return rows_for<Q80>(x, w.data_ptr<uint8_t>(), w.size(0), w.size(1), bf16);
   TORCH_CHECK(false, "a packed row of ", w.size(1), " bytes is neither Q4_1 nor Q8_0 for K = ", K);
@@ -883,7 +981,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         },
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bf16") = false, pybind11::arg("wide") = pybind11::none(),
         "x[M, K] float32 @ W^T, W dense float32 or Q4_1 / Q8_0 blocks; bf16: bf16 activations (AMX or AVX512-BF16); "
-        "wide: W decoded to bf16 (decode_bf16), used by passes of more than 10 rows where wide_bf16()");
+        "wide: W prepared for this CPU's bf16 path: decoded to bf16 (decode_bf16), used by passes of more than 10 rows "
+        "where wide_bf16(); or a Q4_1 W in the AMX group layout (amx_layout), used by every pass where bf16() is 'amx'");
   m.def("wide_bf16", &wide_bf16, "whether bf16-activation linears here take decoded bf16 weights (block_linear's "
         "wide): AVX512-BF16 dot products, not AMX tiles");
   m.def("bf16", &bf16_kernel, "what runs bf16-activation linears here: 'amx' (built for AMX and granted the tile "
@@ -906,6 +1005,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, pybind11::arg("w"), pybind11::arg("in_features"),
         "Q4_1 / Q8_0 weight -> bf16 [N, in_features]: the values the bf16-activation linears multiply (block_linear's "
         "wide)");
+  m.def("amx_layout", [](const torch::Tensor& w, int64_t K) {
+#if defined(RAGSERVE_AMX)
+    return amx_layout_q4_1(w, K);
+#else
+    TORCH_CHECK(false, "amx_layout needs the AMX build");
+    return torch::Tensor();
+#endif
+  }, pybind11::arg("w"), pybind11::arg("in_features"),
+        "Q4_1 weight [N, K / 32 * 20] -> its AMX group layout (uint8 [ceil(N / 16) * K / 32, 320]): what block_linear's "
+        "wide takes where bf16() is 'amx'; the same values, decoded with fewer instructions");
   m.def("q4_1_dequantize", &dequantize<Q41>, "Q4_1 weight -> float32 [N, K]");
   m.def("q8_0_dequantize", &dequantize<Q80>, "Q8_0 weight -> float32 [N, K]");
   bind_lean_forward(m);

@@ -75,6 +75,51 @@ def test_decoded_copy_gives_the_same_bits(kind, m, n, blocks, seed):
             kernel().block_linear(torch.zeros(rows, k), packed, True, wide[:, 1:].contiguous())
 
 
+needs_amx = pytest.mark.skipif(kernel() is None or kernel().bf16() != "amx", reason="no AMX tiles here")
+
+
+@needs_amx
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(m=st.sampled_from([1, 2, 3, 7, 15, 16, 17, 31, 48, 49, 97]), n=st.integers(1, 70), blocks=st.integers(1, 12),
+       seed=st.integers(0, 2**32 - 1))
+def test_amx_group_layout_gives_the_same_bits(m, n, blocks, seed):
+    """A pass over a Q4_1 weight's AMX group layout (block_linear's wide on AMX) = the pass over its GGUF rows, bit for
+    bit, at every pass size (fewer tile columns below 16 rows, 1-3 groups of 16, several passes over the weights past
+    48) and weight rows not a multiple of 16 (a padded group); both match the brute-force bf16 matmul."""
+    rng = np.random.default_rng(seed)
+    k = 32 * blocks
+    packed = torch.from_numpy(random_blocks(rng, "q4_1", n, k))
+    groups = kernel().amx_layout(packed, k)
+    assert groups.dtype == torch.uint8 and tuple(groups.shape) == ((n + 15) // 16 * blocks, 320)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    got = kernel().block_linear(torch.from_numpy(x), packed, True, groups)
+    assert torch.equal(got, kernel().block_linear(torch.from_numpy(x), packed, True))
+    xr, wr = bf16(x), bf16(dequantize("q4_1", packed.numpy(), k))
+    bound = 1e-6 * (np.abs(xr) @ np.abs(wr).T) * k ** 0.5 + 1e-30
+    assert np.all(np.abs(got.numpy() - xr @ wr.T) <= bound)
+    assert torch.equal(kernel().block_linear(torch.from_numpy(x[-1:]), packed, True, groups)[0], got[-1])
+
+
+@needs_amx
+@pytest.mark.parametrize("case, why", [
+    ("rows", "another weight's layout (one group fewer)"),
+    ("q8_0", "a Q8_0 weight (the layout is Q4_1's)"),
+])
+def test_amx_group_layout_refuses_a_mismatch(case, why):
+    rng = np.random.default_rng(0)
+    packed = torch.from_numpy(random_blocks(rng, "q4_1", 40, 64))
+    groups = kernel().amx_layout(packed, 64)
+    if case == "rows":
+        with pytest.raises(RuntimeError, match="AMX group layout"):
+            kernel().block_linear(torch.zeros(1, 64), packed, True, groups[2:].contiguous())
+    else:
+        q8 = torch.from_numpy(random_blocks(rng, "q8_0", 40, 64))
+        with pytest.raises(RuntimeError, match="Q4_1"):
+            kernel().amx_layout(q8, 64)
+        with pytest.raises(RuntimeError, match="AMX group layout"):
+            kernel().block_linear(torch.zeros(1, 64), q8, True, groups)
+
+
 def test_q4_1_bf16_is_refused_without_a_bf16_kernel(monkeypatch):
     real = kernel()
     if real is None:
@@ -126,3 +171,29 @@ def test_wide_passes_give_a_row_the_bits_of_its_solo_step(tmq4bf16):
     tree = verify_tree(tmq4bf16, cache, 7, tokens, parents)
     one = verify_tree(tmq4bf16, solo, 7, tokens[:0], parents[:0])
     assert len(tree) == len(parents) + 1 and torch.equal(tree[0], one[0])
+
+
+@needs_amx
+@pytest.mark.model
+def test_served_model_decodes_the_group_layout_to_the_same_bits(tmq4bf16):
+    """On AMX the fused pass reads the Q4_1 weights from their group layout: a prefill and a 6-node tree give the
+    logits of the same passes over the GGUF rows (the layout dropped), bit for bit."""
+    lean = tmq4bf16.lean
+    assert lean.wide_bytes > 0
+    rng = np.random.default_rng(2)
+    prompt = torch.from_numpy(rng.integers(0, 30000, 40))
+    parents = np.array([-1, 0, 0, 1, -1, 4], np.int32)
+    tokens = rng.integers(0, 30000, len(parents)).astype(np.int32)
+
+    def run():
+        cache = new_cache(tmq4bf16)
+        return prefill(tmq4bf16, cache, prompt, chunk=1024), verify_tree(tmq4bf16, cache, 7, tokens, parents)
+
+    with_layout = run()
+    lean.fused.set_wide([], [], [], [], torch.Tensor())
+    try:
+        without = run()
+    finally:
+        lean._set_amx_layout(kernel())
+    assert torch.equal(with_layout[0], without[0])
+    assert all(torch.equal(a, b) for a, b in zip(with_layout[1], without[1]))

@@ -9,7 +9,7 @@
 // rounded to bf16, products summed in fp32 (AMX tiles or AVX512-BF16 dot products; only where bf16_available()).
 // wide: optional, w prepared for this CPU's bf16 path (same bits: the same values in the same sums): where
 // wide_bf16(), bf16 [N, K], w's weights as the bf16 path multiplies them (decode_bf16), taken instead of w by passes
-// of more than 10 rows; where bf16_kernel() is "amx", a Q4_1 w's group layout (amx_layout), taken by every pass.
+// of more than 10 rows; where bf16_kernel() is "amx", w's group layout (amx_layout), taken by every pass.
 torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& w, bool bf16,
                            const torch::Tensor& wide = torch::Tensor());
 

@@ -334,8 +334,8 @@ class LeanForward {
 
   // The weights prepared for this CPU's bf16 linears (in the order of the constructor's lists), block_linear's wide:
   // decoded bf16 copies (decode_bf16) where wide_bf16(), which passes of more than 10 rows read instead of decoding
-  // every block; or the Q4_1 weights' AMX group layout (amx_layout) where bf16() is "amx", which every pass decodes
-  // (the head, Q8_0, may be an empty tensor: it then decodes its GGUF blocks). Empty lists drop them.
+  // every block; or the weights' AMX group layout (amx_layout) where bf16() is "amx", which every pass decodes (the
+  // head may then be an empty tensor: it decodes its GGUF blocks). Empty lists drop them.
   void set_wide(std::vector<torch::Tensor> wqkv, std::vector<torch::Tensor> wo, std::vector<torch::Tensor> wgu,
                 std::vector<torch::Tensor> wd, torch::Tensor head) {
     const size_t L = wqkv_.size();

@@ -576,73 +576,99 @@ inline void decode_bf16(const uint8_t* blk, uint16_t* dst) {
   _mm512_store_si512((__m512i*)dst, (__m512i)decode_block_bf16<B>(blk));
 }
 
-// The AMX group layout of a Q4_1 weight (amx_layout_q4_1): per group of 16 weight rows and block b, 320 contiguous
-// bytes: the 16 rows' (d, m) fp16 pairs (64 bytes), then each row's 16 bytes of codes, reordered so that one
-// variable shift per 16-bit word and a mask put code w in word w. Why: decoding, not the tiles, bounds a pass of a
-// few rows, and the GGUF layout decodes a row's block with ~15 vector instructions, 9-10 of them on the one port that
-// also permutes (broadcasts of d and m from a register, the nibble unpack and widening, the table look-up). Here d and
-// m are converted for 16 rows at once and broadcast from memory (load ports), the codes are one broadcast load,
-// shift and mask, and two rows share one conversion of their tables: 6 instructions a row. The values are the table's
-// (the same fma and rounding), so a pass gives the GGUF layout's bits. On a 2-core Sapphire Rapids the 135M model's
-// linears at 1 / 4 / 16 rows took 9.4 / 9.2 / 9.7 ms in the GGUF layout and 5.8 / 5.6 / 7.3 here (min of 14).
-// Byte order in a row's 16: byte 2p = code p | code 8 + p << 4, byte 2p + 1 = code 16 + p | code 24 + p << 4, so the
-// 16-bit word p of the 128-bit lane L holds code 8 L + p at bit 4 L.
-constexpr int64_t kGroupBlockBytes = kAmxRows * 20;  // Q4_1 blocks of 16 rows
+// The AMX group layout of a block weight (amx_layout): per group of 16 weight rows and block b, the 16 rows' blocks
+// contiguous and reordered for decoding 16 rows at once. Why: decoding, not the tiles, bounds a pass of a few rows,
+// and the GGUF layout decodes a Q4_1 row's block with ~15 vector instructions, 9-10 of them on the one port that also
+// permutes (broadcasts of d and m from a register, the nibble unpack and widening, the table look-up). Here the 16
+// rows' scales are converted at once and broadcast from memory (load ports). The values are the GGUF path's (the same
+// fma / product and rounding), so a pass gives its bits. On a 2-core Sapphire Rapids the 135M model's 121 linears in
+// one process, alternating, outputs asserted equal: 1 / 8 / 16 / 32 / 64 rows 0.83 / 0.84 / 0.85 / 0.85 / 0.89x the
+// time of the GGUF layout (the Q4_1 weights alone; 1 row 16.6 -> 13.7 ms at the box's slow hour).
+//   Q4_1, 320 bytes: the rows' (d, m) fp16 pairs (64 bytes), then each row's 16 bytes of codes, reordered so that one
+//   variable shift per 16-bit word and a mask put code w in word w (byte 2p = code p | code 8 + p << 4, byte 2p + 1 =
+//   code 16 + p | code 24 + p << 4: word p of the 128-bit lane L holds code 8 L + p at bit 4 L); two rows share one
+//   conversion of their 16-value tables: 6 instructions a row.
+//   Q8_0, 544 bytes: the rows' d (32 bytes), then each row's 32 codes.
+template <class B>
+struct GroupLayout;
+template <>
+struct GroupLayout<Q41> {
+  static constexpr int64_t bytes = kAmxRows * Q41::bytes;
+  static void pack(const uint8_t* blk, int64_t n, uint8_t* dst) {
+    std::memcpy(dst + 4 * n, blk, 4);
+    uint8_t code[kBlock];
+    for (int j = 0; j < 16; ++j) code[j] = blk[4 + j] & 0x0f, code[16 + j] = blk[4 + j] >> 4;
+    uint8_t* codes = dst + 4 * kAmxRows + 16 * n;
+    for (int p = 0; p < 8; ++p) {
+      codes[2 * p] = (uint8_t)(code[p] | code[8 + p] << 4);
+      codes[2 * p + 1] = (uint8_t)(code[16 + p] | code[24 + p] << 4);
+    }
+  }
+  // Block b of a group's 16 rows (gb: its bytes) -> dst [16][32] bf16.
+  static inline void decode(const uint8_t* gb, uint16_t* dst) {
+    alignas(64) float dm[2 * kAmxRows];  // d0 m0 d1 m1 ...
+    const __m512i h = _mm512_loadu_si512((const void*)gb);
+    _mm512_store_ps(dm, _mm512_cvtph_ps(_mm512_castsi512_si256(h)));
+    _mm512_store_ps(dm + kAmxRows, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)));
+    asm volatile("" ::: "memory");  // else GCC broadcasts d and m by permutes of these registers, on the busy port
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i shifts = _mm512_set_epi64(0x000c000c000c000cLL, 0x000c000c000c000cLL, 0x0008000800080008LL,
+                                            0x0008000800080008LL, 0x0004000400040004LL, 0x0004000400040004LL, 0, 0);
+    const __m512i low4 = _mm512_set1_epi16(0x000f), second = _mm512_set1_epi16(0x0010);
+    const uint8_t* codes = gb + 4 * kAmxRows;
+    for (int n = 0; n < kAmxRows; n += 2) {
+      const __m512 v0 = _mm512_fmadd_ps(iota, _mm512_set1_ps(dm[2 * n]), _mm512_set1_ps(dm[2 * n + 1]));
+      const __m512 v1 = _mm512_fmadd_ps(iota, _mm512_set1_ps(dm[2 * n + 2]), _mm512_set1_ps(dm[2 * n + 3]));
+      const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(v1, v0);  // words 0..15: row n's values, 16..31: n + 1's
+      const __m512i c0 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(codes + 16 * n)));
+      const __m512i c1 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(codes + 16 * n + 16)));
+      const __m512i i0 = _mm512_and_si512(_mm512_srlv_epi16(c0, shifts), low4);
+      const __m512i i1 = _mm512_ternarylogic_epi32(_mm512_srlv_epi16(c1, shifts), low4, second, 0xEA);  // a & b | c
+      _mm512_store_si512((__m512i*)(dst + n * kBlock), _mm512_permutexvar_epi16(i0, table));
+      _mm512_store_si512((__m512i*)(dst + (n + 1) * kBlock), _mm512_permutexvar_epi16(i1, table));
+    }
+  }
+};
+template <>
+struct GroupLayout<Q80> {
+  static constexpr int64_t bytes = kAmxRows * Q80::bytes;
+  static void pack(const uint8_t* blk, int64_t n, uint8_t* dst) {
+    std::memcpy(dst + 2 * n, blk, 2);
+    std::memcpy(dst + 2 * kAmxRows + kBlock * n, blk + 2, kBlock);
+  }
+  static inline void decode(const uint8_t* gb, uint16_t* dst) {
+    alignas(64) float d[kAmxRows];
+    _mm512_store_ps(d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)gb)));
+    asm volatile("" ::: "memory");  // broadcast from memory, as above
+    const uint8_t* codes = gb + 2 * kAmxRows;
+    for (int n = 0; n < kAmxRows; ++n) {
+      const __m512 dn = _mm512_set1_ps(d[n]);
+      const int8_t* q = (const int8_t*)(codes + kBlock * n);
+      const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q))), dn);
+      const __m512 w1 =
+          _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 16)))), dn);
+      _mm512_store_si512((__m512i*)(dst + n * kBlock), (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+    }
+  }
+};
 
-torch::Tensor amx_layout_q4_1(const torch::Tensor& w, int64_t K) {
-  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous() && K % kBlock == 0 &&
-                  w.size(1) == K / kBlock * Q41::bytes,
-              "w must be contiguous Q4_1 blocks [N, K / 32 * 20]");
+template <class B>
+torch::Tensor amx_layout(const torch::Tensor& w, int64_t K) {
   const int64_t N = w.size(0), nb = K / kBlock, groups = (N + kAmxRows - 1) / kAmxRows;
-  auto out = torch::zeros({groups * nb, kGroupBlockBytes}, torch::kUInt8);  // rows past N: d = m = 0
+  torch::Tensor out = torch::zeros({groups * nb, GroupLayout<B>::bytes}, torch::kUInt8);  // rows past N: zero
   const uint8_t* wp = w.data_ptr<uint8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
-      for (int64_t b = 0; b < nb; ++b) {
-        uint8_t* dst = op + (g * nb + b) * kGroupBlockBytes;
-        for (int64_t n = 0; n < kAmxRows && g * kAmxRows + n < N; ++n) {
-          const uint8_t* blk = wp + (g * kAmxRows + n) * w.size(1) + b * Q41::bytes;
-          std::memcpy(dst + 4 * n, blk, 4);
-          uint8_t code[kBlock];
-          for (int j = 0; j < 16; ++j) code[j] = blk[4 + j] & 0x0f, code[16 + j] = blk[4 + j] >> 4;
-          uint8_t* codes = dst + 4 * kAmxRows + 16 * n;
-          for (int p = 0; p < 8; ++p) {
-            codes[2 * p] = (uint8_t)(code[p] | code[8 + p] << 4);
-            codes[2 * p + 1] = (uint8_t)(code[16 + p] | code[24 + p] << 4);
-          }
-        }
-      }
+      for (int64_t b = 0; b < nb; ++b)
+        for (int64_t n = 0; n < kAmxRows && g * kAmxRows + n < N; ++n)
+          GroupLayout<B>::pack(wp + (g * kAmxRows + n) * w.size(1) + b * B::bytes, n,
+                               op + (g * nb + b) * GroupLayout<B>::bytes);
   });
   return out;
 }
 
-// Block b of a group's 16 rows (gb: its 320 bytes) -> dst [16][32] bf16.
-inline void decode_group_q41(const uint8_t* gb, uint16_t* dst) {
-  alignas(64) float dm[2 * kAmxRows];  // d0 m0 d1 m1 ...
-  const __m512i h = _mm512_loadu_si512((const void*)gb);
-  _mm512_store_ps(dm, _mm512_cvtph_ps(_mm512_castsi512_si256(h)));
-  _mm512_store_ps(dm + kAmxRows, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)));
-  asm volatile("" ::: "memory");  // else GCC broadcasts d and m by permutes of these registers, on the busy port
-  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i shifts = _mm512_set_epi64(0x000c000c000c000cLL, 0x000c000c000c000cLL, 0x0008000800080008LL,
-                                          0x0008000800080008LL, 0x0004000400040004LL, 0x0004000400040004LL, 0, 0);
-  const __m512i low4 = _mm512_set1_epi16(0x000f), second = _mm512_set1_epi16(0x0010);
-  const uint8_t* codes = gb + 4 * kAmxRows;
-  for (int n = 0; n < kAmxRows; n += 2) {
-    const __m512 v0 = _mm512_fmadd_ps(iota, _mm512_set1_ps(dm[2 * n]), _mm512_set1_ps(dm[2 * n + 1]));
-    const __m512 v1 = _mm512_fmadd_ps(iota, _mm512_set1_ps(dm[2 * n + 2]), _mm512_set1_ps(dm[2 * n + 3]));
-    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(v1, v0);  // words 0..15: row n's values, 16..31: row n + 1's
-    const __m512i c0 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(codes + 16 * n)));
-    const __m512i c1 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(codes + 16 * n + 16)));
-    const __m512i i0 = _mm512_and_si512(_mm512_srlv_epi16(c0, shifts), low4);
-    const __m512i i1 = _mm512_ternarylogic_epi32(_mm512_srlv_epi16(c1, shifts), low4, second, 0xEA);  // a & b | c
-    _mm512_store_si512((__m512i*)(dst + n * kBlock), _mm512_permutexvar_epi16(i0, table));
-    _mm512_store_si512((__m512i*)(dst + (n + 1) * kBlock), _mm512_permutexvar_epi16(i1, table));
-  }
-}
-
-// Where linear_rows_amx gets a group's decoded block: GGUF rows (any block format) or the group layout (Q4_1).
+// Where linear_rows_amx gets a group's decoded block: GGUF rows (any block format) or the group layout.
 template <class B>
 struct GgufRows {
   const uint8_t* wp;
@@ -657,13 +683,15 @@ struct GgufRows {
   }
 };
 
-struct Q41Groups {
+template <class B>
+struct Groups {
   const uint8_t* wp;
   int64_t nb;
   void operator()(int64_t n0, int64_t, int64_t b, uint16_t* dst) const {
-    const uint8_t* gb = wp + (n0 / kAmxRows * nb + b) * kGroupBlockBytes;
-    for (int l = 0; l < 5; ++l) _mm_prefetch((const char*)(gb + 2 * kGroupBlockBytes + 64 * l), _MM_HINT_T0);
-    decode_group_q41(gb, dst);
+    constexpr int64_t bytes = GroupLayout<B>::bytes;
+    const uint8_t* gb = wp + (n0 / kAmxRows * nb + b) * bytes;
+    for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch((const char*)(gb + 2 * bytes + l), _MM_HINT_T0);
+    GroupLayout<B>::decode(gb, dst);
   }
 };
 
@@ -756,7 +784,7 @@ inline void amx_store(int j, float* c) {
   }
 }
 
-// decode(n0, nr, b, dst): weight rows n0 .. n0 + nr - 1, block b -> dst [16][32] bf16 (GgufRows, Q41Groups).
+// decode(n0, nr, b, dst): weight rows n0 .. n0 + nr - 1, block b -> dst [16][32] bf16 (GgufRows, Groups).
 template <class Decode>
 torch::Tensor linear_rows_amx(const torch::Tensor& x, const Decode& decode_rows, int64_t N) {
   TORCH_CHECK(amx_permitted(), "AMX tiles are not available to this process");
@@ -958,11 +986,13 @@ torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& w, bool 
   TORCH_CHECK(w.scalar_type() == torch::kUInt8, "weight must be float32 or GGUF blocks (uint8)");
 #if defined(RAGSERVE_AMX)
   if (wide.defined() && bf16 && amx_permitted()) {
-    TORCH_CHECK(w.size(1) == nb * Q41::bytes && wide.scalar_type() == torch::kUInt8 && wide.dim() == 2 &&
+    const bool q41 = w.size(1) == nb * Q41::bytes;
+    TORCH_CHECK((q41 || w.size(1) == nb * Q80::bytes) && wide.scalar_type() == torch::kUInt8 && wide.dim() == 2 &&
                     wide.is_contiguous() && wide.size(0) == (w.size(0) + kAmxRows - 1) / kAmxRows * nb &&
-                    wide.size(1) == kGroupBlockBytes,
-                "wide must be this Q4_1 weight's AMX group layout (amx_layout_q4_1)");
-    return linear_rows_amx(x, Q41Groups{wide.data_ptr<uint8_t>(), nb}, w.size(0));
+                    wide.size(1) == (q41 ? GroupLayout<Q41>::bytes : GroupLayout<Q80>::bytes),
+                "wide must be this weight's AMX group layout (amx_layout)");
+    if (q41) return linear_rows_amx(x, Groups<Q41>{wide.data_ptr<uint8_t>(), nb}, w.size(0));
+    return linear_rows_amx(x, Groups<Q80>{wide.data_ptr<uint8_t>(), nb}, w.size(0));
   }
 #endif
   if (w.size(1) == nb * Q41::bytes) return rows_for<Q41>(x, w.data_ptr<uint8_t>(), w.size(0), w.size(1), bf16);
@@ -982,7 +1012,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bf16") = false, pybind11::arg("wide") = pybind11::none(),
         "x[M, K] float32 @ W^T, W dense float32 or Q4_1 / Q8_0 blocks; bf16: bf16 activations (AMX or AVX512-BF16); "
         "wide: W prepared for this CPU's bf16 path: decoded to bf16 (decode_bf16), used by passes of more than 10 rows "
-        "where wide_bf16(); or a Q4_1 W in the AMX group layout (amx_layout), used by every pass where bf16() is 'amx'");
+        "where wide_bf16(); or W in the AMX group layout (amx_layout), used by every pass where bf16() is 'amx'");
   m.def("wide_bf16", &wide_bf16, "whether bf16-activation linears here take decoded bf16 weights (block_linear's "
         "wide): AVX512-BF16 dot products, not AMX tiles");
   m.def("bf16", &bf16_kernel, "what runs bf16-activation linears here: 'amx' (built for AMX and granted the tile "
@@ -1007,14 +1037,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "wide)");
   m.def("amx_layout", [](const torch::Tensor& w, int64_t K) {
 #if defined(RAGSERVE_AMX)
-    return amx_layout_q4_1(w, K);
+    TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous() && K % kBlock == 0,
+                "w must be contiguous GGUF blocks [N, K / 32 * block bytes]");
+    if (w.size(1) == K / kBlock * Q41::bytes) return amx_layout<Q41>(w, K);
+    TORCH_CHECK(w.size(1) == K / kBlock * Q80::bytes, "a packed row of ", w.size(1), " bytes is neither Q4_1 nor Q8_0");
+    return amx_layout<Q80>(w, K);
 #else
     TORCH_CHECK(false, "amx_layout needs the AMX build");
     return torch::Tensor();
 #endif
   }, pybind11::arg("w"), pybind11::arg("in_features"),
-        "Q4_1 weight [N, K / 32 * 20] -> its AMX group layout (uint8 [ceil(N / 16) * K / 32, 320]): what block_linear's "
-        "wide takes where bf16() is 'amx'; the same values, decoded with fewer instructions");
+        "Q4_1 / Q8_0 weight -> its AMX group layout (uint8 [ceil(N / 16) * K / 32, 16 * block bytes]): what "
+        "block_linear's wide takes where bf16() is 'amx'; the same values, decoded with fewer instructions");
   m.def("q4_1_dequantize", &dequantize<Q41>, "Q4_1 weight -> float32 [N, K]");
   m.def("q8_0_dequantize", &dequantize<Q80>, "Q8_0 weight -> float32 [N, K]");
   bind_lean_forward(m);

@@ -50,8 +50,8 @@ FORMATS = (FORMAT, FORMAT_BF16)
 # weight: 256 MiB for the default model) and passes of more than 10 rows read those instead of decoding every block:
 # the same values in the same sums, so the same bits (q4_kernel.cpp, linear_dense_bf16dp: ~4 ms less per pass of 12
 # to 32 rows on a 2-core Zen 4, where 16 rows took 19.5 ms).
-# On AMX it holds the Q4_1 weights again in q4_kernel.cpp's AMX group layout (the same bytes reordered: 79 MiB), which
-# every pass decodes in fewer instructions than the GGUF rows, to the same values (the head, Q8_0, keeps its blocks).
+# On AMX it holds the weights again in q4_kernel.cpp's AMX group layout (the same bytes reordered: ~110 MiB), which
+# every pass decodes in fewer instructions than the GGUF rows, to the same values.
 # Passes with at least this many rows use the dense fp32 copies (LeanLlamaQ4). Measured on a 2-core Zen 5 (min ms of
 # a whole pass, block kernel / oneDNN on the dequantized values): q=16 28.9 / 44.5, 64 91.7 / 102.7,
 # 128 176.2 / 177.3, 192 278.0 / 267.2.
@@ -289,14 +289,13 @@ class LeanLlamaQ4(LeanLlama):
         return size
 
     def _set_amx_layout(self, k) -> int:
-        """Give the fused pass the Q4_1 weights in the AMX group layout (the comment at FORMATS) -> their bytes."""
+        """Give the fused pass the weights in the AMX group layout (the comment at FORMATS) -> their bytes."""
         names = ("wqkv", "wo", "wgu", "wd")
-        if any(ly.quant[n].kind != "q4_1" for ly in self.layers for n in names):
-            return 0
         groups = {n: [k.amx_layout(ly.quant[n].packed, ly.quant[n].in_features) for ly in self.layers] for n in names}
-        self.fused.set_wide(*(groups[n] for n in names), torch.Tensor())
-        size = sum(t.numel() for ts in groups.values() for t in ts)
-        log.info("q4_1_bf16: the linears decode the Q4_1 weights from the AMX group layout (%.0f MB)", size / 2**20)
+        head = k.amx_layout(self.embed_blocks.packed, self.embed_blocks.in_features)
+        self.fused.set_wide(*(groups[n] for n in names), head)
+        size = sum(t.numel() for ts in groups.values() for t in ts) + head.numel()
+        log.info("q4_1_bf16: the linears decode the weights from the AMX group layout (%.0f MB)", size / 2**20)
         return size
 
     def _linear(self, x: torch.Tensor, layer: _Layer, name: str) -> torch.Tensor:

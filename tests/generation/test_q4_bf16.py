@@ -80,21 +80,21 @@ needs_amx = pytest.mark.skipif(kernel() is None or kernel().bf16() != "amx", rea
 
 @needs_amx
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(m=st.sampled_from([1, 2, 3, 7, 15, 16, 17, 31, 48, 49, 97]), n=st.integers(1, 70), blocks=st.integers(1, 12),
-       seed=st.integers(0, 2**32 - 1))
-def test_amx_group_layout_gives_the_same_bits(m, n, blocks, seed):
-    """A pass over a Q4_1 weight's AMX group layout (block_linear's wide on AMX) = the pass over its GGUF rows, bit for
+@given(kind=st.sampled_from(["q4_1", "q8_0"]), m=st.sampled_from([1, 2, 3, 7, 15, 16, 17, 31, 48, 49, 97]),
+       n=st.integers(1, 70), blocks=st.integers(1, 12), seed=st.integers(0, 2**32 - 1))
+def test_amx_group_layout_gives_the_same_bits(kind, m, n, blocks, seed):
+    """A pass over a weight's AMX group layout (block_linear's wide on AMX) = the pass over its GGUF rows, bit for
     bit, at every pass size (fewer tile columns below 16 rows, 1-3 groups of 16, several passes over the weights past
     48) and weight rows not a multiple of 16 (a padded group); both match the brute-force bf16 matmul."""
     rng = np.random.default_rng(seed)
     k = 32 * blocks
-    packed = torch.from_numpy(random_blocks(rng, "q4_1", n, k))
+    packed = torch.from_numpy(random_blocks(rng, kind, n, k))
     groups = kernel().amx_layout(packed, k)
-    assert groups.dtype == torch.uint8 and tuple(groups.shape) == ((n + 15) // 16 * blocks, 320)
+    assert groups.dtype == torch.uint8 and tuple(groups.shape) == ((n + 15) // 16 * blocks, 16 * packed.shape[1] // blocks)
     x = rng.standard_normal((m, k)).astype(np.float32)
     got = kernel().block_linear(torch.from_numpy(x), packed, True, groups)
     assert torch.equal(got, kernel().block_linear(torch.from_numpy(x), packed, True))
-    xr, wr = bf16(x), bf16(dequantize("q4_1", packed.numpy(), k))
+    xr, wr = bf16(x), bf16(dequantize(kind, packed.numpy(), k))
     bound = 1e-6 * (np.abs(xr) @ np.abs(wr).T) * k ** 0.5 + 1e-30
     assert np.all(np.abs(got.numpy() - xr @ wr.T) <= bound)
     assert torch.equal(kernel().block_linear(torch.from_numpy(x[-1:]), packed, True, groups)[0], got[-1])
@@ -103,21 +103,24 @@ def test_amx_group_layout_gives_the_same_bits(m, n, blocks, seed):
 @needs_amx
 @pytest.mark.parametrize("case, why", [
     ("rows", "another weight's layout (one group fewer)"),
-    ("q8_0", "a Q8_0 weight (the layout is Q4_1's)"),
+    ("kind", "a Q4_1 weight's layout for a Q8_0 weight of the same shape"),
 ])
 def test_amx_group_layout_refuses_a_mismatch(case, why):
     rng = np.random.default_rng(0)
     packed = torch.from_numpy(random_blocks(rng, "q4_1", 40, 64))
     groups = kernel().amx_layout(packed, 64)
-    if case == "rows":
-        with pytest.raises(RuntimeError, match="AMX group layout"):
-            kernel().block_linear(torch.zeros(1, 64), packed, True, groups[2:].contiguous())
-    else:
-        q8 = torch.from_numpy(random_blocks(rng, "q8_0", 40, 64))
-        with pytest.raises(RuntimeError, match="Q4_1"):
-            kernel().amx_layout(q8, 64)
-        with pytest.raises(RuntimeError, match="AMX group layout"):
-            kernel().block_linear(torch.zeros(1, 64), q8, True, groups)
+    w = packed if case == "rows" else torch.from_numpy(random_blocks(rng, "q8_0", 40, 64))
+    wrong = groups[2:].contiguous() if case == "rows" else groups
+    with pytest.raises(RuntimeError, match="AMX group layout"):
+        kernel().block_linear(torch.zeros(1, 64), w, True, wrong)
+    assert torch.equal(kernel().block_linear(torch.ones(1, 64), packed, True, groups),
+                       kernel().block_linear(torch.ones(1, 64), packed, True))  # the right one is taken
+
+
+@needs_amx
+def test_amx_layout_refuses_what_is_not_blocks():
+    with pytest.raises(RuntimeError, match="neither Q4_1 nor Q8_0"):
+        kernel().amx_layout(torch.zeros(4, 21, dtype=torch.uint8), 32)
 
 
 def test_q4_1_bf16_is_refused_without_a_bf16_kernel(monkeypatch):

@@ -1000,6 +1000,20 @@ torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& w, bool 
   TORCH_CHECK(false, "a packed row of ", w.size(1), " bytes is neither Q4_1 nor Q8_0 for K = ", K);
 }
 
+namespace {
+
+// f(Q41{}) or f(Q80{}) by the size of w's rows, w checked to be contiguous GGUF blocks of K inputs.
+template <class F>
+torch::Tensor by_block_kind(const torch::Tensor& w, int64_t K, F f) {
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous() && K % kBlock == 0,
+              "w must be contiguous GGUF blocks [N, K / 32 * block bytes]");
+  if (w.size(1) == K / kBlock * Q41::bytes) return f(Q41{});
+  TORCH_CHECK(w.size(1) == K / kBlock * Q80::bytes, "a packed row of ", w.size(1), " bytes is neither Q4_1 nor Q8_0");
+  return f(Q80{});
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_1_linear", &linear<Q41>, "x[M, K] float32 @ Q4_1 weight[N, K]^T -> [M, N]");
   m.def("q8_0_linear", &linear<Q80>, "x[M, K] float32 @ Q8_0 weight[N, K]^T -> [M, N]");
@@ -1023,11 +1037,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "tensor a list of M_i ints (on the calling thread, the GIL held)");
   m.def("decode_bf16", [](const torch::Tensor& w, int64_t K) {
 #if defined(__AVX512BF16__)
-    TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous() && K % kBlock == 0,
-                "w must be contiguous GGUF blocks [N, K / 32 * block bytes]");
-    if (w.size(1) == K / kBlock * Q41::bytes) return decode_rows_bf16<Q41>(w.data_ptr<uint8_t>(), w.size(0), w.size(1), K);
-    TORCH_CHECK(w.size(1) == K / kBlock * Q80::bytes, "a packed row of ", w.size(1), " bytes is neither Q4_1 nor Q8_0");
-    return decode_rows_bf16<Q80>(w.data_ptr<uint8_t>(), w.size(0), w.size(1), K);
+    return by_block_kind(w, K, [&](auto kind) {
+      return decode_rows_bf16<decltype(kind)>(w.data_ptr<uint8_t>(), w.size(0), w.size(1), K);
+    });
 #else
     TORCH_CHECK(false, "decode_bf16 needs the AVX512-BF16 build");
     return torch::Tensor();
@@ -1037,11 +1049,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "wide)");
   m.def("amx_layout", [](const torch::Tensor& w, int64_t K) {
 #if defined(RAGSERVE_AMX)
-    TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous() && K % kBlock == 0,
-                "w must be contiguous GGUF blocks [N, K / 32 * block bytes]");
-    if (w.size(1) == K / kBlock * Q41::bytes) return amx_layout<Q41>(w, K);
-    TORCH_CHECK(w.size(1) == K / kBlock * Q80::bytes, "a packed row of ", w.size(1), " bytes is neither Q4_1 nor Q8_0");
-    return amx_layout<Q80>(w, K);
+    return by_block_kind(w, K, [&](auto kind) { return amx_layout<decltype(kind)>(w, K); });
 #else
     TORCH_CHECK(false, "amx_layout needs the AMX build");
     return torch::Tensor();

@@ -50,8 +50,8 @@ FORMATS = (FORMAT, FORMAT_BF16)
 # weight: 256 MiB for the default model) and passes of more than 10 rows read those instead of decoding every block:
 # the same values in the same sums, so the same bits (q4_kernel.cpp, linear_dense_bf16dp: ~4 ms less per pass of 12
 # to 32 rows on a 2-core Zen 4, where 16 rows took 19.5 ms).
-# On AMX it holds the weights again in q4_kernel.cpp's AMX group layout (the same bytes reordered: ~110 MiB), which
-# every pass decodes in fewer instructions than the GGUF rows, to the same values.
+# On AMX it holds the weights again in q4_kernel.cpp's AMX group layout (the same bytes reordered: 92 MiB for the
+# default model), which every pass decodes in fewer instructions than the GGUF rows, to the same values.
 # Passes with at least this many rows use the dense fp32 copies (LeanLlamaQ4). Measured on a 2-core Zen 5 (min ms of
 # a whole pass, block kernel / oneDNN on the dequantized values): q=16 28.9 / 44.5, 64 91.7 / 102.7,
 # 128 176.2 / 177.3, 192 278.0 / 267.2.

@@ -255,9 +255,7 @@ class LeanLlamaQ4(LeanLlama):
         embed.bf16 = bf16
         self.embed_blocks = embed
         self._build_fused()
-        self.wide_bytes = 0
-        if bf16 and self.fused is not None:
-            self.wide_bytes = self._set_wide(k) if k.wide_bf16() else self._set_amx_layout(k) if k.bf16() == "amx" else 0
+        self.wide_bytes = self._prepare_weights(k) if bf16 and self.fused is not None else 0
         if self.differs_from_checkpoint:
             log.warning("q4_1: %d weight matrices of the GGUF differ from the model's safetensors; serving the GGUF's "
                         "(the hf forward of this model would compute something else)", self.differs_from_checkpoint)
@@ -278,24 +276,21 @@ class LeanLlamaQ4(LeanLlama):
                  for n in ("wqkv", "wo", "wgu", "wd")},
                 self.embed_blocks.packed if self.embed_blocks.dense is None else self.embed_blocks.dense)
 
-    def _set_wide(self, k) -> int:
-        """Give the fused pass bf16 copies of the weights (the comment at FORMATS) -> their bytes."""
+    def _prepare_weights(self, k) -> int:
+        """Give the fused pass the weights prepared for this CPU's bf16 linears (the comment at FORMATS): decoded
+        bf16 copies where k.wide_bf16(), the AMX group layout where k.bf16() is "amx", else nothing -> their bytes."""
+        if k.wide_bf16():
+            prepare, what = k.decode_bf16, "passes of more than 10 rows read the weights decoded to bf16"
+        elif k.bf16() == "amx":
+            prepare, what = k.amx_layout, "the linears decode the weights from the AMX group layout"
+        else:
+            return 0
         names = ("wqkv", "wo", "wgu", "wd")
-        wide = {n: [k.decode_bf16(ly.quant[n].packed, ly.quant[n].in_features) for ly in self.layers] for n in names}
-        head = k.decode_bf16(self.embed_blocks.packed, self.embed_blocks.in_features)
-        self.fused.set_wide(*(wide[n] for n in names), head)
-        size = sum(t.numel() * 2 for ts in wide.values() for t in ts) + head.numel() * 2
-        log.info("q4_1_bf16: passes of more than 10 rows read the weights decoded to bf16 (%.0f MB)", size / 2**20)
-        return size
-
-    def _set_amx_layout(self, k) -> int:
-        """Give the fused pass the weights in the AMX group layout (the comment at FORMATS) -> their bytes."""
-        names = ("wqkv", "wo", "wgu", "wd")
-        groups = {n: [k.amx_layout(ly.quant[n].packed, ly.quant[n].in_features) for ly in self.layers] for n in names}
-        head = k.amx_layout(self.embed_blocks.packed, self.embed_blocks.in_features)
-        self.fused.set_wide(*(groups[n] for n in names), head)
-        size = sum(t.numel() for ts in groups.values() for t in ts) + head.numel()
-        log.info("q4_1_bf16: the linears decode the weights from the AMX group layout (%.0f MB)", size / 2**20)
+        prepared = {n: [prepare(ly.quant[n].packed, ly.quant[n].in_features) for ly in self.layers] for n in names}
+        head = prepare(self.embed_blocks.packed, self.embed_blocks.in_features)
+        self.fused.set_wide(*(prepared[n] for n in names), head)
+        size = sum(t.nbytes for ts in prepared.values() for t in ts) + head.nbytes
+        log.info("q4_1_bf16: %s (%.0f MB)", what, size / 2**20)
         return size
 
     def _linear(self, x: torch.Tensor, layer: _Layer, name: str) -> torch.Tensor:

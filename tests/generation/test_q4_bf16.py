@@ -197,6 +197,6 @@ def test_served_model_decodes_the_group_layout_to_the_same_bits(tmq4bf16):
     try:
         without = run()
     finally:
-        lean._set_amx_layout(kernel())
+        lean._prepare_weights(kernel())
     assert torch.equal(with_layout[0], without[0])
     assert all(torch.equal(a, b) for a, b in zip(with_layout[1], without[1]))

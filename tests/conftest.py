@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -37,3 +38,26 @@ def real_model(dtype: str, forward: str = "auto"):
 def tm():
     """bf16, the serving dtype (tests/integration and tests/crest override it with fp32)."""
     return real_model("bf16")
+
+
+@pytest.fixture(scope="session")
+def calibrated_home(tmp_path_factory):
+    """(RAGSERVE_HOME, Choice): a home holding this machine's calibration, measured once per session as a worker
+    with default flags measures it (every candidate, reps=1: ~50-80 s on 2 cores), of the model prepared in the
+    user's home (default_model_dir() before the home moves: pass that path on). Tests that change the cache work on
+    a copy."""
+    if not is_model_dir(default_model_dir()):
+        pytest.skip(f"default model not prepared at {default_model_dir()} (make model)")
+    from generation_service.calibrate import ModelThread, calibrated_model
+
+    model = str(default_model_dir())  # the prepared model, not one converted again into the new home
+    home = tmp_path_factory.mktemp("calibrated-home")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("RAGSERVE_HOME", str(home))
+    mt = ModelThread("test-calibration")
+    try:
+        _, choice = mt.call(calibrated_model, model, "cpu", "auto", 0, reps=1)
+    finally:
+        mt.stop(wait=True)
+        mp.undo()
+    return Path(home), choice

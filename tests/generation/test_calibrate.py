@@ -2,6 +2,7 @@
 again, never a crash), the model thread; one real measurement on the real model."""
 
 import json
+import shutil
 import threading
 from dataclasses import replace
 
@@ -173,30 +174,34 @@ def test_model_thread_runs_everything_on_one_thread():
 
 
 @pytest.mark.model
-def test_real_calibration_measures_then_reuses_and_survives_a_corrupt_cache(monkeypatch, tmp_path):
-    from ragcore.model_files import default_model_dir, is_model_dir
+def test_real_calibration_measures_then_reuses_and_survives_a_corrupt_cache(calibrated_home, monkeypatch, tmp_path):
+    from ragcore.model_files import default_model_dir
 
-    if not is_model_dir(default_model_dir()):
-        pytest.skip("default model not prepared (make model)")
-    model = str(default_model_dir())
-    monkeypatch.setenv("RAGSERVE_HOME", str(tmp_path))  # the calibration cache goes to tmp_path
+    measured_home, first = calibrated_home  # the session's measurement, as a worker with default flags makes it
+    cal = first.calibration
+    assert cal.source == "measured" and len(cal.curves) >= 2
+    assert all(c.step_ms == tuple(sorted(c.step_ms)) for c in cal.curves)  # non-decreasing in q
+    assert all(c.batch_ms > 0 for c in cal.curves)  # the batched pass was measured for every candidate
+    best = min(cal.curves, key=lambda c: c.objective())
+    assert (first.curve.dtype, first.curve.threads) == (best.dtype, best.threads)
+    home = tmp_path / "home"  # a copy: the session's cache stays whole for the other tests
+    shutil.copytree(measured_home, home)
+    model = str(default_model_dir())  # before the home moves: the path the calibration's key names
+    monkeypatch.setenv("RAGSERVE_HOME", str(home))
+    path = home / "calibration" / (cal.path.rsplit("/", 1)[-1])
     mt = ModelThread("test-calibration")
     try:
-        tm, choice = mt.call(calibrated_model, model, "cpu", "auto", 0, reps=1)
-        cal = choice.calibration
-        assert cal.source == "measured" and len(cal.curves) >= 2
-        assert all(c.step_ms == tuple(sorted(c.step_ms)) for c in cal.curves)  # non-decreasing in q
-        assert all(c.batch_ms > 0 for c in cal.curves)  # the batched pass was measured for every candidate
+        tm, again = mt.call(calibrated_model, model, "cpu", "auto", 0, reps=1)
+        assert again.calibration.source == "cache"  # not measured again
+        assert (tm.dtype_name, again.threads) == (best.dtype, best.threads)
+        assert tm.step_cost.rel[0] == 1.0 and np.all(np.diff(tm.step_cost.rel) >= 0)
         if tm.lean is not None and tm.lean.can_prefill_bf16():  # bf16 prompt linears measured where they can run
             assert all((c.prefill_bf16_ms > 0) is (c.dtype != "bf16") for c in cal.curves)
-        best = min(cal.curves, key=lambda c: c.objective())
-        assert (tm.dtype_name, choice.threads) == (best.dtype, best.threads)
-        assert tm.step_cost.rel[0] == 1.0 and np.all(np.diff(tm.step_cost.rel) >= 0)
-        path = tmp_path / "calibration" / (cal.path.rsplit("/", 1)[-1])
-        _, again = mt.call(calibrated_model, model, "cpu", "fp32", 0, reps=1)
-        assert again.calibration.source == "cache" and again.dtype == "fp32"  # user flag, no new measurement
+        del tm
+        _, fixed = mt.call(calibrated_model, model, "cpu", "fp32", 0, reps=1)
+        assert fixed.calibration.source == "cache" and fixed.dtype == "fp32"  # user flag, no new measurement
         path.write_text(path.read_text()[:100])  # truncated
-        _, third = mt.call(calibrated_model, model, "cpu", "auto", 0, reps=1)
+        _, third = mt.call(calibrated_model, model, "cpu", "fp32", 0, reps=1)  # fewer candidates than auto: faster
         assert third.calibration.source == "measured"  # measured again, not a crash
         assert json.loads(path.read_text())["format"] == FORMAT_VERSION  # and the cache is whole again
     finally:

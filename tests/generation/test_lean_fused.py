@@ -15,6 +15,7 @@ wrong index or mask.
 from __future__ import annotations
 
 import contextlib
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -90,7 +91,14 @@ def _atol(lean) -> float:
     return ATOL_FP16_KV if lean.kv_dtype == torch.float16 else ATOL
 
 
-@pytest.fixture(scope="module", params=["fp32/fp16 kv", "q4_1/fp16 kv", "fp32/fp32 kv"])
+# test_portable_kernels reruns this file on a lower x86-64 level's build: there every kernel each variant runs (the
+# fp32 and the Q4_1 linears, fp16 and fp32 KV attention) is covered by two of them, at two thirds of the time.
+VARIANTS = ["fp32/fp16 kv", "q4_1/fp16 kv", "fp32/fp32 kv"]
+if os.environ.get("RAGSERVE_TEST_KERNEL_LEVEL"):
+    VARIANTS = ["q4_1/fp16 kv", "fp32/fp32 kv"]
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
 def lean(request, tm32, tmq4):
     weights, kv = request.param.removesuffix(" kv").split("/")
     tm = tm32 if weights == "fp32" else tmq4
@@ -174,16 +182,19 @@ def test_an_ar_row_gets_the_same_bits_alone_and_in_a_ragged_batch(lean, pasts):
     prefixes = [torch.from_numpy(rng.integers(0, 30000, p)) for p in pasts]
     ids = [torch.tensor([int(t)]) for t in rng.integers(0, 30000, len(pasts))]
 
-    def caches():
-        out = []
-        for prefix in prefixes:
-            c = lean.new_cache(max(64, len(prefix) + 8))
-            lean.forward(prefix, torch.arange(len(prefix)), c)
-            out.append(c)
+    caches = []
+    for prefix in prefixes:
+        c = lean.new_cache(max(64, len(prefix) + 8))
+        lean.forward(prefix, torch.arange(len(prefix)), c)
+        caches.append(c)
+
+    def step_alone(i, p, c):
+        out = lean.forward(i, torch.tensor([len(p)]), c)[0]
+        c.crop(len(p))  # the step's row goes: the batch below appends it again
         return out
 
-    alone = [lean.forward(i, torch.tensor([len(p)]), c)[0] for i, p, c in zip(ids, prefixes, caches())]
-    batch = lean.forward_batch([Segment(i, torch.tensor([len(p)]), c) for i, p, c in zip(ids, prefixes, caches())])
+    alone = [step_alone(i, p, c) for i, p, c in zip(ids, prefixes, caches)]
+    batch = lean.forward_batch([Segment(i, torch.tensor([len(p)]), c) for i, p, c in zip(ids, prefixes, caches)])
     for a, b in zip(alone, batch):
         assert torch.equal(a, b.reshape(a.shape))
     assert not torch.equal(batch[0], batch[1])  # Not one row copied into every place

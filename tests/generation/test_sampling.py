@@ -101,7 +101,8 @@ def test_params_unseeded_sampling_picks_a_seed():
 def ref_argmax(row: list[float]) -> int:
     """The first index of the maximum, NaN counting as the largest (torch's and the AR loop's rule)."""
     nan = [i for i, v in enumerate(row) if v != v]
-    return nan[0] if nan else min(i for i, v in enumerate(row) if v == max(row))
+    top = max(row)
+    return nan[0] if nan else min(i for i, v in enumerate(row) if v == top)
 
 
 # (rows, expected picks, a pick the rule must not give)

@@ -5,27 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from generation_service.calibrate import ModelThread, calibrated_model
 from generation_service.client import GenerationClient
 from generation_service.config import GenerationConfig
 from ragcore.model_files import default_model_dir
 
 pytestmark = pytest.mark.model
-
-
-@pytest.fixture(scope="module")
-def calibrated_home(tmp_path_factory):
-    """A RAGSERVE_HOME holding a calibration of this machine (one quick measurement, reps=1)."""
-    home = tmp_path_factory.mktemp("home")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("RAGSERVE_HOME", str(home))
-    mt = ModelThread("test-calibrate")
-    try:
-        _, choice = mt.call(calibrated_model, str(default_model_dir()), "cpu", "auto", 0, reps=1)
-    finally:
-        mt.stop(wait=True)
-    yield choice
-    mp.undo()
 
 
 @pytest.mark.parametrize("case, flags, expect", [
@@ -37,8 +21,10 @@ def test_the_worker_serves_with_its_calibration_or_the_user_s_flags(calibrated_h
                                                                      flags, expect):
     from generation_service.server import build_server
 
-    monkeypatch.setenv("RAGSERVE_HOME", calibrated_home.calibration.path.rsplit("/calibration/", 1)[0])
-    cfg = GenerationConfig(port=0, retrieval=retrieval.address, model=str(default_model_dir()), device="cpu",
+    home, choice = calibrated_home  # the session's calibration (tests/conftest.py)
+    model = str(default_model_dir())  # before the home moves: the model the calibration measured
+    monkeypatch.setenv("RAGSERVE_HOME", str(home))
+    cfg = GenerationConfig(port=0, retrieval=retrieval.address, model=model, device="cpu",
                            acceptance_state="off", **flags)
     running, servicer = build_server(cfg)
     try:
@@ -46,11 +32,11 @@ def test_the_worker_serves_with_its_calibration_or_the_user_s_flags(calibrated_h
             info = c.info()
             reply = c.generate(prompt="def add(a, b):", max_new_tokens=8, decoding="rest", timeout=120)
         assert info.calibration == "cache", case  # Not measured again: the cached curves are reused
-        best = calibrated_home.curve
+        best = choice.curve
         want_dtype, want_threads = expect or (best.dtype, best.threads)
         assert info.dtype == want_dtype, case
         assert want_threads is None or info.threads == want_threads, case
-        assert len(info.candidates) == len(calibrated_home.calibration.curves)
+        assert len(info.candidates) == len(choice.calibration.curves)
         assert info.cpu and info.max_draft_nodes > 0 and info.tokenizer_id.startswith("vocab")
         assert reply.usage.completion_tokens == 8
         # Every forward pass ran on the model thread (load, warm-up and decoding).

@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -34,11 +36,24 @@ def test_discovery_finds_the_servers():
     assert not any(n.startswith("tests.") for n in names)
 
 
-@pytest.mark.parametrize("module", entry_points())
-def test_help_exits_zero(module):
+def run_help(module: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "200"}
-    out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, env=env,
-                         cwd=ROOT, timeout=180)
+    return subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def helps() -> Iterator[dict[str, Future]]:
+    """Every entry point's `--help`, started at once on as many processes as there are cores: each spends ~3 s
+    importing torch and friends: one after another they took ~50 s of the suite, two at a time ~30."""
+    pool = ThreadPoolExecutor(max_workers=max(1, len(os.sched_getaffinity(0))))
+    yield {m: pool.submit(run_help, m) for m in entry_points()}
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.mark.parametrize("module", entry_points())
+def test_help_exits_zero(helps, module):
+    out = helps[module].result()
     assert out.returncode == 0, out.stderr[-2000:]
     assert "usage:" in out.stdout.lower(), out.stdout[:500]
 

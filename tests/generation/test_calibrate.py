@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from generation_service import calibrate
 from generation_service.calibrate import (
     FORMAT_VERSION,
     Calibration,
@@ -173,6 +174,25 @@ def test_model_thread_runs_everything_on_one_thread():
     mt.stop(wait=True)
 
 
+# (load at the measurement, load now, measured again?): only a measurement on an overloaded machine (load above
+# its 2 cores) that has since become much quieter (below half that load) is taken again.
+NOISY_THEN_QUIET = {
+    "quiet then and now": (1.5, 0.2, False),
+    "overloaded then, as loaded now": (3.0, 2.9, False),
+    "overloaded then, a little quieter now": (3.0, 1.6, False),
+    "overloaded then, much quieter now": (3.0, 1.4, True),
+    "at the cores' count then, idle now": (2.0, 0.0, False),
+}
+
+
+@pytest.mark.parametrize("name", list(NOISY_THEN_QUIET))
+def test_a_noisy_measurement_is_taken_again_once_the_machine_is_quiet(name, monkeypatch):
+    then, now, again = NOISY_THEN_QUIET[name]
+    monkeypatch.setattr(calibrate, "_load", lambda: now)
+    cal = Calibration({"cores": 2}, [], "", 1.0, then)
+    assert cal.noisy_then_quiet() is again, name
+
+
 @pytest.mark.model
 def test_real_calibration_measures_then_reuses_and_survives_a_corrupt_cache(calibrated_home, monkeypatch, tmp_path):
     from ragcore.model_files import default_model_dir
@@ -188,6 +208,8 @@ def test_real_calibration_measures_then_reuses_and_survives_a_corrupt_cache(cali
     shutil.copytree(measured_home, home)
     model = str(default_model_dir())  # before the home moves: the path the calibration's key names
     monkeypatch.setenv("RAGSERVE_HOME", str(home))
+    # The load as it was at the measurement: a machine much quieter now would measure again (noisy_then_quiet).
+    monkeypatch.setattr(calibrate, "_load", lambda: cal.load)
     path = home / "calibration" / (cal.path.rsplit("/", 1)[-1])
     mt = ModelThread("test-calibration")
     try:

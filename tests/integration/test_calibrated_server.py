@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from generation_service import calibrate
 from generation_service.client import GenerationClient
 from generation_service.config import GenerationConfig
 from ragcore.model_files import default_model_dir
@@ -24,6 +25,9 @@ def test_the_worker_serves_with_its_calibration_or_the_user_s_flags(calibrated_h
     home, choice = calibrated_home  # the session's calibration (tests/conftest.py)
     model = str(default_model_dir())  # before the home moves: the model the calibration measured
     monkeypatch.setenv("RAGSERVE_HOME", str(home))
+    # The load as it was at the measurement (minutes ago in a full run): a much quieter machine would measure again
+    # (calibrate.noisy_then_quiet, tested in test_calibrate).
+    monkeypatch.setattr(calibrate, "_load", lambda: choice.calibration.load)
     cfg = GenerationConfig(port=0, retrieval=retrieval.address, model=model, device="cpu",
                            acceptance_state="off", **flags)
     running, servicer = build_server(cfg)

@@ -952,17 +952,36 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
 // argmax_rows of several logits tensors in one call -> per tensor its rows' picks. Why: a batched pass's requests
 // each took their picks with tensor ops that release the GIL, and the model thread then waited to get it back
 // from the gRPC threads (served at 8 clients, a no-op .float() before the kernel took 2.5 % of the model thread).
+// The pass's rows are spread over the threads once there are kArgmaxBatch of them (a batch's rows, not a request's
+// few: see argmax_rows): the head wrote them from both cores, so one thread reading them all waited on the other's
+// cache (20 rows of 49152 logits, Sapphire Rapids: 0.41 ms on one thread, 0.24 on two).
+constexpr int64_t kArgmaxBatch = 8;
 std::vector<std::vector<int64_t>> argmax_each(const std::vector<torch::Tensor>& logits) {
   std::vector<std::vector<int64_t>> out(logits.size());
+  std::vector<std::pair<const float*, int64_t*>> rows;  // (row, where its pick goes)
+  std::vector<int64_t> width;
   for (size_t i = 0; i < logits.size(); ++i) {
     const torch::Tensor& t = logits[i];
     TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.dim() == 2 && t.is_contiguous() && t.size(1) > 0,
                 "logits ", i, " must be contiguous float32 [M, N] with N > 0");
-    const int64_t M = t.size(0), N = t.size(1);
-    const float* x = t.data_ptr<float>();
-    out[i].resize(M);
-    for (int64_t m = 0; m < M; ++m) out[i][m] = argmax_row(x + m * N, N);
+    out[i].resize(t.size(0));
   }
+  for (size_t i = 0; i < logits.size(); ++i) {
+    const int64_t M = logits[i].size(0), N = logits[i].size(1);
+    const float* x = logits[i].data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m) {
+      rows.emplace_back(x + m * N, out[i].data() + m);
+      width.push_back(N);
+    }
+  }
+  const int64_t n = (int64_t)rows.size();
+  auto pick = [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r) *rows[r].second = argmax_row(rows[r].first, width[r]);
+  };
+  if (n >= kArgmaxBatch)
+    at::parallel_for(0, n, kArgmaxBatch / 2, pick);
+  else
+    pick(0, n);
   return out;
 }
 

@@ -43,6 +43,7 @@ class PromptLookupDrafter:
 
     name = "pld"
     remote = False
+    trusted = True  # its trees come from the project's own kernel over the request's own tokens
     default_source = _CONTEXT
 
     @property
@@ -58,6 +59,11 @@ class PromptLookupDrafter:
         draft_tree.check_draft_args(max_nodes=0, **self.kwargs)
 
     def propose(self, context_ids: np.ndarray, max_nodes: int) -> DraftTree:
+        # The engine's context (prompt + output, int32) is valid by construction, and every step pays the checks
+        # after a forward pass has pushed the interpreter out of the caches: skip them for it.
+        own = isinstance(context_ids, np.ndarray) and context_ids.dtype == np.int32 and context_ids.flags.c_contiguous
+        if own and isinstance(max_nodes, int) and max_nodes >= 0:
+            return self._draft(context_ids, max_nodes=max_nodes, checked=False, **self.kwargs)
         return self._draft(context_ids, max_nodes=max_nodes, **self.kwargs)
 
 

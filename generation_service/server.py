@@ -44,6 +44,7 @@ from generation_service.calibrate import (
     shown_flags,
 )
 from generation_service.config import DECODING_MODES, GenerationConfig
+from generation_service.draft_budget import warmup_sizer
 from generation_service.drafters import Drafter, DraftUnavailable, PromptLookupDrafter
 from generation_service.engine.scheduler import Engine
 from generation_service.engine.threads import ThreadGovernor
@@ -519,6 +520,7 @@ def build_server(cfg: GenerationConfig, *, tm=None) -> tuple[RunningServer, Gene
             tm, choice = model_thread.call(load_serving_model, cfg)
         threads = model_thread.call(torch_threads)
         warmup_context_draft()  # compile/load the prompt-lookup kernel before the first pld request
+        warmup_sizer()  # and the draft sizer's
         link = RetrievalLink(cfg, tokenizer_identity(tm.tokenizer))
         knn = _open_knnlm(cfg, tm)
         rag = ralm_service.RagBackend.open(cfg)

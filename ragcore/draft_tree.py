@@ -146,18 +146,24 @@ def check_draft_args(max_suffix: int, min_suffix: int, max_matches: int, continu
 
 
 def context_draft(context_ids, max_suffix: int = 16, min_suffix: int = CONTEXT_MIN_SUFFIX,
-                  max_matches: int = CONTEXT_MAX_MATCHES, continuation: int = 10, max_nodes: int = 64) -> DraftTree:
+                  max_matches: int = CONTEXT_MAX_MATCHES, continuation: int = 10, max_nodes: int = 64,
+                  checked: bool = True) -> DraftTree:
     """Prompt-lookup draft from the request's own tokens (pure function; no datastore).
 
     The longest suffix of the context (max_suffix down to min_suffix) that occurred earlier in it; the tokens
     that followed its most recent `max_matches` occurrences form a counted trie; the `max_nodes` most frequent
     nodes come back in BFS order. context_matched_suffix is that suffix length (0 = no repeat).
+    checked=False: the caller vouches for the context (a contiguous int32 array of valid ids) and the limits (its
+    own, checked once), as the generation worker does for a request's tokens on every step.
 
         >>> context_draft([3, 4, 5, 3, 4, 6, 3, 4], min_suffix=2, continuation=1).paths()
         [[5], [6]]
     """
-    ctx = as_context(context_ids)
-    check_draft_args(max_suffix, min_suffix, max_matches, continuation, max_nodes)
+    if checked:
+        ctx = as_context(context_ids)
+        check_draft_args(max_suffix, min_suffix, max_matches, continuation, max_nodes)
+    else:
+        ctx = context_ids
     tok, par, score, src_p, matched, _ = context_tree(ctx, max_suffix, min_suffix, max_matches, continuation,
                                                       max_nodes)
     return DraftTree(tok, par, score, context_matched_suffix=int(matched), source_p=src_p)

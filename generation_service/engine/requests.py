@@ -234,17 +234,23 @@ class TreeRequest:
             log.error("drafter %s failed", getattr(source, "name", source), exc_info=tree)
             degrade(self.stats, f"drafter error: {type(tree).__name__}: {tree}")
             return
+        remote = getattr(source, "remote", False)
+        if len(tree) == 0 and not remote:  # nothing to verify; only a remote source's misses count (sizer)
+            return
         try:
             # The first `budget` nodes of a tree with parents[i] < i are again such a tree.
             b = self.budget
             tokens, parents, scores = tree.tokens[:b], tree.parents[:b], tree.scores[:b]
             source_p = tree.source_p[:b] if tree.source_p is not None else None
-            check_tree(tokens, parents, scores, source_p, self.tm.vocab_size)
-            # One step emits at most depth + 1 tokens: deeper nodes could never be used.
-            keep, parents = prune_depth(parents, self.remaining - 1)
-            tokens, scores = tokens[keep], scores[keep]
-            source_p = source_p[keep] if source_p is not None else None
-            self._tree = (tokens, parents, scores, getattr(source, "remote", False))
+            if not getattr(source, "trusted", False):
+                check_tree(tokens, parents, scores, source_p, self.tm.vocab_size)
+            # One step emits at most depth + 1 tokens: deeper nodes could never be used. A tree of n nodes is at
+            # most n deep.
+            if tokens.shape[0] > self.remaining - 1:
+                keep, parents = prune_depth(parents, self.remaining - 1)
+                tokens, scores = tokens[keep], scores[keep]
+                source_p = source_p[keep] if source_p is not None else None
+            self._tree = (tokens, parents, scores, remote)
             if self.sizer is not None:
                 self.p = self.sizer.estimate(parents, scores, source_p, getattr(source, "default_source", 0),
                                              tree.matched_suffix, tree.context_matched_suffix)

@@ -89,3 +89,47 @@ def test_rest_keeps_drafting_the_request_s_own_tokens_while_the_remote_is_skippe
     assert res.token_ids == ar
     assert remote.calls < res.stats.forward_steps / 2 and local.calls >= remote.calls
     assert res.stats.mean_accepted_length > 2.0  # Not ~1: the loop is drafted from the context
+
+
+class Fixed:
+    """A drafter that always proposes the same tree."""
+
+    def __init__(self, tree: DraftTree, remote: bool = False, trusted: bool = False):
+        self.tree, self.remote, self.trusted, self.name = tree, remote, trusted, "fixed"
+        self.default_source = SOURCES.index("context")
+
+    def propose(self, context_ids, max_nodes):
+        return self.tree
+
+
+def _chain_tree(n: int, parents=None) -> DraftTree:
+    source_p = np.full((n, len(SOURCES)), 0.5, np.float32)
+    return DraftTree(np.arange(n, dtype=np.int32) + 7, np.arange(-1, n - 1, dtype=np.int32) if parents is None
+                     else np.asarray(parents, np.int32), np.ones(n, np.float32), source_p=source_p)
+
+
+# (drafter, nodes the step may verify, degraded) per scenario; the wrong answers are in the comments
+TAKE_DRAFT_SCENARIOS = {
+    "an empty local tree is an AR step, not a degraded one": (Fixed(DraftTree.empty()), 0, False),
+    "an untrusted local drafter's malformed tree degrades the step": (Fixed(_chain_tree(3, [-1, 1, 0])), 0, True),
+    "a trusted drafter's tree is taken as it came": (Fixed(_chain_tree(3), trusted=True), 3, False),
+    "an empty remote tree is taken (its miss counts against the source)": (Fixed(DraftTree.empty(), remote=True), 0,
+                                                                          False),
+}
+
+
+@pytest.mark.parametrize("name", list(TAKE_DRAFT_SCENARIOS))
+def test_take_draft_scenarios(tm32, looping_prompt, name):
+    from generation_service.engine.requests import TreeRequest
+    from generation_service.model import forward_batch
+
+    drafter, nodes, degraded = TAKE_DRAFT_SCENARIOS[name]
+    req = TreeRequest(tm32, looping_prompt, SamplingParams(max_new_tokens=8, ignore_eos=True), drafter=drafter,
+                      adaptive_budget=False)
+    while req.prefilling:
+        req.prefilled(forward_batch(tm32, [req.prefill_segment()])[0])
+    req.fetch_draft()
+    taken = req._tree
+    assert (0 if taken is None else len(taken[0])) == nodes  # Not the malformed tree, not a dropped valid one
+    assert req.stats.degraded is degraded  # Not degraded for a plain miss
+    assert (taken is not None) == (nodes > 0 or drafter.remote)  # an empty local tree leaves no tree at all

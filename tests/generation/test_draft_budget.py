@@ -329,3 +329,78 @@ def test_batch_sizes_on_the_calibration_grid_of_a_staircase_cost(grid, mean_at_l
         assert np.mean(eff) >= mean_at_least and min(eff) >= 0.9
     if mean_below is not None:
         assert np.mean(eff) < mean_below
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The compiled estimate / observe against the numpy expressions they replaced (the reference, kept here)
+
+
+def reference_estimate(sizer: DraftSizer, parents, scores, source_p, default_source, matched, context_matched):
+    """DraftSizer.estimate as numpy: -> (p, request cells, pooled cells, raw shares, pooled estimates)."""
+    from generation_service.draft_budget import source_estimates, tree_buckets
+
+    raw = source_estimates(parents, scores, source_p, default_source)
+    buckets = tree_buckets(matched, context_matched)
+    cells = np.arange(len(SOURCES)) * sizer.predicted.shape[1] + buckets
+    if sizer.shared is not None:
+        pooled_cells = sizer.shared.cells(buckets, parents)
+        pooled = raw * sizer.shared.alpha.ravel()[pooled_cells]
+    else:
+        pooled_cells, pooled = np.zeros(raw.shape, np.int64), raw
+    scaled = pooled * sizer.alpha.ravel()[cells]
+    owner = np.argmax(scaled, axis=1) if raw.shape[0] else np.zeros(0, np.int64)
+    rows = np.arange(raw.shape[0])
+    return (np.minimum(scaled[rows, owner], 1.0), cells[owner], pooled_cells[rows, owner], raw[rows, owner],
+            pooled[rows, owner])
+
+
+def reference_fade_and_add(predicted, accepted, tested, decay, idle_decay, cells, added, hit_cells):
+    factor = np.full(predicted.size, idle_decay)
+    factor[tested] = decay
+    predicted *= factor
+    accepted *= factor
+    np.add.at(predicted, cells, added)
+    np.add.at(accepted, hit_cells, 1.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 24), st.integers(0, 10 ** 6), st.booleans(), st.booleans(), st.integers(0, 9),
+       st.integers(0, 9), st.integers(1, 6))
+def test_compiled_estimate_and_observe_equal_the_numpy_reference(n, seed, pooled, with_source_p, matched,
+                                                                 context_matched, steps):
+    """Bit for bit, over several steps of evidence (so alpha moves): p, the owners' cells and values, and the
+    request's and the pool's evidence after each observe."""
+    rng = np.random.default_rng(seed)
+    shared = SharedCalibration() if pooled else None
+    sizer = DraftSizer(StepCost(*ZEN5_BF16), shared=shared)
+    for _ in range(steps):
+        parents, counts = random_count_tree(rng, n) if n else (np.zeros(0, np.int32), np.zeros(0, np.float32))
+        source_p = rng.random((n, len(SOURCES))).astype(np.float32) if with_source_p else None
+        want = reference_estimate(sizer, parents, counts, source_p, CTX, matched, context_matched)
+        got = sizer.estimate(parents, counts, source_p, CTX, matched, context_matched)
+        assert np.array_equal(got, want[0])
+        for a, b in zip(sizer._estimated, want[1:]):
+            assert np.array_equal(a, b) and a.dtype == b.dtype
+        keep = np.flatnonzero(rng.random(n) < 0.7)  # any subset: observe does not care which
+        sizer.keep(keep)
+        sizer.expect(np.arange(keep.shape[0]))
+        hit = sorted(rng.choice(keep.shape[0], size=min(2, keep.shape[0]), replace=False).tolist()) if n else []
+        cells, pooled_cells, raw, pooled_est = (a[keep] for a in want[1:])
+        pred, acc = sizer.predicted.copy().reshape(-1), sizer.accepted.copy().reshape(-1)
+        reference_fade_and_add(pred, acc, cells, sizer.decay, sizer.idle_decay, cells, pooled_est, cells[hit])
+        if pooled:
+            sp, sa = shared.predicted.copy().reshape(-1), shared.accepted.copy().reshape(-1)
+            if cells.shape[0]:
+                reference_fade_and_add(sp, sa, pooled_cells, shared.decay, shared.idle_decay, pooled_cells, raw,
+                                       pooled_cells[hit])
+        sizer.observe(hit)
+        assert np.array_equal(sizer.predicted.reshape(-1), pred) and np.array_equal(sizer.accepted.reshape(-1), acc)
+        if pooled:
+            assert np.array_equal(shared.predicted.reshape(-1), sp) and np.array_equal(shared.accepted.reshape(-1), sa)
+
+
+def test_an_untested_step_fades_every_cell_idle():
+    sizer = DraftSizer(StepCost(*ZEN5_BF16))
+    sizer.predicted[:] = 2.0
+    sizer.observe([])  # no tree was expected: every cell fades by idle_decay, none by decay
+    assert np.all(sizer.predicted == 2.0 * sizer.idle_decay)  # Not 2.0 * decay, not 2.0

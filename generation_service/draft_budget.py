@@ -435,6 +435,11 @@ class DraftSizer:
         self._pending = tuple(a[keep] for a in self._estimated)
         self._remote_asked = remote
 
+    def keep_none(self, remote: bool = True) -> None:
+        """keep() and expect() of no node: the tree of the last estimate() is not verified."""
+        self._pending = self._expect = (_NO_CELLS, _NO_CELLS, np.zeros(0), np.zeros(0))
+        self._remote_asked = remote
+
     def expect(self, order: np.ndarray) -> None:
         """The kept nodes as the verifier will see them (order: kept index of each verifier node)."""
         self._expect = tuple(a[order] for a in self._pending)

@@ -270,6 +270,9 @@ class TreeRequest:
         if self.sizer is not None:
             if n is None:
                 n = best_size(np.sort(self.p)[::-1], cost or self.sizer.cost)
+            if n == 0:  # an AR step after all (most requests of a big batch): nothing to lay out
+                self.sizer.keep_none(remote)
+                return
             keep = keep_best(parents, self.p, n)
             self.sizer.keep(keep, remote)
             tokens, parents, scores = tokens[keep], subtree(keep, parents), scores[keep]

@@ -958,25 +958,23 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
 constexpr int64_t kArgmaxBatch = 8;
 std::vector<std::vector<int64_t>> argmax_each(const std::vector<torch::Tensor>& logits) {
   std::vector<std::vector<int64_t>> out(logits.size());
-  std::vector<std::pair<const float*, int64_t*>> rows;  // (row, where its pick goes)
-  std::vector<int64_t> width;
+  struct Row {
+    const float* x;
+    int64_t n;
+    int64_t* pick;
+  };
+  std::vector<Row> rows;
   for (size_t i = 0; i < logits.size(); ++i) {
     const torch::Tensor& t = logits[i];
     TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.dim() == 2 && t.is_contiguous() && t.size(1) > 0,
                 "logits ", i, " must be contiguous float32 [M, N] with N > 0");
-    out[i].resize(t.size(0));
-  }
-  for (size_t i = 0; i < logits.size(); ++i) {
-    const int64_t M = logits[i].size(0), N = logits[i].size(1);
-    const float* x = logits[i].data_ptr<float>();
-    for (int64_t m = 0; m < M; ++m) {
-      rows.emplace_back(x + m * N, out[i].data() + m);
-      width.push_back(N);
-    }
+    const int64_t M = t.size(0), N = t.size(1);
+    out[i].resize(M);  // out itself is never resized: the picks' addresses stay valid
+    for (int64_t m = 0; m < M; ++m) rows.push_back({t.data_ptr<float>() + m * N, N, out[i].data() + m});
   }
   const int64_t n = (int64_t)rows.size();
   auto pick = [&](int64_t a, int64_t b) {
-    for (int64_t r = a; r < b; ++r) *rows[r].second = argmax_row(rows[r].first, width[r]);
+    for (int64_t r = a; r < b; ++r) *rows[r].pick = argmax_row(rows[r].x, rows[r].n);
   };
   if (n >= kArgmaxBatch)
     at::parallel_for(0, n, kArgmaxBatch / 2, pick);

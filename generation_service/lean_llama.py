@@ -40,6 +40,7 @@ Anything else keeps the generic transformers path (LeanLlama.supports says why n
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -291,8 +292,8 @@ class LeanLlama:
         self.set_kv_dtype("auto")
 
     def can_prefill_bf16(self) -> bool:
-        """Whether set_prefill_bf16(True) would change anything: fp32 activations on a CPU with oneDNN linears."""
-        return self.dtype == torch.float32 and self.device.type == "cpu" and _onednn_linear_available()
+        """Whether set_prefill_bf16(True) would change anything: fp32 activations on a CPU with oneDNN bf16 linears."""
+        return self.dtype == torch.float32 and self.device.type == "cpu" and _onednn_linear_available(torch.bfloat16)
 
     def set_prefill_bf16(self, on: bool) -> bool:
         """Run the linears of prefill segments of >= BF16_PREFILL_MIN_ROWS rows in bf16 (module docstring), or
@@ -610,13 +611,16 @@ def _stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
-def _onednn_linear_available() -> bool:
+@functools.lru_cache(maxsize=None)
+def _onednn_linear_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN's packed linear runs here in `dtype`: not in a build without oneDNN, and in bf16 not on a CPU
+    without AVX512-BW/VL/DQ or AVX-NE-CONVERT (an AVX2-only EPYC: the reorder raises there)."""
     try:
-        w = torch.zeros(4, 4)
+        w = torch.zeros(4, 4, dtype=dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(w, 2)
-        torch.ops.mkldnn._linear_pointwise(torch.zeros(2, 4), packed, None, "none", [], "")
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(2, 4, dtype=dtype), packed, None, "none", [], "")
         return True
-    except (RuntimeError, AttributeError):  # a build without oneDNN
+    except (RuntimeError, AttributeError):
         return False
 
 

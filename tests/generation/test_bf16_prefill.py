@@ -39,9 +39,25 @@ WIDE = BF16_PREFILL_MIN_ROWS + 16
 def tmx(request, tm32, tmq4):
     tm = tm32 if request.param == "fp32" else tmq4
     if not tm.lean.can_prefill_bf16():
-        pytest.skip("no oneDNN linears in this torch build")
+        pytest.skip("no oneDNN bf16 linears here (a torch build without oneDNN, or a CPU without AVX512-BW/VL/DQ)")
     yield tm
     tm.lean.set_prefill_bf16(False)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("fmt", ["fp32", "q4_1"])
+def test_bf16_prefill_is_offered_only_where_onednn_runs_bf16(fmt, tm32, tmq4):
+    """On an AVX2-only CPU oneDNN's bf16 reorder raises: asking for the bf16 prefill there must say no, not crash
+    (calibration asks on every machine)."""
+    lean = (tm32 if fmt == "fp32" else tmq4).lean
+    supported = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    try:
+        assert lean.can_prefill_bf16() is supported
+        assert lean.set_prefill_bf16(True) is supported
+        assert bool(any(ly.packed_bf16 for ly in lean.layers)) is supported
+    finally:
+        lean.set_prefill_bf16(False)
+    assert not lean.prefill_bf16 and not any(ly.packed_bf16 for ly in lean.layers)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,9 @@ ms of one pass after 200 tokens, 2 threads:
     Sapphire Rapids  q4_1_bf16 (AMX)  10.3  23.8   88    134
     EPYC Zen 4       q4_1 (fp32 act.)  7.0  31.9  126    170 (bf16 prompt linears)
     EPYC Zen 4  q4_1_bf16 (AVX512-BF16) 7.0  26.7   85    165 (bf16 prompt linears)
+    EPYC Zen 1 (AVX2 only)  q4_1     20.7  109   421    770
+    EPYC Zen 1 (AVX2 only)  fp32     30.4   97   356    776
+    EPYC Zen 1 (AVX2 only)  bf16     87    555  2125   4276 (no native bf16 kernels: measured one round only)
 
 So the worker measures, at start, the curve of every candidate (dtype x torch threads) and serves with the one
 that decodes fastest; a restart reads the result from a cache file and takes seconds.
@@ -116,6 +119,10 @@ CURVE_ROWS = (1, 2, 4, 8, 9, 16, 17, 32, 64)
 PREFIX_TOKENS = 200  # cached tokens before the measured passes (a typical prompt + some output)
 REFERENCE_NEW_TOKENS = 128  # the objective spreads a PREFIX_TOKENS prefill over this many generated tokens
 REPS = 5
+# A candidate whose every pass of the first measured round takes at least this many times another's is measured no
+# further (its curve keeps that round's samples): no remaining round could make it the choice, and on a CPU without
+# native bf16 kernels (an AVX2-only EPYC) bf16's passes are 4-5x q4_1's and cost ~a quarter of a first start.
+DOMINATED = 2.0
 # Requests sharing the measured batched AR pass (the engine's continuous batching, engine/scheduler.py).
 BATCH_SEQS = 8
 FORMAT_VERSION = 3  # 2: batch_ms; 3: prefill_bf16_ms
@@ -470,8 +477,15 @@ def measure_curves(variants: dict[str, TargetModel], threads: Iterable[int], row
         _crop(cache, past)
         return elapsed
 
+    measured = list(configs)
     for rep in range(reps + 1):  # round 0 warms every kernel shape and is not recorded
-        for d, t in configs:
+        if rep == 2:
+            dropped = dominated({c: [times[c][q][0] for q in rows] + batch_times[c] for c in measured})
+            measured = [c for c in measured if c not in dropped]
+            if dropped and progress is not None:
+                progress(f"calibration: {', '.join(f'{d}/{t}t' for d, t in sorted(dropped))} measured once "
+                         f"(every pass >= {DOMINATED:g}x another candidate's)")
+        for d, t in measured:
             tm = variants[d]
             torch.set_num_threads(t)
             cache, prefix = caches[d]
@@ -500,6 +514,13 @@ def measure_curves(variants: dict[str, TargetModel], threads: Iterable[int], row
                       float(np.min(prefill_times[(d, t)]) * 1e3), float(np.min(batch_times[(d, t)]) * 1e3),
                       float(np.min(bf16_prefill_times[(d, t)]) * 1e3) if bf16_prefill_times[(d, t)] else 0.0)
             for d, t in configs]
+
+
+def dominated(samples: dict[T, Sequence[float]], factor: float = DOMINATED) -> set[T]:
+    """Candidates whose every sample is at least `factor` times the same sample of one other candidate (samples
+    in the same order for all: the passes of one round)."""
+    return {a for a, sa in samples.items()
+            if any(b != a and all(x >= factor * y for x, y in zip(sa, sb)) for b, sb in samples.items())}
 
 
 def robust_curve(samples: Sequence[Sequence[float]]) -> tuple[float, ...]:

@@ -21,6 +21,7 @@ from generation_service.calibrate import (
     calibrated_model,
     candidate_threads,
     choose,
+    dominated,
     load_cache,
     robust_curve,
     save_cache,
@@ -128,6 +129,59 @@ def test_objective_includes_the_ar_step():
 def test_robust_curve_ignores_interference_spikes():
     samples = [[0.030, 0.024], [0.026, 0.027], [0.138, 0.140], [0.029, 0.031]]  # seconds; q=4 hit by a spike
     assert robust_curve(samples) == pytest.approx((24.0, 26.0, 29.0, 29.0))  # Not 138 at q=4
+
+
+# First-round samples (ms by pass) as measured on the AVX2-only EPYC of 2026-12-01 and variations of them.
+EPYC_AVX2_ROUND = {("q4_1", 2): [20.7, 25.1, 52.9, 109.1, 53.0], ("fp32", 2): [30.4, 32.2, 51.5, 96.7, 52.0],
+                   ("q4_1", 1): [39.0, 46.6, 99.0, 197.8, 100.0], ("bf16", 2): [87.2, 87.2, 282.7, 554.9, 585.0],
+                   ("bf16", 1): [144.0, 144.0, 500.6, 976.3, 1030.0]}
+
+
+@pytest.mark.parametrize("case, samples, expected, not_expected", [
+    ("bf16 without native kernels drops out", EPYC_AVX2_ROUND, {("bf16", 2), ("bf16", 1)}, {("q4_1", 2)}),
+    ("twice as slow at one pass only stays", {"a": [10.0, 50.0], "b": [20.0, 60.0]}, set(), {"b"}),
+    ("exactly the factor everywhere drops out", {"a": [10.0, 50.0], "b": [20.0, 100.0]}, {"b"}, {"a"}),
+    ("one candidate is never dominated", {"a": [10.0]}, set(), {"a"}),
+    ("equal candidates both stay", {"a": [10.0, 20.0], "b": [10.0, 20.0]}, set(), {"a", "b"}),
+])
+def test_dominated_candidates(case, samples, expected, not_expected):
+    got = dominated(samples)
+    assert got == expected, case
+    assert not (got & not_expected), case
+    brute = {a for a in samples for b in samples  # the definition, pass by pass
+             if a != b and min(x / y for x, y in zip(samples[a], samples[b])) >= 2.0}
+    assert got == brute
+
+
+@pytest.mark.model
+def test_dominated_candidates_are_measured_once_and_kept(tmq4, tm16, monkeypatch):
+    """measure_curves on the real models (short past, two passes per round): a candidate it drops after the first
+    round ran that round only, keeps a curve, and that curve is >= 2x another's at every pass (its one sample against
+    the other's minimum). On a CPU without native bf16 kernels bf16 is dropped; elsewhere nothing may be."""
+    calls: dict[str, int] = {"q4_1": 0, "bf16": 0}
+    real = calibrate.verify_tree
+
+    def counting(tm, *args, **kwargs):
+        calls["q4_1" if tm is tmq4 else "bf16"] += 1
+        return real(tm, *args, **kwargs)
+
+    monkeypatch.setattr(calibrate, "verify_tree", counting)
+    notes: list[str] = []
+    threads = torch.get_num_threads()
+    try:
+        curves = calibrate.measure_curves({"q4_1": tmq4, "bf16": tm16}, [1], rows=(1, 4), reps=2, past=16,
+                                          progress=notes.append)
+    finally:
+        torch.set_num_threads(threads)
+    by = {c.dtype: c for c in curves}
+    assert set(by) == {"q4_1", "bf16"}
+    dropped = {d for d in by if any(f"{d}/1t" in n and "measured once" in n for n in notes)}
+    for d, c in by.items():
+        assert calls[d] == (2 if d in dropped else 3) * 3, d  # rounds x (the warming pass + q = 1, 4)
+        if d in dropped:
+            assert any(all(x >= 2.0 * y for x, y in zip(c.step_ms + (c.batch_ms,), o.step_ms + (o.batch_ms,)))
+                       for e, o in by.items() if e != d)
+    assert "q4_1" not in dropped or "bf16" not in dropped
 
 
 @pytest.mark.parametrize("cores, expected", [(1, [1]), (2, [2, 1]), (4, [4, 2, 1]), (16, [16, 8])])

@@ -181,6 +181,7 @@ def test_draft_stays_fast_under_kb_load(kb_dir, encoder):
     print(f"Draft p50 alone {p50_alone:.3f} ms, under KB load {p50_busy:.3f} ms "
           f"(p90 {np.percentile(busy, 90):.2f} ms); searches {outcomes}")
     assert outcomes.get("OK", 0) >= 1 and set(outcomes) <= {"OK", "RESOURCE_EXHAUSTED"}, outcomes
-    # Before: KB calls took every handler thread and both cores, Draft p50 ~300 ms. The box is shared, so the
-    # bound leaves room for its noise; a quiet machine measures ~0.5 ms (see the report printed above).
-    assert p50_busy < 2.0, (p50_alone, p50_busy)
+    # Before: KB calls took every handler thread and both cores, Draft p50 ~300 ms. The bound is relative to the
+    # same call alone on this machine (~0.5 ms on a quiet Zen 4, 2.4 ms on an AVX2-only Zen 1), with room for a
+    # shared box's noise: the regression it guards against is 100x, not 3x.
+    assert p50_busy < max(2.0, 3.0 * p50_alone), (p50_alone, p50_busy)

@@ -121,7 +121,7 @@ REFERENCE_NEW_TOKENS = 128  # the objective spreads a PREFIX_TOKENS prefill over
 REPS = 5
 # A candidate whose every pass of the first measured round takes at least this many times another's is measured no
 # further (its curve keeps that round's samples): no remaining round could make it the choice, and on a CPU without
-# native bf16 kernels (an AVX2-only EPYC) bf16's passes are 4-5x q4_1's and cost ~a quarter of a first start.
+# native bf16 kernels (an AVX2-only EPYC Zen 1) bf16's passes are 4-5x q4_1's: a first start took 217 s, not 272.
 DOMINATED = 2.0
 # Requests sharing the measured batched AR pass (the engine's continuous batching, engine/scheduler.py).
 BATCH_SEQS = 8

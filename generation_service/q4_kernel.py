@@ -70,14 +70,33 @@ def _name(out: Path) -> str:
 
 
 def build(march: str = "native") -> ModuleType:
-    """Compile (or find up to date) the extension for `march`; raises when it cannot be built."""
+    """Compile (or find up to date) the extension for `march` and load it; raises when it cannot be built."""
     from torch.utils import cpp_extension
 
     out = build_dir(march)
     out.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(name=_name(out), sources=[str(p) for p in _SOURCES if p.suffix == ".cpp"],
-                              extra_cflags=list(_cflags(march)), extra_ldflags=list(_LDFLAGS),
-                              build_directory=str(out), verbose=False)
+    return cpp_extension.load(name=_name(out), sources=_cpp_sources(), extra_cflags=list(_cflags(march)),
+                              extra_ldflags=list(_LDFLAGS), build_directory=str(out), verbose=False)
+
+
+def compile_only(march: str) -> Path:
+    """Compile (or find up to date) the extension for `march` without loading it: the container images prebuild
+    levels their build machine may not run, and importing the module runs code built for that level (pybind11's
+    initialisation, compiled with -march=sapphirerapids, raised SIGILL on an AVX2-only CI host)."""
+    # torch has no public build-without-import; this is load()'s own build step (torch pinned in pyproject.toml).
+    from torch.utils import cpp_extension
+
+    out = build_dir(march)
+    out.mkdir(parents=True, exist_ok=True)
+    cpp_extension._write_ninja_file_and_build_library(
+        name=_name(out), sources=_cpp_sources(), extra_cflags=list(_cflags(march)), extra_cuda_cflags=[],
+        extra_sycl_cflags=[], extra_ldflags=list(_LDFLAGS), extra_include_paths=[], build_directory=str(out),
+        verbose=False, with_cuda=False, with_sycl=False)
+    return out / f"{_name(out)}.so"
+
+
+def _cpp_sources() -> list[str]:
+    return [str(p) for p in _SOURCES if p.suffix == ".cpp"]
 
 
 _level_override = ""  # load_level's choice
@@ -136,7 +155,10 @@ def main() -> None:
     levels = prebuild_levels(ap, LEVELS)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for level in levels:
-        print(f"CPU kernels for {level}: {build(level).isa()} ({build_dir(level)})")
+        if best_level((level,)):
+            print(f"CPU kernels for {level}: {build(level).isa()} ({build_dir(level)})")
+        else:
+            print(f"CPU kernels for {level}: built, not loaded (this CPU lacks it) ({compile_only(level)})")
     if not levels:
         k = kernel()
         print(f"CPU kernels: {k.isa() if k is not None else 'unavailable'} ({k.__file__ if k is not None else ''})")

@@ -409,7 +409,10 @@ def open_scan(vectors: np.ndarray, metric: str, threads: int = 0, bound_dims: in
 def main() -> None:
     levels = prebuild_levels(argparse.ArgumentParser(description=__doc__.splitlines()[0]), PREBUILT)
     for level in levels:
-        print(f"float16 scan kernel for {level}: {load(level).fp16_isa().decode()} ({build_dir(level)})")
+        if best_level((level,)):
+            print(f"float16 scan kernel for {level}: {load(level).fp16_isa().decode()} ({build_dir(level)})")
+        else:  # code built for a level this CPU lacks may raise SIGILL when it runs
+            print(f"float16 scan kernel for {level}: built, not loaded (this CPU lacks it) ({build(level)})")
     if levels:
         return
     lib = library()

@@ -32,3 +32,21 @@ def test_fused_forward_tests_pass_on_the_avx2_build():
                          timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and " skipped" not in run.stdout, run.stdout[-2000:]
+
+
+def test_prebuild_of_a_level_this_cpu_lacks_compiles_without_loading(monkeypatch, capsys):
+    """The image build prebuilds every level on whatever CPU builds it: loading a level that CPU lacks ran
+    AVX-512 code on an AVX2-only CI host (SIGILL, exit 132); the build must only compile it."""
+    from torch.utils import cpp_extension
+
+    def never(*a, **k):
+        raise AssertionError("a level this CPU lacks was loaded")
+
+    monkeypatch.setattr(q4_kernel, "best_level", lambda levels: "")  # as if this CPU ran none of them
+    monkeypatch.setattr(cpp_extension, "_import_module_from_library", never)
+    monkeypatch.setattr(q4_kernel.importlib.util, "spec_from_file_location", never)
+    monkeypatch.setattr(sys, "argv", ["q4_kernel", "--prebuild", LEVEL])
+    q4_kernel.main()
+    out = capsys.readouterr().out
+    assert f"CPU kernels for {LEVEL}: built, not loaded" in out, out
+    assert (q4_kernel.build_dir(LEVEL) / f"{q4_kernel._name(q4_kernel.build_dir(LEVEL))}.so").is_file()

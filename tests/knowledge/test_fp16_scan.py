@@ -4,6 +4,8 @@ Vectors and queries hold small integers, so every dot product is exact in float3
 the kernel's ids, ties included, must equal the reference's (score desc, then id asc) exactly.
 """
 
+import sys
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -176,3 +178,18 @@ def test_candidate_rows_kernel_or_numpy():
     for bad in ([40], [-1], [0, 1, 99]):
         with pytest.raises(IndexError, match="ids"):
             fp16_scan.candidate_rows(x, np.array(bad))
+
+
+def test_prebuild_of_a_level_this_cpu_lacks_compiles_without_loading(monkeypatch, capsys):
+    """The retrieval image prebuilds x86-64-v4 on whatever CPU builds it; code of a level that CPU lacks must be
+    compiled, never loaded or run there (SIGILL)."""
+    def never(*a, **k):
+        raise AssertionError("a level this CPU lacks was loaded")
+
+    monkeypatch.setattr(fp16_scan, "best_level", lambda levels: "")
+    monkeypatch.setattr(fp16_scan.ctypes, "CDLL", never)
+    monkeypatch.setattr(sys, "argv", ["fp16_scan", "--prebuild", "x86-64-v3"])
+    fp16_scan.main()
+    out = capsys.readouterr().out
+    assert "float16 scan kernel for x86-64-v3: built, not loaded" in out, out
+    assert (fp16_scan.build_dir("x86-64-v3") / "libfp16scan.so").is_file()

@@ -3,6 +3,10 @@
 #pragma once
 
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <functional>
 
 // x [M, K] float32 contiguous @ w^T -> [M, N]; w is a dense float32 [N, K] or GGUF blocks (uint8 [N, K / 32 * 20]
 // Q4_1 or [N, K / 32 * 34] Q8_0). Every row of x gets the same bits whatever M is. bf16: x and the weights
@@ -25,3 +29,30 @@ bool wide_bf16();
 
 // Registers LeanForward (lean_forward.cpp) in the module.
 void bind_lean_forward(pybind11::module_& m);
+
+// Runs piece(0) .. piece(n - 1), each once, on the calling thread and helper threads of our own (claim_pool.cpp):
+// every thread claims the next unclaimed piece, so a thread the OS has descheduled holds up no other. Returns when
+// all are done. Serial with one thread (torch's thread count), for one piece, and inside a piece. piece must not
+// throw.
+void claimed_for(int64_t n, const std::function<void(int64_t)>& piece);
+
+// off: claimed_for hands its pieces to at::parallel_for instead (one fixed range of them per OpenMP thread), the
+// split the kernels had before; for measuring one against the other in one process.
+void set_claimed_loops(bool on);
+
+// Pieces per thread a claimed_range cuts its range into (at most). Why several: a thread that is away for a while
+// leaves most of its share to the others; why not many: each is a claim and a call, and a pass is ~150 loops, some of
+// them ~10 us at one row.
+constexpr int64_t kPiecesPerThread = 8;
+
+// f(a, b) over [begin, end) cut into claimed pieces of whole multiples of grain (as at::parallel_for, serial when
+// the range is at most one grain).
+template <class F>
+void claimed_range(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  const int64_t len = end - begin;
+  if (len <= 0) return;
+  const int64_t units = (len + grain - 1) / grain;
+  const int64_t pieces = std::min<int64_t>(units, at::get_num_threads() * kPiecesPerThread);
+  const int64_t per = (units + pieces - 1) / pieces * grain;
+  claimed_for((len + per - 1) / per, [&](int64_t i) { f(begin + i * per, std::min(end, begin + (i + 1) * per)); });
+}

@@ -615,11 +615,10 @@ class LeanForward {
       vh = s.v.data_ptr<KV>() + i * s.v.stride(0) + h * s.v.stride(1);
       return s.past + s.q;
     };
-    at::parallel_for(0, (int64_t)plan.bins.size(), 1, [&](int64_t a, int64_t b) {
-      std::vector<float> p;
-      std::vector<float> acc(G * D);
-      std::vector<float> kb(64 * D);  // attend_row's block of converted keys (kLanes <= 64)
-      for (int64_t bin = a; bin < b; ++bin)
+    claimed_for((int64_t)plan.bins.size(), [&](int64_t bin) {
+      thread_local std::vector<float> p, acc, kb;  // per thread, not per bin
+      acc.resize(G * D);
+      kb.resize(64 * D);  // attend_row's block of converted keys (kLanes <= 64)
       for (size_t u = 0; u < plan.bins[bin].size(); ++u) {
         const int64_t job = plan.bins[bin][u];
         const Segment& s = segs[jobs[job / Hkv].first];
@@ -685,7 +684,8 @@ class LeanForward {
   }
 
   // The attention jobs 0..n-1 ((row, kv head) = (jobs[j / Hkv], j % Hkv)) in one bin per thread that takes part,
-  // balanced by the keys each job reads: longest first, each to the least-loaded bin. Why: parallel_for's
+  // balanced by the keys each job reads: longest first, each to the least-loaded bin (the bins are claimed like any
+  // loop's pieces: claimed_for). Why: parallel_for's
   // contiguous ranges gave one thread the first sequences of the pass and the other the last, so in a batch of
   // ragged lengths (a running batch always is) the pass waited for the thread with the long ones.
   // A draft tree's rows of one kv head go to a bin together, one after another (in runs of at most `per` rows, so a

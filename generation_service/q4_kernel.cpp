@@ -11,9 +11,10 @@
 //        of qs[j - 16]; weight = d * q + m.
 //   Q8_0 block, 34 bytes: fp16 d, 32 int8 qs; weight = d * q.
 //
-// The matmul: out[M, N] = x[M, K] @ W[N, K]^T. Output rows are split across torch's own thread pool (at::parallel_for,
-// so no second OpenMP runtime competes for the cores); each weight row is decoded once per tile of up to 8 rows of x
-// and multiplied into all of them, so a 1-row GEMV reads each weight byte once and small tree passes reuse the decode.
+// The matmul: out[M, N] = x[M, K] @ W[N, K]^T. Output rows are split into pieces claimed by the pass's threads
+// (claimed_range, claim_pool.cpp: a descheduled thread holds no loop up); each weight row is decoded once per tile of
+// up to 8 rows of x and multiplied into all of them, so a 1-row GEMV reads each weight byte once and small tree passes
+// reuse the decode.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -283,7 +284,7 @@ torch::Tensor linear_rows(const torch::Tensor& x, const uint8_t* wp, int64_t N, 
   float* op = out.data_ptr<float>();
   // Loop order: a chunk of kChunk weight rows (a few KB) against every tile of x, so both stay in L1 and neither is
   // re-read from L2 per row (x of a 64-row pass is 150-400 KB).
-  at::parallel_for(0, N, kChunk, [&](int64_t c0, int64_t c1) {
+  claimed_range(0, N, kChunk, [&](int64_t c0, int64_t c1) {
     for (int64_t n0 = c0; n0 < c1; n0 += kChunk) {
       const int64_t n1 = std::min(c1, n0 + kChunk);
       const int64_t tiles = M <= kTileMax ? 1 : (M + kTileLong - 1) / kTileLong;
@@ -471,7 +472,7 @@ torch::Tensor linear_dense_bf16dp(const torch::Tensor& x, const torch::Tensor& w
   auto out = torch::empty({M, N}, x.options());
   float* op = out.data_ptr<float>();
   const uint8_t* wp = (const uint8_t*)w.data_ptr();
-  at::parallel_for(0, N, kChunk, [&](int64_t c0, int64_t c1) {
+  claimed_range(0, N, kChunk, [&](int64_t c0, int64_t c1) {
     for (int64_t n0 = c0; n0 < c1; n0 += kChunk)
       chunk_dot_bf16<DenseSrc>(xb.data(), M, K, wp + n0 * K * 2, K * 2, n0, std::min(c1, n0 + kChunk), op, N,
                                kWideTileBf16);
@@ -500,15 +501,16 @@ torch::Tensor linear_rows_bf16dp(const torch::Tensor& x, const uint8_t* wp, int6
   auto out = torch::empty({M, N}, x.options());
   float* op = out.data_ptr<float>();
   if (M <= kOneTileBf16) {  // one tile of x: decode each block once, right where it is used
-    at::parallel_for(0, N, kChunk, [&](int64_t c0, int64_t c1) {
+    claimed_range(0, N, kChunk, [&](int64_t c0, int64_t c1) {
       for (int64_t n0 = c0; n0 < c1; n0 += kChunk)
         chunk_dot_bf16<BlockSrc<B>>(xb.data(), M, K, wp + n0 * row_bytes, row_bytes, n0, std::min(c1, n0 + kChunk),
                                     op, N, kOneTileBf16);
     });
     return out;
   }
-  at::parallel_for(0, N, kBufRows, [&](int64_t c0, int64_t c1) {
-    std::vector<uint16_t> buf(kBufRows * K);
+  claimed_range(0, N, kBufRows, [&](int64_t c0, int64_t c1) {
+    thread_local std::vector<uint16_t> buf;  // per thread, not per piece
+    buf.resize(kBufRows * K);
     for (int64_t n0 = c0; n0 < c1; n0 += kBufRows) {
       const int64_t n1 = std::min(c1, n0 + kBufRows);
       for (int64_t n = n0; n < n1; ++n)
@@ -794,8 +796,8 @@ torch::Tensor linear_rows_amx(const torch::Tensor& x, const Decode& decode_rows,
   auto out = torch::empty({M, N}, x.options());
   float* op = out.data_ptr<float>();
   const int64_t ngroups = (N + kAmxRows - 1) / kAmxRows;
-  at::parallel_for(0, ngroups, 1, [&](int64_t a, int64_t z) {
-    amx_configure(groups == 1 ? (int)M : kAmxRows);  // tile configuration is per thread
+  claimed_range(0, ngroups, 1, [&](int64_t a, int64_t z) {
+    amx_configure(groups == 1 ? (int)M : kAmxRows);  // tile configuration is per thread (and released per piece)
     // Two A buffers: block b + 1 is decoded while block b's tile multiplies, so a tile load does not wait for the
     // stores that just wrote its buffer (on Sapphire Rapids no measurable change at 1 row; harmless).
     alignas(64) uint16_t wt[2][kAmxRows * kBlock];
@@ -943,7 +945,7 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
   // A request's few rows on this thread: served at 8 clients, a parallel region for a request's ~3 rows (which then
   // waits for a pool thread the busy cores may have descheduled) took 8.7 % of the model thread, on this thread
   // 2.6 % (py-spy); only a big batch of rows is spread.
-  at::parallel_for(0, M, kArgmaxGrain, [&](int64_t a, int64_t b) {
+  claimed_range(0, M, kArgmaxGrain, [&](int64_t a, int64_t b) {
     for (int64_t m = a; m < b; ++m) op[m] = argmax_row(x + m * N, N);
   });
   return out;
@@ -977,7 +979,7 @@ std::vector<std::vector<int64_t>> argmax_each(const std::vector<torch::Tensor>& 
     for (int64_t r = a; r < b; ++r) *rows[r].pick = argmax_row(rows[r].x, rows[r].n);
   };
   if (n >= kArgmaxBatch)
-    at::parallel_for(0, n, kArgmaxBatch / 2, pick);
+    claimed_range(0, n, kArgmaxBatch / 2, pick);
   else
     pick(0, n);
   return out;
@@ -1048,6 +1050,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "wide): AVX512-BF16 dot products, not AMX tiles");
   m.def("bf16", &bf16_kernel, "what runs bf16-activation linears here: 'amx' (built for AMX and granted the tile "
         "state), 'avx512_bf16' (built for AVX512-BF16), or '' (neither: the q4_1_bf16 format is not offered)");
+  m.def("set_claimed_loops", &set_claimed_loops, "True (the default): the kernels' loops run as pieces claimed by "
+        "whichever thread is free (claim_pool.cpp); False: one fixed range per OpenMP thread (at::parallel_for)");
   m.def("argmax_rows", &argmax_rows, "the first maximum of each row of contiguous float32 logits [M, N] (a NaN wins, "
         "the first one) -> int64 [M]");
   m.def("argmax_each", &argmax_each, "argmax_rows of each of several contiguous float32 logits [M_i, N_i] -> per "

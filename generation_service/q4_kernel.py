@@ -1,7 +1,9 @@
 """The CPU kernel extension: built once per machine, loaded, or reported missing.
 
-Two sources, one module: q4_kernel.cpp (linears straight from GGUF blocks, Q4_1 / Q8_0, and the same tiling over
-dense fp32 weights; on CPUs with AMX or AVX512-BF16 also the bf16-activation path of the q4_1_bf16 format) and lean_forward.cpp (LeanForward: the whole decoder pass of lean_llama.py in one call).
+Three sources, one module: q4_kernel.cpp (linears straight from GGUF blocks, Q4_1 / Q8_0, and the same tiling over
+dense fp32 weights; on CPUs with AMX or AVX512-BF16 also the bf16-activation path of the q4_1_bf16 format),
+lean_forward.cpp (LeanForward: the whole decoder pass of lean_llama.py in one call) and claim_pool.cpp (the threads
+their loops run on: pieces claimed by whichever thread is free).
 
 Built with torch's C++ extension loader (g++ and ninja) for this CPU (-march=native: AVX-512 here, AVX2 on an AVX2
 box, scalar elsewhere), into $RAGSERVE_HOME/kernels/<hash of source, torch version, compiler flags, CPU flags>/,
@@ -31,9 +33,11 @@ from ragcore.model_files import ragserve_home
 log = logging.getLogger(__name__)
 
 # One extension: the block-quantized linears and the fused lean forward built on them.
-_SOURCES = tuple(Path(__file__).with_name(n) for n in ("q4_kernel.cpp", "lean_forward.cpp", "cpu_kernels.h"))
-# -fopenmp: at::parallel_for is a header template whose `omp parallel` needs it (without, the kernel runs on one
-# thread); the library then needs libgomp.so.1, which resolves to the copy torch already loaded: one thread pool.
+_SOURCES = tuple(Path(__file__).with_name(n) for n in ("q4_kernel.cpp", "lean_forward.cpp", "claim_pool.cpp",
+                                                         "cpu_kernels.h"))
+# -fopenmp: at::parallel_for (the load-time conversions; the passes' loops use claim_pool.cpp's threads) is a header
+# template whose `omp parallel` needs it; the library then needs libgomp.so.1, which resolves to the copy torch already
+# loaded: one OpenMP pool.
 _LDFLAGS = ("-fopenmp",)
 
 

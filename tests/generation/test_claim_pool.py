@@ -85,8 +85,8 @@ def test_claimed_pieces_give_the_bits_of_fixed_ranges_and_of_one_thread(path, m)
 def test_two_threads_in_the_fused_forward_at_once_get_their_solo_bits(tmq4):
     """LeanForward.forward releases the GIL, so two callers can be in the kernels together: the second finds the
     pool busy and runs its loops on its own thread; each caller's logits equal its solo run's."""
-    from generation_service.model import forward_batch, new_cache
     from generation_service.engine.steps import tree_segment
+    from generation_service.model import forward_batch, new_cache
     from generation_service.speculative import prefill
 
     rng = np.random.default_rng(5)

@@ -4,8 +4,8 @@
 // has run its range. On a 2-core host the gRPC threads, the clients and the retrieval service take a core from one of
 // the pass's two threads for a scheduler slice now and then; a pass is ~150 loops, and each loop then waited for
 // the descheduled thread to come back and run its half (served passes ran 1.6-1.8x their calibrated cost on a Zen 4).
-// Here a loop is cut into a few pieces per thread, every thread (the caller included) claims the next unclaimed
-// piece until none is left, and the loop ends when every piece is done: a thread that is away misses pieces instead
+// Here a loop is cut into a few pieces per thread, every thread (the caller included) claims the pieces of its own
+// share and then what is left of the others' (Slot below), and the loop ends when every piece is done: a thread that is away misses pieces instead
 // of holding the loop, and the caller never waits for a helper to wake up. Between passes a helper sleeps after a
 // short spin instead of OpenMP's long one, so the Python and gRPC work around a pass gets the core.
 //

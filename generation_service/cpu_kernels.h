@@ -31,7 +31,8 @@ bool wide_bf16();
 void bind_lean_forward(pybind11::module_& m);
 
 // Runs piece(0) .. piece(n - 1), each once, on the calling thread and helper threads of our own (claim_pool.cpp):
-// every thread claims the next unclaimed piece, so a thread the OS has descheduled holds up no other. Returns when
+// each thread claims pieces of its own share, then what is left of the others', so a thread the OS has descheduled
+// holds up no other beyond the piece it is in. Returns when
 // all are done. Serial with one thread (torch's thread count), for one piece, and inside a piece. piece must not
 // throw.
 void claimed_for(int64_t n, const std::function<void(int64_t)>& piece);

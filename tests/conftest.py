@@ -61,3 +61,16 @@ def calibrated_home(tmp_path_factory):
         mt.stop(wait=True)
         mp.undo()
     return Path(home), choice
+
+
+def pytest_collection_modifyitems(session, config, items):
+    # The AVX2 rerun of the fused-forward tests goes on beside the suite from here (tests/generation/avx2_rerun.py).
+    from tests.generation import avx2_rerun
+
+    avx2_rerun.start_if_collected([item.nodeid for item in items])
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from tests.generation import avx2_rerun
+
+    avx2_rerun.stop()

@@ -50,6 +50,7 @@ from bench.load_stats import (
     evaluate_targets,
     fits,
     interleave,
+    steal_share,
 )
 from bench.serving import (
     cpu_class,
@@ -175,6 +176,11 @@ def cpu_share(before: dict[str, float], after: dict[str, float], seconds: float)
     return {name: round((after[name] - before[name]) / seconds, 3) for name in before}
 
 
+def cpu_times() -> dict[str, float]:
+    """The machine's CPU time by kind, summed over its CPUs (load_stats.steal_share reads it)."""
+    return psutil.cpu_times()._asdict()
+
+
 def worker_cpu_ms_per_token(cores: dict[str, float], seconds: float, tokens: int) -> float | None:
     """Worker CPU time per streamed token over the cell. Against the calibrated step (GetInfo) it shows CPU
     burnt without progress: OpenMP threads spinning at a barrier while their sibling waits for a core on a
@@ -186,7 +192,7 @@ def run_cell(target: str, method: str, level: int, feed: PromptFeed, max_new: in
              duration_s: float, pids: dict[str, int], bar: tqdm) -> dict:
     cell_s = warmup_s + duration_s
     cell = Cell(target, method, feed, max_new, cell_s)
-    load_start, cpu_start = os.getloadavg(), cpu_seconds(pids)
+    load_start, cpu_start, times_start = os.getloadavg(), cpu_seconds(pids), cpu_times()
     threads = [threading.Thread(target=cell.client_loop, args=(i,), name=f"client-{i}", daemon=True)
                for i in range(level)]
     for th in threads:
@@ -201,6 +207,7 @@ def run_cell(target: str, method: str, level: int, feed: PromptFeed, max_new: in
     bar.update(int(cell_s) - shown)
     cell_wall = cell.now()
     cpu = cpu_share(cpu_start, cpu_seconds(pids), cell_wall)
+    steal = steal_share(times_start, cpu_times())
     cell.cancel_all()
     deadline = time.monotonic() + JOIN_GRACE_S
     for th in threads:
@@ -209,6 +216,7 @@ def run_cell(target: str, method: str, level: int, feed: PromptFeed, max_new: in
     records = list(cell.records)
     return {"method": method, "concurrency": level, "warmup_s": warmup_s, "duration_s": duration_s,
             "loadavg_start": load_start, "loadavg_end": os.getloadavg(), "cpu_cores_used": cpu,
+            "steal_share": steal,
             "worker_cpu_ms_per_token": worker_cpu_ms_per_token(cpu, cell_wall, sum(r.tokens for r in records)),
             "stuck_clients": stuck,
             "summary": cell_summary(records, Window(warmup_s, cell_s)),
@@ -260,16 +268,21 @@ def plot(cells: dict[str, dict[int, dict]], path: Path, title: str) -> None:
 
 def print_table(cells: list[dict], targets: dict) -> None:
     print(f"\n{'method':<6} {'N':>3} {'tok/s':>7} {'stream':>7} {'done':>5} {'ms/tok p50':>10} {'p95':>7} "
-          f"{'TTFT p50':>9} {'p95':>7} {'load':>5} {'cores':>5} {'cpu ms/tok':>10} {'M':>5} {'nodes':>5} {'acc':>5} {'cached':>6} errors")
+          f"{'TTFT p50':>9} {'p95':>7} {'load':>5} {'cores':>5} {'steal':>5} {'cpu ms/tok':>10} {'M':>5} {'nodes':>5} {'acc':>5} {'cached':>6} errors")
     for c in sorted(cells, key=lambda c: (c["method"], c["concurrency"])):
         s = c["summary"]
         f = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
         print(f"{c['method']:<6} {c['concurrency']:>3} {s['tokens_per_s']:>7.1f} {s['streamed_tokens_per_s']:>7.1f} "
               f"{s['requests_done']:>5} {f(s['ms_per_token_p50']):>10} {f(s['ms_per_token_p95']):>7} "
               f"{f(s['ttft_ms_p50']):>9} {f(s['ttft_ms_p95']):>7} {c['loadavg_end'][0]:>5.1f} "
-              f"{c['cpu_cores_used'].get('generation', 0):>5.2f} {f(c['worker_cpu_ms_per_token']):>10} "
+              f"{c['cpu_cores_used'].get('generation', 0):>5.2f} {_share(c.get('steal_share')):>5} "
+              f"{f(c['worker_cpu_ms_per_token']):>10} "
               f"{_spec(s.get('speculation'))} {s['errors'] or ''}")
     print("targets:", {k: v if k == "passed" else v["passed"] for k, v in targets.items()})
+
+
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
 
 
 def _spec(sp: dict | None) -> str:

@@ -185,6 +185,22 @@ def fits(elapsed_s: float, cell_s: float, budget_s: float) -> bool:
     return elapsed_s + cell_s <= budget_s
 
 
+# /proc/stat's fields of a CPU's time (psutil.cpu_times()); guest time is inside user already.
+CPU_TIME_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def steal_share(before: dict[str, float], after: dict[str, float]) -> float | None:
+    """Share of the machine's CPU time the hypervisor ran other guests on over an interval (None: no time passed,
+    or no steal field). Why: on a shared VM the worker's passes ran at 1.5-2.5x their calibrated ms for minutes in
+    one session (its log's "pass costs" lines); steal is the part of such a slowdown that other guests took.
+        steal_share({"user": 10, "idle": 88, "steal": 2}, {"user": 20, "idle": 166, "steal": 14}) -> 0.12
+    """
+    if "steal" not in before or "steal" not in after:
+        return None
+    total = sum(after.get(k, 0.0) - before.get(k, 0.0) for k in CPU_TIME_FIELDS)
+    return round((after["steal"] - before["steal"]) / total, 4) if total > 0 else None
+
+
 def interleave(*lists: Sequence) -> list:
     """[a0, b0, a1, b1, ...], the longer lists' tails appended in turn: a mix where every stretch holds both."""
     out = []

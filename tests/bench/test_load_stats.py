@@ -18,6 +18,7 @@ from bench.load_stats import (
     interleave,
     percentile,
     speculation_summary,
+    steal_share,
     streamed_tokens,
     ttft_ms,
 )
@@ -236,3 +237,19 @@ def test_speculation_summary(records, expected):
         return
     for k, v in expected.items():
         assert got[k] == v, k
+
+
+@pytest.mark.parametrize("before, after, expected", [
+    ({"user": 10, "idle": 88, "steal": 2}, {"user": 20, "idle": 166, "steal": 14}, 0.12),  # 12 of 100 ticks
+    ({"user": 0, "idle": 0, "steal": 0}, {"user": 50, "idle": 50, "steal": 0}, 0.0),  # none stolen
+    ({"user": 5, "steal": 1}, {"user": 5, "steal": 1}, None),  # no time passed
+    ({"user": 5}, {"user": 9}, None),  # a kernel without the field
+])
+def test_steal_share(before, after, expected):
+    assert steal_share(before, after) == expected
+
+
+def test_steal_share_ignores_guest_time_counted_in_user_already():
+    before = {"user": 0, "idle": 0, "steal": 0, "guest": 0}
+    after = {"user": 40, "idle": 40, "steal": 20, "guest": 40}
+    assert steal_share(before, after) == 0.2  # not 20 / 140

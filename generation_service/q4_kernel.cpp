@@ -203,8 +203,8 @@ inline void tile_dot(const float* x, int64_t ldx, const uint8_t* row, int64_t ro
     // latency on every product. Each accumulator takes the same products in the same order as below: the same bits.
     // Measured on a 2-core EPYC Zen 3 (the 135M model's q4_1 linears, old vs new build in one process, 11 rounds in
     // random order, outputs equal for 1-40 rows): 1 / 2 rows 10.3 / 12.1 ms against 12.2 / 12.6 (0.84 / 0.96x);
-    // 8 weight rows at once for 1 row took 10.8. With 3-4 rows (2 x R chains) the same loop took 1.7x with the
-    // prefetches and 1.0-1.07x without, so more rows keep the loop below (3-16 rows: 0.99-1.03x, noise).
+    // 8 weight rows at once for 1 row took 10.8. With 3-4 rows (2 x R chains) the same loop took 1.4-1.8x with the
+    // prefetches and 1.0-1.16x without (3 runs), so more rows keep the loop below (3-16 rows: 0.99-1.03x, noise).
     __m256 acc[NR][R];
     for (int n = 0; n < NR; ++n)
       for (int r = 0; r < R; ++r) acc[n][r] = _mm256_setzero_ps();

@@ -82,9 +82,15 @@ class ClaimPool {
     epoch_ = (epoch_ + 1) & kEpochMask;
     active_.store(threads, std::memory_order_relaxed);
     const int slots = std::max(threads, started_ + 1);  // every thread's: one that finds a loop late must find none
+    // Every count reset before any share is published. Why: a helper still scanning the loop before (it finished its
+    // pieces, then looks for others' to steal) may claim a piece of this loop as soon as one share is out, and counts
+    // it in its own slot; were its slot reset after that (the caller descheduled between the two stores), the piece
+    // would never be counted and the caller would wait for it forever. A served worker on a 2-core Zen 5 once
+    // stopped answering with one core busy, as a caller spinning in the wait below would; this race is how the code
+    // before could get there (it reset each slot's count just before publishing that slot's share).
+    for (int t = 0; t < slots; ++t) slots_[t].done.store(0, std::memory_order_relaxed);
     for (int t = 0; t < slots; ++t) {  // contiguous shares, as at::parallel_for's
       const int64_t lo = t < threads ? n * t / threads : 0, hi = t < threads ? n * (t + 1) / threads : 0;
-      slots_[t].done.store(0, std::memory_order_relaxed);
       slots_[t].share.store(pack(epoch_, lo, hi), std::memory_order_release);
     }
     // seq_cst here and in help(): a helper going to sleep and this loop's start must not both miss the other.

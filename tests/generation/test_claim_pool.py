@@ -142,3 +142,54 @@ def test_a_forked_child_runs_its_loops_on_helpers_of_its_own():
         os.waitpid(pid, 0)
         pytest.fail("the forked child's loops did not finish in 60 s")
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def _spin(seconds: float) -> None:  # pragma: no cover (a child process)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+    os._exit(0)
+
+
+@needs_kernel
+def test_back_to_back_loops_beside_a_busy_core_all_end():
+    """Loops started right after each other while a third process keeps a core busy, so the caller and its helper
+    are descheduled at any point of a loop's set-up: every loop must end (before the fix a helper still
+    scanning the previous loop could claim a piece of the next one and have its count reset, and the caller then
+    waited for it forever) and give the same bits. Bounded: 20,000 loops or 8 s in a child, which must exit within
+    60 s."""
+    lin, x, _ = linear_case("fp32 blocks", 1)
+    expected = with_threads(2, lambda: lin(x))
+    spinner = os.fork()
+    if spinner == 0:  # pragma: no cover
+        _spin(10.0)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        ok = False
+        try:
+            torch.set_num_threads(2)
+            end = time.monotonic() + 8.0
+            ok = True
+            for i in range(20_000):
+                out = lin(x)
+                if i % 500 == 0:
+                    ok = ok and torch.equal(out, expected)
+                if time.monotonic() > end:
+                    break
+        finally:
+            os._exit(0 if ok else 1)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("a claimed loop did not end: the child was still running after 60 s")
+        assert os.waitstatus_to_exitcode(status) == 0  # Not: a loop's bits changed
+    finally:
+        os.kill(spinner, 9)
+        os.waitpid(spinner, 0)

@@ -59,6 +59,19 @@ def linear_case(path: str, m: int, seed: int = 3):
     return (lambda xx: kernel().block_linear(xx, w, path.startswith("bf16"), wide)), x, dense.double()
 
 
+def exit_code_within(pid: int, seconds: float, what: str) -> int:
+    """The exit code of child `pid`; killed and the test failed if it is still running after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail(f"{what}: the child was still running after {seconds:.0f} s")
+
+
 @needs_kernel
 @pytest.mark.parametrize("path,m", CASES)
 def test_claimed_pieces_give_the_bits_of_fixed_ranges_and_of_one_thread(path, m):
@@ -131,17 +144,7 @@ def test_a_forked_child_runs_its_loops_on_helpers_of_its_own():
             ok = all(torch.equal(lin(x), parent) for _ in range(20))
         finally:
             os._exit(0 if ok else 1)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        time.sleep(0.05)
-    else:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
-        pytest.fail("the forked child's loops did not finish in 60 s")
-    assert os.waitstatus_to_exitcode(status) == 0
+    assert exit_code_within(pid, 60, "the forked child's loops did not finish") == 0
 
 
 def _spin(seconds: float) -> None:  # pragma: no cover (a child process)
@@ -179,17 +182,7 @@ def test_back_to_back_loops_beside_a_busy_core_all_end():
         finally:
             os._exit(0 if ok else 1)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            time.sleep(0.05)
-        else:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            pytest.fail("a claimed loop did not end: the child was still running after 60 s")
-        assert os.waitstatus_to_exitcode(status) == 0  # Not: a loop's bits changed
+        assert exit_code_within(pid, 60, "a claimed loop did not end") == 0  # Not: a loop's bits changed
     finally:
         os.kill(spinner, 9)
         os.waitpid(spinner, 0)

@@ -106,15 +106,27 @@ struct Q41 {
     w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), d, m);
   }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  // d and m from one conversion, each 8-code half widened straight from memory and split into its low and high
+  // nibbles by a mask and a shift (the bytes are zero-extended, so >> 4 leaves the high nibble): 19 instructions a
+  // block instead of 22, and no scalar half conversions (each a chain through a general register). Same values in
+  // the same lanes, so the same bits. Why: on AVX2 a pass of a row or two is bound by decoding, not by memory; on a
+  // 2-core EPYC Zen 3 (the 135M model's q4_1 linears, old vs new build in one process, 9-13 rounds in random order,
+  // outputs equal for 1-16 rows) 1 / 2 rows 0.79 / 0.78x the time (1 row 12.8 -> 10.0 ms), 4-16 rows 0.91-1.07x
+  // (noise: the same cells swung both ways between runs).
   static inline void decode(const uint8_t* b, __m256 w[4]) {
-    const __m256 d = _mm256_set1_ps(half_to_float(b)), m = _mm256_set1_ps(half_to_float(b + 2));
-    const __m128i raw = _mm_loadu_si128((const __m128i*)(b + 4));
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d, m);
-    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), d, m);
-    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d, m);
-    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d, m);
+    int32_t dm_bits;
+    std::memcpy(&dm_bits, b, 4);
+    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(dm_bits));  // [d, m, 0, 0]: one conversion for both
+    const __m256 d = _mm256_broadcastss_ps(dm), m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+    int64_t q0, q1;
+    std::memcpy(&q0, b + 4, 8);
+    std::memcpy(&q1, b + 12, 8);
+    const __m256i v0 = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(q0)), v1 = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(q1));
+    const __m256i mask = _mm256_set1_epi32(0x0f);
+    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v0, mask)), d, m);
+    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v1, mask)), d, m);
+    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), d, m);
+    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4)), d, m);
   }
 #endif
 };

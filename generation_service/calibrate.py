@@ -125,7 +125,7 @@ REPS = 5
 DOMINATED = 2.0
 # Requests sharing the measured batched AR pass (the engine's continuous batching, engine/scheduler.py).
 BATCH_SEQS = 8
-FORMAT_VERSION = 3  # 2: batch_ms; 3: prefill_bf16_ms
+FORMAT_VERSION = 4  # 2: batch_ms; 3: prefill_bf16_ms; 4: wide_from
 # bf16 prefill (lean_llama.set_prefill_bf16) is served under prefill_precision auto when it is at least this much
 # faster than the fp32 prefill: a clear gain, not noise, for the rounding it brings to the prompt's rows.
 BF16_PREFILL_GAIN = 1.1
@@ -135,6 +135,17 @@ OPT_IN_DTYPES = tuple(WEIGHT_FORMATS)  # candidates of auto only where auto_form
 WARN_RATIO = 1.15
 # CPU features that change the curve; the cache key hashes all flags, these are shown.
 SHOWN_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "avx_vnni")
+
+# Where the q4_1_bf16 pass holds its weights decoded to bf16 (q4_weights: AVX512-BF16 without AMX), passes of this
+# many rows are timed on the blocks and on the copies, and the copies serve from the fewest rows at and beyond which
+# they measured faster (choose_wide_from). Why measured: a copy is 2 bytes per weight against 0.6, decoding a block
+# costs ~10 instructions, and which wins depends on the machine. On a 2-core EPYC Zen 4 whose 1-row pass took 6.2 ms
+# (whole passes after 200 tokens, 9-13 interleaved rounds) the copies took 0.77-0.80x the time at 9 rows, 0.81-0.90x
+# at 10, 0.87-0.99x at 8 and 1.1-1.25x at 4-6; on the Zen 4 where the on-the-fly tiles were tuned they lost at 9-10.
+WIDE_FROM_ROWS = (4, 6, 8, 9, 10)
+# ... and only where the copies are clearly faster (median at most this share of the blocks'): a near tie stays on
+# the blocks, as every pass of up to 10 rows did before, so the noise of a shared machine does not move it.
+WIDE_FROM_GAIN = 0.95
 
 T = TypeVar("T")
 
@@ -155,6 +166,7 @@ class CostCurve:
     prefill_ms: float = 0.0  # PREFIX_TOKENS-token prefill
     batch_ms: float = 0.0  # one pass over BATCH_SEQS sequences of one row each (0 = not measured)
     prefill_bf16_ms: float = 0.0  # the same prefill with bf16 linears (0 = not measured: cannot run there)
+    wide_from: int = 0  # passes of at least this many rows read decoded bf16 copies (0: no such copies here)
 
     def __post_init__(self) -> None:
         if len(self.rows) != len(self.step_ms) or not self.rows or self.rows[0] != 1:
@@ -253,7 +265,8 @@ class Calibration:
         try:
             curves = [CostCurve(str(c["dtype"]), int(c["threads"]), tuple(int(r) for r in c["rows"]),
                                 tuple(float(m) for m in c["step_ms"]), float(c.get("prefill_ms", 0.0)),
-                                float(c.get("batch_ms", 0.0)), float(c.get("prefill_bf16_ms", 0.0)))
+                                float(c.get("batch_ms", 0.0)), float(c.get("prefill_bf16_ms", 0.0)),
+                                int(c.get("wide_from", 0)))
                       for c in data["curves"]]
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed curve: {e!r}") from None
@@ -477,6 +490,27 @@ def measure_curves(variants: dict[str, TargetModel], threads: Iterable[int], row
         _crop(cache, past)
         return elapsed
 
+    def wide_from_for(tm, cache) -> int:
+        """choose_wide_from over passes of WIDE_FROM_ROWS rows, each on the blocks and on the copies, interleaved."""
+        samples: dict[int, tuple[list[float], list[float]]] = {q: ([], []) for q in WIDE_FROM_ROWS}
+        cells = [(q, wide) for q in WIDE_FROM_ROWS for wide in (False, True)]
+        for rep in range(reps + 1):  # round 0 warms and is not recorded
+            for q, wide in cells[rep % len(cells):] + cells[:rep % len(cells)]:
+                tm.lean.set_wide_from(q if wide else q4_weights.WIDE_FROM_DEFAULT)
+                elapsed = one_pass(tm, cache, q)
+                if rep:
+                    samples[q][wide].append(elapsed)
+        return choose_wide_from(samples, q4_weights.WIDE_FROM_DEFAULT)
+
+    wide_from: dict[tuple[str, int], int] = {}
+    for d, t in configs:
+        tm = variants[d]
+        if tm.lean is not None and tm.lean.has_decoded_copies():
+            torch.set_num_threads(t)
+            one_pass(tm, caches[d][0], 1)  # the first pass after a thread-count change resizes the pool
+            wide_from[(d, t)] = wide_from_for(tm, caches[d][0])
+            if progress is not None:
+                progress(f"calibration: {d}/{t}t reads the bf16 copies from {wide_from[(d, t)]} rows")
     measured = list(configs)
     for rep in range(reps + 1):  # round 0 warms every kernel shape and is not recorded
         if rep == 2:
@@ -488,6 +522,8 @@ def measure_curves(variants: dict[str, TargetModel], threads: Iterable[int], row
         for d, t in measured:
             tm = variants[d]
             torch.set_num_threads(t)
+            if (d, t) in wide_from:
+                tm.lean.set_wide_from(wide_from[(d, t)])
             cache, prefix = caches[d]
             one_pass(tm, cache, rows[0])  # the first pass after a thread-count change resizes the pool
             for q in rows:
@@ -512,8 +548,23 @@ def measure_curves(variants: dict[str, TargetModel], threads: Iterable[int], row
             tm.lean.set_prefill_bf16(False)
     return [CostCurve(d, t, tuple(rows), robust_curve([times[(d, t)][q] for q in rows]),
                       float(np.min(prefill_times[(d, t)]) * 1e3), float(np.min(batch_times[(d, t)]) * 1e3),
-                      float(np.min(bf16_prefill_times[(d, t)]) * 1e3) if bf16_prefill_times[(d, t)] else 0.0)
+                      float(np.min(bf16_prefill_times[(d, t)]) * 1e3) if bf16_prefill_times[(d, t)] else 0.0,
+                      wide_from.get((d, t), 0))
             for d, t in configs]
+
+
+def choose_wide_from(samples: dict[int, tuple[Sequence[float], Sequence[float]]], default: int) -> int:
+    """The fewest rows from which passes read the decoded copies: the smallest measured q at which, and at every
+    larger measured q, the median pass on the copies (samples[q][1]) takes at most WIDE_FROM_GAIN of the median on
+    the blocks (samples[q][0]);
+    `default` when the largest measured q already is not (the copies then start where they always did)."""
+    best = default
+    for q in sorted(samples, reverse=True):
+        blocks, copies = samples[q]
+        if not blocks or not copies or np.median(copies) > WIDE_FROM_GAIN * np.median(blocks):
+            break
+        best = q
+    return best
 
 
 def dominated(samples: dict[T, Sequence[float]], factor: float = DOMINATED) -> set[T]:
@@ -604,6 +655,8 @@ def calibrated_model(model: str = "", device: str = "auto", dtype: str = "auto",
     tm = loaded.get(curve.dtype) or (base if curve.dtype == "fp32" else convert(base, curve.dtype))
     loaded.clear()  # drop the other variants' weights
     set_threads(curve.threads)  # the serving choice, made on the model thread
+    if curve.wide_from and tm.lean is not None and tm.lean.has_decoded_copies():
+        tm.lean.set_wide_from(curve.wide_from)
     tm.step_cost = StepCost(curve.rows, curve.step_ms)
     apply_prefill_precision(tm, prefill_precision, curve.bf16_prefill_pays)
     return tm, Choice(curve, cal, tuple(warnings))
@@ -739,7 +792,9 @@ def main(argv: list[str] | None = None) -> None:
     cost = StepCost(choice.curve.rows, choice.curve.step_ms)
     print(f"\nserving with {choice.curve.name}: AR step {choice.curve.ar_ms:.1f} ms; a 16-node tree costs "
           f"{cost.relative(16):.2f} AR steps, 64 nodes {cost.relative(64):.2f}; prompt linears in "
-          f"{served_prefill_precision(tm)} (bf16 pf: the {PREFIX_TOKENS}-token prefill with bf16 linears)")
+          f"{served_prefill_precision(tm)} (bf16 pf: the {PREFIX_TOKENS}-token prefill with bf16 linears)"
+          + (f"; passes of {choice.curve.wide_from}+ rows read the weights decoded to bf16"
+             if choice.curve.wide_from else ""))
     for w in choice.warnings:
         print("warning:", w)
     if args.json:

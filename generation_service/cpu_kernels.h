@@ -8,14 +8,19 @@
 #include <algorithm>
 #include <functional>
 
+// Passes of at least this many rows read a decoded copy (block_linear's wide) unless told otherwise: the first count
+// past one tile of blocks decoded on the fly (q4_kernel.cpp's kOneTileBf16). Where the copy pays from fewer rows
+// depends on the machine (memory bandwidth against decoding speed), so the calibration measures it (wide_from).
+constexpr int64_t kWideFromRows = 11;
+
 // x [M, K] float32 contiguous @ w^T -> [M, N]; w is a dense float32 [N, K] or GGUF blocks (uint8 [N, K / 32 * 20]
 // Q4_1 or [N, K / 32 * 34] Q8_0). Every row of x gets the same bits whatever M is. bf16: x and the weights
 // rounded to bf16, products summed in fp32 (AMX tiles or AVX512-BF16 dot products; only where bf16_available()).
 // wide: optional, w prepared for this CPU's bf16 path (same bits: the same values in the same sums): where
 // wide_bf16(), bf16 [N, K], w's weights as the bf16 path multiplies them (decode_bf16), taken instead of w by passes
-// of more than 10 rows; where bf16_kernel() is "amx", w's group layout (amx_layout), taken by every pass.
+// of at least wide_from rows; where bf16_kernel() is "amx", w's group layout (amx_layout), taken by every pass.
 torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& w, bool bf16,
-                           const torch::Tensor& wide = torch::Tensor());
+                           const torch::Tensor& wide = torch::Tensor(), int64_t wide_from = kWideFromRows);
 
 // Whether bf16-activation linears run here: the AMX path (built for it, tile state granted) or AVX512-BF16.
 bool bf16_available();

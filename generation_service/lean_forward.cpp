@@ -373,7 +373,7 @@ class LeanForward {
   }
 
   // The weights prepared for this CPU's bf16 linears (in the order of the constructor's lists), block_linear's wide:
-  // decoded bf16 copies (decode_bf16) where wide_bf16(), which passes of more than 10 rows read instead of decoding
+  // decoded bf16 copies (decode_bf16) where wide_bf16(), which passes of at least wide_from rows read instead of decoding
   // every block; or the weights' AMX group layout (amx_layout) where bf16() is "amx", which every pass decodes (the
   // head may then be an empty tensor: it decodes its GGUF blocks). Empty lists drop them.
   void set_wide(std::vector<torch::Tensor> wqkv, std::vector<torch::Tensor> wo, std::vector<torch::Tensor> wgu,
@@ -386,6 +386,14 @@ class LeanForward {
                 "prepared weights: one per linear of every layer, and the head where they are decoded copies");
     wide_qkv_ = wqkv, wide_o_ = wo, wide_gu_ = wgu, wide_d_ = wd;
     wide_head_ = wqkv.empty() || head.numel() == 0 ? torch::Tensor() : head;
+  }
+
+  // Passes of at least `rows` rows read the decoded copies of set_wide (where wide_bf16()), smaller ones decode the
+  // blocks: the same bits either way, so this is only a matter of speed (the calibration measures it). Call between
+  // passes, on the thread that runs them.
+  void set_wide_from(int64_t rows) {
+    TORCH_CHECK(rows >= 1, "wide_from must be at least 1 row, got ", rows);
+    wide_from_ = rows;
   }
 
   // ids, positions: int64 [N]; cos, sin: float32 [P, D] tables (P > max position); per segment its row count, past
@@ -431,7 +439,7 @@ class LeanForward {
     const AttentionPlan plan = attention_plan(segs);
     for (size_t i = 0; i < ln1_.size(); ++i) {
       rms_norm(xp, ln1_[i].data_ptr<float>(), h.data_ptr<float>(), N, Hd, eps_);
-      torch::Tensor qkv = block_linear(h, wqkv_[i], bf16_, wide(wide_qkv_, i));  // [N, (H + 2 Hkv) D]
+      torch::Tensor qkv = block_linear(h, wqkv_[i], bf16_, wide(wide_qkv_, i), wide_from_);  // [N, (H + 2 Hkv) D]
       float* qp = qkv.data_ptr<float>();
       for (int64_t n = 0; n < N; ++n)
         rope(qp + n * wq, H + Hkv, D, cp + pos[n] * D, sp + pos[n] * D);  // q and k heads are adjacent
@@ -439,15 +447,15 @@ class LeanForward {
         attend_all<c10::Half>(i, segs, keys, plan, qp, wq, o.data_ptr<float>());
       else
         attend_all<float>(i, segs, keys, plan, qp, wq, o.data_ptr<float>());
-      add_into(x, block_linear(o, wo_[i], bf16_, wide(wide_o_, i)));
+      add_into(x, block_linear(o, wo_[i], bf16_, wide(wide_o_, i), wide_from_));
       rms_norm(xp, ln2_[i].data_ptr<float>(), h.data_ptr<float>(), N, Hd, eps_);
-      torch::Tensor gu = block_linear(h, wgu_[i], bf16_, wide(wide_gu_, i));  // [N, 2 I]
+      torch::Tensor gu = block_linear(h, wgu_[i], bf16_, wide(wide_gu_, i), wide_from_);  // [N, 2 I]
       const int64_t I = gu.size(1) / 2;
       torch::Tensor act = torch::empty({N, I}, x.options());
       const float* g = gu.data_ptr<float>();
       float* a = act.data_ptr<float>();
       for (int64_t n = 0; n < N; ++n) silu_mul(g + n * 2 * I, g + n * 2 * I + I, a + n * I, I);
-      add_into(x, block_linear(act, wd_[i], bf16_, wide(wide_d_, i)));
+      add_into(x, block_linear(act, wd_[i], bf16_, wide(wide_d_, i), wide_from_));
     }
     // The rows whose logits are asked for, normed.
     std::vector<int64_t> keep;
@@ -458,7 +466,7 @@ class LeanForward {
     torch::Tensor sel = (int64_t)keep.size() == N ? x : x.index_select(0, torch::tensor(keep, ids.options()));
     torch::Tensor fin = torch::empty_like(sel);
     rms_norm(sel.data_ptr<float>(), norm_.data_ptr<float>(), fin.data_ptr<float>(), sel.size(0), Hd, eps_);
-    return {block_linear(fin, head_, bf16_, wide_head_), fin};
+    return {block_linear(fin, head_, bf16_, wide_head_, wide_from_), fin};
   }
 
  private:
@@ -770,6 +778,7 @@ class LeanForward {
   std::vector<torch::Tensor> ln1_, wqkv_, wo_, ln2_, wgu_, wd_;
   std::vector<torch::Tensor> wide_qkv_, wide_o_, wide_gu_, wide_d_;  // set_wide
   torch::Tensor wide_head_;
+  int64_t wide_from_ = kWideFromRows;  // set_wide_from
   torch::Tensor norm_, head_;
   int64_t H_, Hkv_, D_, hidden_ = 0;
   float eps_, scale_;
@@ -790,6 +799,8 @@ void bind_lean_forward(pybind11::module_& m) {
            pybind11::arg("eps"), pybind11::arg("bf16") = false)
       .def("set_wide", &LeanForward::set_wide, pybind11::arg("wqkv"), pybind11::arg("wo"), pybind11::arg("wgu"),
            pybind11::arg("wd"), pybind11::arg("head"))
+      .def("set_wide_from", &LeanForward::set_wide_from, pybind11::arg("rows"),
+           "passes of at least this many rows read the decoded copies (set_wide; the same bits either way)")
       .def("forward", &LeanForward::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("row_attention", []() {
 #if defined(RAGSERVE_ROW_KERNEL)

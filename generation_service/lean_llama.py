@@ -291,6 +291,10 @@ class LeanLlama:
                                    self.kv_heads, self.head_dim, self.eps, self.bf16)
         self.set_kv_dtype("auto")
 
+    def has_decoded_copies(self) -> bool:
+        """Whether the fused pass holds weights decoded to bf16 whose use set_wide_from decides (LeanLlamaQ4)."""
+        return False
+
     def can_prefill_bf16(self) -> bool:
         """Whether set_prefill_bf16(True) would change anything: fp32 activations on a CPU with oneDNN bf16 linears."""
         return self.dtype == torch.float32 and self.device.type == "cpu" and _onednn_linear_available(torch.bfloat16)

@@ -421,6 +421,7 @@ torch::Tensor linear_rows(const torch::Tensor& x, const uint8_t* wp, int64_t N, 
 // 6.1-7.1 ms; past 10 rows such a tile runs out of registers (11 rows 7.7 ms either way, 12 rows 9.8 on the fly
 // against 8.3 decoded).
 constexpr int kOneTileBf16 = 10;    // passes of up to this many rows: one tile, blocks decoded on the fly
+static_assert(kWideFromRows == kOneTileBf16 + 1, "the decoded copy by default from the first row past one tile");
 constexpr int kWideTileBf16 = 6;    // longer passes: balanced tiles of up to this many rows over decoded weights
 constexpr int kQuadRowsBf16 = 6;    // tiles of up to this many rows take 4 weight rows at a time (4 x 6 accumulators)
 constexpr int64_t kBufRows = 16;    // weight rows decoded per buffer (K = 1536: 48 KB)
@@ -1079,7 +1080,8 @@ std::vector<std::vector<int64_t>> argmax_each(const std::vector<torch::Tensor>& 
   return out;
 }
 
-torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& w, bool bf16, const torch::Tensor& wide) {
+torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& w, bool bf16, const torch::Tensor& wide,
+                           int64_t wide_from) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous() && x.size(1) % kBlock == 0,
               "x must be contiguous float32 [M, K], K a multiple of 32, got ", x.sizes());
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "weight must be a contiguous matrix");
@@ -1093,7 +1095,7 @@ torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& w, bool 
     TORCH_CHECK(wide.scalar_type() == torch::kBFloat16 && wide.dim() == 2 && wide.is_contiguous() &&
                     wide.size(0) == w.size(0) && wide.size(1) == K,
                 "wide must be contiguous bf16 [", w.size(0), ", ", K, "]");
-    if (x.size(0) > kOneTileBf16) return linear_dense_bf16dp(x, wide);
+    if (x.size(0) >= wide_from) return linear_dense_bf16dp(x, wide);
   }
 #endif
   TORCH_CHECK(w.scalar_type() == torch::kUInt8, "weight must be float32 or GGUF blocks (uint8)");
@@ -1133,13 +1135,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("f32_linear", [](const torch::Tensor& x, const torch::Tensor& w) { return block_linear(x, w, false); },
         "x[M, K] float32 @ float32 weight[N, K]^T -> [M, N] (the block kernel's tiling)");
   m.def("block_linear",
-        [](const torch::Tensor& x, const torch::Tensor& w, bool bf16, const std::optional<torch::Tensor>& wide) {
-          return block_linear(x, w, bf16, wide ? *wide : torch::Tensor());
-        },
+        [](const torch::Tensor& x, const torch::Tensor& w, bool bf16, const std::optional<torch::Tensor>& wide,
+           int64_t wide_from) { return block_linear(x, w, bf16, wide ? *wide : torch::Tensor(), wide_from); },
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bf16") = false, pybind11::arg("wide") = pybind11::none(),
+        pybind11::arg("wide_from") = kWideFromRows,
         "x[M, K] float32 @ W^T, W dense float32 or Q4_1 / Q8_0 blocks; bf16: bf16 activations (AMX or AVX512-BF16); "
-        "wide: W prepared for this CPU's bf16 path: decoded to bf16 (decode_bf16), used by passes of more than 10 rows "
-        "where wide_bf16(); or W in the AMX group layout (amx_layout), used by every pass where bf16() is 'amx'");
+        "wide: W prepared for this CPU's bf16 path: decoded to bf16 (decode_bf16), used by passes of at least "
+        "wide_from rows where wide_bf16() (the same bits either way); or W in the AMX group layout (amx_layout), used "
+        "by every pass where bf16() is 'amx'");
   m.def("wide_bf16", &wide_bf16, "whether bf16-activation linears here take decoded bf16 weights (block_linear's "
         "wide): AVX512-BF16 dot products, not AMX tiles");
   m.def("bf16", &bf16_kernel, "what runs bf16-activation linears here: 'amx' (built for AMX and granted the tile "

@@ -47,15 +47,19 @@ FORMAT = "q4_1"  # the --dtype value
 FORMAT_BF16 = "q4_1_bf16"
 FORMATS = (FORMAT, FORMAT_BF16)
 # In q4_1_bf16 on AVX512-BF16 (not AMX) the fused pass also holds the weights decoded to bf16 (2 bytes per
-# weight: 256 MiB for the default model) and passes of more than 10 rows read those instead of decoding every block:
+# weight: 256 MiB for the default model) and passes of many rows read those instead of decoding every block:
 # the same values in the same sums, so the same bits (q4_kernel.cpp, linear_dense_bf16dp: ~4 ms less per pass of 12
-# to 32 rows on a 2-core Zen 4, where 16 rows took 19.5 ms).
+# to 32 rows on a 2-core Zen 4, where 16 rows took 19.5 ms). From how many rows is the machine's: more than 10 unless
+# set_wide_from says otherwise (the calibration measures it: where memory is fast against decoding, from 9).
 # On AMX it holds the weights again in q4_kernel.cpp's AMX group layout (the same bytes reordered: 92 MiB for the
 # default model), which every pass decodes in fewer instructions than the GGUF rows, to the same values.
 # Passes with at least this many rows use the dense fp32 copies (LeanLlamaQ4). Measured on a 2-core Zen 5 (min ms of
 # a whole pass, block kernel / oneDNN on the dequantized values): q=16 28.9 / 44.5, 64 91.7 / 102.7,
 # 128 176.2 / 177.3, 192 278.0 / 267.2.
 DENSE_MIN_ROWS = 128
+# Passes of at least this many rows read the decoded bf16 copies unless set_wide_from says otherwise (the kernel's
+# kWideFromRows: the first count past one tile of blocks decoded on the fly).
+WIDE_FROM_DEFAULT = 11
 
 
 # -- reference decoding (numpy; the kernel must agree with it bit for bit on the weights) ---------------------------
@@ -256,6 +260,7 @@ class LeanLlamaQ4(LeanLlama):
         self.embed_blocks = embed
         self._build_fused()
         self.wide_bytes = self._prepare_weights(k) if bf16 and self.fused is not None else 0
+        self.wide_from = WIDE_FROM_DEFAULT  # set_wide_from
         if self.differs_from_checkpoint:
             log.warning("q4_1: %d weight matrices of the GGUF differ from the model's safetensors; serving the GGUF's "
                         "(the hf forward of this model would compute something else)", self.differs_from_checkpoint)
@@ -280,7 +285,7 @@ class LeanLlamaQ4(LeanLlama):
         """Give the fused pass the weights prepared for this CPU's bf16 linears (the comment at FORMATS): decoded
         bf16 copies where k.wide_bf16(), the AMX group layout where k.bf16() is "amx", else nothing -> their bytes."""
         if k.wide_bf16():
-            prepare, what = k.decode_bf16, "passes of more than 10 rows read the weights decoded to bf16"
+            prepare, what = k.decode_bf16, "passes of many rows read the weights decoded to bf16"
         elif k.bf16() == "amx":
             prepare, what = k.amx_layout, "the linears decode the weights from the AMX group layout"
         else:
@@ -292,6 +297,19 @@ class LeanLlamaQ4(LeanLlama):
         size = sum(t.nbytes for ts in prepared.values() for t in ts) + head.nbytes
         log.info("q4_1_bf16: %s (%.0f MB)", what, size / 2**20)
         return size
+
+    def has_decoded_copies(self) -> bool:
+        """Whether the fused pass holds the weights decoded to bf16, which set_wide_from decides the use of."""
+        k = kernel()
+        return self.wide_bytes > 0 and k is not None and k.wide_bf16()
+
+    def set_wide_from(self, rows: int) -> None:
+        """Passes of at least `rows` rows read the decoded bf16 copies, smaller ones decode the blocks: the same bits
+        either way, only the speed differs (calibrate.choose_wide_from). Call on the thread that runs the passes."""
+        if not self.has_decoded_copies():
+            raise ValueError("no decoded bf16 copies here (q4_1_bf16 on AVX512-BF16 only)")
+        self.fused.set_wide_from(int(rows))
+        self.wide_from = int(rows)
 
     def _linear(self, x: torch.Tensor, layer: _Layer, name: str) -> torch.Tensor:
         if x.shape[0] < self.dense_min_rows or not self.pack:

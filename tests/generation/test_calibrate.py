@@ -21,6 +21,7 @@ from generation_service.calibrate import (
     calibrated_model,
     candidate_threads,
     choose,
+    choose_wide_from,
     dominated,
     load_cache,
     robust_curve,
@@ -184,6 +185,31 @@ def test_dominated_candidates_are_measured_once_and_kept(tmq4, tm16, monkeypatch
     assert "q4_1" not in dropped or "bf16" not in dropped
 
 
+# (ms per pass by rows on the blocks, the same on the decoded copies) -> the fewest rows that read the copies.
+WIDE_FROM = {
+    "copies faster from 9 rows (the 2-core Zen 4 of 2026-12-04)": (
+        {4: ([10.4], [12.6]), 6: ([11.1], [12.3]), 8: ([13.4], [13.6]), 9: ([16.9], [13.1]), 10: ([17.5], [14.2])},
+        9, 11),
+    "faster from 6 rows (one thread there)": (
+        {4: ([16.0], [18.0]), 6: ([19.0], [17.5]), 8: ([24.0], [20.0]), 9: ([27.0], [21.0]), 10: ([28.0], [22.0])},
+        6, 8),
+    "never faster up to 10 rows: from 11, as before": (
+        {8: ([6.0], [9.0]), 9: ([6.5], [9.5]), 10: ([7.0], [10.0])}, 11, 8),
+    "a faster 8 beneath a slower 9 does not count: the copies must win at every larger count": (
+        {8: ([14.0], [12.0]), 9: ([15.0], [15.5]), 10: ([17.0], [14.0])}, 10, 8),
+    "medians, not one fast sample": (
+        {9: ([16.0, 16.2, 16.1], [12.0, 16.5, 16.6]), 10: ([17.0, 17.1, 17.2], [14.0, 14.1, 14.2])}, 10, 9),
+    "a tie is not a win, nor 3 % faster": ({8: ([13.0], [12.6]), 9: ([13.0], [13.0]), 10: ([14.0], [12.0])}, 10, 8),
+}
+
+
+@pytest.mark.parametrize("name", list(WIDE_FROM))
+def test_choose_wide_from(name):
+    samples, expected, not_expected = WIDE_FROM[name]
+    got = choose_wide_from(samples, 11)
+    assert got == expected and got != not_expected, name
+
+
 @pytest.mark.parametrize("cores, expected", [(1, [1]), (2, [2, 1]), (4, [4, 2, 1]), (16, [16, 8])])
 def test_candidate_threads(cores, expected):
     assert candidate_threads(cores) == expected
@@ -256,6 +282,9 @@ def test_real_calibration_measures_then_reuses_and_survives_a_corrupt_cache(cali
     assert cal.source == "measured" and len(cal.curves) >= 2
     assert all(c.step_ms == tuple(sorted(c.step_ms)) for c in cal.curves)  # non-decreasing in q
     assert all(c.batch_ms > 0 for c in cal.curves)  # the batched pass was measured for every candidate
+    copies = kernel() is not None and kernel().wide_bf16()  # q4_1_bf16 holds decoded bf16 copies only there
+    assert all((c.wide_from > 0) is (copies and c.dtype == "q4_1_bf16") for c in cal.curves)
+    assert all(c.wide_from in (0, 11) + calibrate.WIDE_FROM_ROWS for c in cal.curves)
     best = min(cal.curves, key=lambda c: c.objective())
     assert (first.curve.dtype, first.curve.threads) == (best.dtype, best.threads)
     home = tmp_path / "home"  # a copy: the session's cache stays whole for the other tests
@@ -270,6 +299,8 @@ def test_real_calibration_measures_then_reuses_and_survives_a_corrupt_cache(cali
         tm, again = mt.call(calibrated_model, model, "cpu", "auto", 0, reps=1)
         assert again.calibration.source == "cache"  # not measured again
         assert (tm.dtype_name, again.threads) == (best.dtype, best.threads)
+        if tm.lean is not None and tm.lean.has_decoded_copies():  # served from the rows the calibration chose
+            assert tm.lean.wide_from == again.curve.wide_from > 0
         assert tm.step_cost.rel[0] == 1.0 and np.all(np.diff(tm.step_cost.rel) >= 0)
         if tm.lean is not None and tm.lean.can_prefill_bf16():  # bf16 prompt linears measured where they can run
             assert all((c.prefill_bf16_ms > 0) is (c.dtype != "bf16") for c in cal.curves)

@@ -13,7 +13,8 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from generation_service import q4_weights
-from generation_service.model import load_model, new_cache
+from generation_service.engine.steps import tree_segment
+from generation_service.model import forward_batch, load_model, new_cache
 from generation_service.q4_kernel import kernel
 from generation_service.q4_weights import BlockWeight, dequantize
 from generation_service.speculative import prefill, verify_tree
@@ -58,10 +59,11 @@ needs_wide = pytest.mark.skipif(kernel() is None or not kernel().bf16() or not k
 @needs_wide
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(kind=st.sampled_from(["q4_1", "q8_0"]), m=st.integers(1, 40), n=st.integers(1, 70), blocks=st.integers(1, 12),
-       seed=st.integers(0, 2**32 - 1))
-def test_decoded_copy_gives_the_same_bits(kind, m, n, blocks, seed):
+       wide_from=st.integers(1, 42), seed=st.integers(0, 2**32 - 1))
+def test_decoded_copy_gives_the_same_bits(kind, m, n, blocks, wide_from, seed):
     """decode_bf16 = the bf16 rounding of the exact values, and a pass through it (block_linear's wide, taken past 10
-    rows) = the pass over the blocks, bit for bit; a wide of the wrong shape is refused."""
+    rows unless wide_from says from how many) = the pass over the blocks, bit for bit; a wide of the wrong shape is
+    refused."""
     rng = np.random.default_rng(seed)
     k = 32 * blocks
     packed = torch.from_numpy(random_blocks(rng, kind, n, k))
@@ -69,7 +71,9 @@ def test_decoded_copy_gives_the_same_bits(kind, m, n, blocks, seed):
     assert wide.dtype == torch.bfloat16 and torch.equal(wide, torch.from_numpy(dequantize(kind, packed.numpy(), k))
                                                         .bfloat16())
     x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
-    assert torch.equal(kernel().block_linear(x, packed, True, wide), kernel().block_linear(x, packed, True))
+    blocks_only = kernel().block_linear(x, packed, True)
+    assert torch.equal(kernel().block_linear(x, packed, True, wide), blocks_only)
+    assert torch.equal(kernel().block_linear(x, packed, True, wide, wide_from), blocks_only)
     for rows in (1, 11):  # one tile on the fly, or the decoded copy's tiles: refused either way
         with pytest.raises(RuntimeError, match="wide must be"):
             kernel().block_linear(torch.zeros(rows, k), packed, True, wide[:, 1:].contiguous())
@@ -174,6 +178,46 @@ def test_wide_passes_give_a_row_the_bits_of_its_solo_step(tmq4bf16):
     tree = verify_tree(tmq4bf16, cache, 7, tokens, parents)
     one = verify_tree(tmq4bf16, solo, 7, tokens[:0], parents[:0])
     assert len(tree) == len(parents) + 1 and torch.equal(tree[0], one[0])
+
+
+@needs_wide
+@pytest.mark.model
+def test_where_passes_read_the_decoded_copy_changes_no_bit(tmq4bf16):
+    """set_wide_from moves the row count from which the fused pass reads the decoded copies (the calibration's
+    choice): a 9-row tree and a batch of a 4-row tree with two AR rows give the same logits from 1, 6, 9, 11 or 40
+    rows on; a count below 1 is refused."""
+    lean = tmq4bf16.lean
+    assert lean.has_decoded_copies()
+    rng = np.random.default_rng(3)
+    prompts = [torch.from_numpy(rng.integers(0, 30000, n)) for n in (50, 20, 35)]
+    parents = np.array([-1, 0, 0, 1, 1, 2, 3, -1], np.int32)
+    tokens = rng.integers(0, 30000, len(parents)).astype(np.int32)
+
+    def prefilled():
+        caches = [new_cache(tmq4bf16) for _ in prompts]
+        for c, p in zip(caches, prompts):
+            prefill(tmq4bf16, c, p, chunk=1024)
+        return caches
+
+    def run():
+        tree = verify_tree(tmq4bf16, prefilled()[0], 7, tokens, parents)
+        caches, empty = prefilled(), np.zeros(0, np.int32)
+        segs = [tree_segment(tmq4bf16, caches[0], 7, tokens[:3], parents[:3]),
+                tree_segment(tmq4bf16, caches[1], 9, empty, empty), tree_segment(tmq4bf16, caches[2], 11, empty, empty)]
+        return tree, forward_batch(tmq4bf16, segs)
+
+    before = lean.wide_from
+    try:
+        default = run()
+        for rows in (1, 6, 9, 40):
+            lean.set_wide_from(rows)
+            got = run()
+            assert all(torch.equal(a, b) for a, b in zip(got[0], default[0])), rows
+            assert all(torch.equal(a, b) for a, b in zip(got[1], default[1])), rows
+        with pytest.raises(RuntimeError, match="at least 1 row"):
+            lean.set_wide_from(0)
+    finally:
+        lean.set_wide_from(before)
 
 
 @needs_amx

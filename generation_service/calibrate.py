@@ -138,7 +138,7 @@ SHOWN_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx
 
 # Where the q4_1_bf16 pass holds its weights decoded to bf16 (q4_weights: AVX512-BF16 without AMX), passes of this
 # many rows are timed on the blocks and on the copies, and the copies serve from the fewest rows at and beyond which
-# they measured faster (choose_wide_from). Why measured: a copy is 2 bytes per weight against 0.6, decoding a block
+# they measured clearly faster (choose_wide_from). Why measured: a copy is 2 bytes per weight against 0.6, decoding a block
 # costs ~10 instructions, and which wins depends on the machine. On a 2-core EPYC Zen 4 whose 1-row pass took 6.2 ms
 # (whole passes after 200 tokens, 9-13 interleaved rounds) the copies took 0.77-0.80x the time at 9 rows, 0.81-0.90x
 # at 10, 0.87-0.99x at 8 and 1.1-1.25x at 4-6; on the Zen 4 where the on-the-fly tiles were tuned they lost at 9-10.
@@ -556,8 +556,8 @@ def measure_curves(variants: dict[str, TargetModel], threads: Iterable[int], row
 def choose_wide_from(samples: dict[int, tuple[Sequence[float], Sequence[float]]], default: int) -> int:
     """The fewest rows from which passes read the decoded copies: the smallest measured q at which, and at every
     larger measured q, the median pass on the copies (samples[q][1]) takes at most WIDE_FROM_GAIN of the median on
-    the blocks (samples[q][0]);
-    `default` when the largest measured q already is not (the copies then start where they always did)."""
+    the blocks (samples[q][0]); `default` when the largest measured q already does not (the copies then start where
+    they always did)."""
     best = default
     for q in sorted(samples, reverse=True):
         blocks, copies = samples[q]

@@ -99,7 +99,8 @@ bench-serving: bench-datastores
 
 # Closed-loop concurrency benchmark (issue 17): ar and rest at 1, 2, 4, 8, 16 clients, HumanEval + MT-Bench mix,
 # through the services with default flags; JSON + PNG in bench/results/. ~15 min on 2 cores (10 cells of 75 s);
-# bounded by --max-minutes. A quick look: make bench-concurrency CONC_ARGS="--levels 1,2 --duration-s 20 --json /tmp/c.json"
+# bounded by --max-minutes. A quick look: make bench-concurrency CONC_ARGS="--levels 1,2 --duration-s 20 --json /tmp/c.json";
+# rest / ar from back-to-back pairs of cells: CONC_ARGS="--rounds 3 --duration-s 20"
 CONC_ARGS ?=
 bench-concurrency: bench-datastores
 	$(PYTHON) -m bench.concurrency $(CONC_ARGS)

@@ -2,6 +2,7 @@
 
     python -m bench.concurrency                                        # levels 1,2,4,8,16; ar and rest; ~15 min
     python -m bench.concurrency --levels 1,2,4 --duration-s 20 --json /tmp/conc.json   # a quick look
+    python -m bench.concurrency --rounds 3 --duration-s 20             # rest / ar from 3 back-to-back pairs per level
 
 The retrieval service serves one datastore (default: the code datastore, `make bench-datastores`) and the worker
 starts with its defaults (tools.launcher.up, as bench/serving.py). At each concurrency level N, N clients run
@@ -16,6 +17,9 @@ over those requests; TTFT (first streamed token) p50/p95 over requests whose fir
 errors by gRPC status; load average. The issue's targets are evaluated as booleans with their figures (None =
 not measured). Bounded: --duration-s per cell, --max-minutes overall (cells that would not fit are skipped and
 the JSON says so). JSON (atomic, after every cell) and a PNG plot of throughput and latency vs concurrency.
+--rounds N runs each level's cells N times back to back, the methods' order alternating: the figures and targets
+pool the rounds, and each round's rest / ar ratio is kept. Why: on a shared 2-vCPU VM the same cell measured 595 to
+830 tok/s (ar, 8 clients) within minutes, more than the methods differ by; two neighbouring cells share the drift.
 Before the cells every prompt of the mix is sent once (1 token): the worker keeps prompts' KV rows (its prefix
 cache, on by default), so every cell runs with all 80 prompts cached, i.e. a workload of repeated prompts, as a load
 test's is; `--worker-args "--prefix-cache-mb 0"` measures every prompt prefilled (the cached share of prompt tokens
@@ -50,6 +54,8 @@ from bench.load_stats import (
     evaluate_targets,
     fits,
     interleave,
+    pooled_summary,
+    round_ratios,
     steal_share,
 )
 from bench.serving import (
@@ -189,7 +195,8 @@ def worker_cpu_ms_per_token(cores: dict[str, float], seconds: float, tokens: int
 
 
 def run_cell(target: str, method: str, level: int, feed: PromptFeed, max_new: int, warmup_s: float,
-             duration_s: float, pids: dict[str, int], bar: tqdm) -> dict:
+             duration_s: float, pids: dict[str, int], bar: tqdm) -> tuple[dict, list[RequestRecord], Window]:
+    """One cell -> (its JSON entry, its requests and its measurement window, for pooling over rounds)."""
     cell_s = warmup_s + duration_s
     cell = Cell(target, method, feed, max_new, cell_s)
     load_start, cpu_start, times_start = os.getloadavg(), cpu_seconds(pids), cpu_times()
@@ -214,23 +221,25 @@ def run_cell(target: str, method: str, level: int, feed: PromptFeed, max_new: in
         th.join(max(0.0, deadline - time.monotonic()))
     stuck = sum(th.is_alive() for th in threads)
     records = list(cell.records)
+    window = Window(warmup_s, cell_s)
     return {"method": method, "concurrency": level, "warmup_s": warmup_s, "duration_s": duration_s,
             "loadavg_start": load_start, "loadavg_end": os.getloadavg(), "cpu_cores_used": cpu,
             "steal_share": steal,
             "worker_cpu_ms_per_token": worker_cpu_ms_per_token(cpu, cell_wall, sum(r.tokens for r in records)),
             "stuck_clients": stuck,
-            "summary": cell_summary(records, Window(warmup_s, cell_s)),
-            "records": [r.as_dict() for r in records]}
+            "summary": cell_summary(records, window),
+            "records": [r.as_dict() for r in records]}, records, window
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Results
 
 
-def by_method(cells: list[dict]) -> dict[str, dict[int, dict]]:
+def by_method(parts: dict[tuple[str, int], list[tuple[list[RequestRecord], Window]]]) -> dict[str, dict[int, dict]]:
+    """method -> level -> the summary of its cells pooled over rounds (one cell: that cell's summary)."""
     out: dict[str, dict[int, dict]] = {}
-    for c in cells:
-        out.setdefault(c["method"], {})[c["concurrency"]] = c["summary"]
+    for (method, level), cells in parts.items():
+        out.setdefault(method, {})[level] = pooled_summary(cells)
     return out
 
 
@@ -266,19 +275,39 @@ def plot(cells: dict[str, dict[int, dict]], path: Path, title: str) -> None:
     tmp.replace(path)
 
 
-def print_table(cells: list[dict], targets: dict) -> None:
-    print(f"\n{'method':<6} {'N':>3} {'tok/s':>7} {'stream':>7} {'done':>5} {'ms/tok p50':>10} {'p95':>7} "
+def print_table(cells: list[dict], targets: dict, pooled: dict[str, dict[int, dict]] | None = None) -> None:
+    """One line per cell (its round when there are several), then, with several rounds, the pooled figures of each
+    (method, level) and the rest / ar ratio pooled and per round."""
+    rounds = max((c.get("round", 0) for c in cells), default=0) + 1
+    print(f"\n{'method':<6} {'N':>3} {'rnd':>3} {'tok/s':>7} {'stream':>7} {'done':>5} {'ms/tok p50':>10} {'p95':>7} "
           f"{'TTFT p50':>9} {'p95':>7} {'load':>5} {'cores':>5} {'steal':>5} {'cpu ms/tok':>10} {'M':>5} {'nodes':>5} {'acc':>5} {'cached':>6} errors")
-    for c in sorted(cells, key=lambda c: (c["method"], c["concurrency"])):
+    for c in sorted(cells, key=lambda c: (c["method"], c["concurrency"], c.get("round", 0))):
         s = c["summary"]
-        f = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
-        print(f"{c['method']:<6} {c['concurrency']:>3} {s['tokens_per_s']:>7.1f} {s['streamed_tokens_per_s']:>7.1f} "
-              f"{s['requests_done']:>5} {f(s['ms_per_token_p50']):>10} {f(s['ms_per_token_p95']):>7} "
-              f"{f(s['ttft_ms_p50']):>9} {f(s['ttft_ms_p95']):>7} {c['loadavg_end'][0]:>5.1f} "
+        print(f"{c['method']:<6} {c['concurrency']:>3} {c.get('round', 0):>3} {_latency(s)} "
+              f"{c['loadavg_end'][0]:>5.1f} "
               f"{c['cpu_cores_used'].get('generation', 0):>5.2f} {_share(c.get('steal_share')):>5} "
-              f"{f(c['worker_cpu_ms_per_token']):>10} "
+              f"{_num(c['worker_cpu_ms_per_token']):>10} "
               f"{_spec(s.get('speculation'))} {s['errors'] or ''}")
+    if rounds > 1 and pooled:
+        print(f"\npooled over {rounds} rounds")
+        for method, levels in sorted(pooled.items()):
+            for level, s in sorted(levels.items()):
+                print(f"{method:<6} {level:>3} {'all':>3} {_latency(s)} {_spec(s.get('speculation'))} {s['errors'] or ''}")
+        for level, v in targets["rest_vs_ar"]["per_level"].items():
+            per_round = ", ".join(f"{r:.2f}" for r in v.get("round_ratios", []))
+            print(f"rest / ar at {level:>2}: {_num(v['ratio'], 2)} pooled; rounds {per_round or '-'}")
     print("targets:", {k: v if k == "passed" else v["passed"] for k, v in targets.items()})
+
+
+def _num(v: float | None, digits: int = 0) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def _latency(s: dict) -> str:
+    """tok/s, streamed tok/s, requests done, ms/token and TTFT p50 / p95 of a summary, as table cells."""
+    return (f"{s['tokens_per_s']:>7.1f} {s['streamed_tokens_per_s']:>7.1f} {s['requests_done']:>5} "
+            f"{_num(s['ms_per_token_p50']):>10} {_num(s['ms_per_token_p95']):>7} "
+            f"{_num(s['ttft_ms_p50']):>9} {_num(s['ttft_ms_p95']):>7}")
 
 
 def _share(x: float | None) -> str:
@@ -309,6 +338,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--levels", type=parse_levels, default=list(LEVELS), help="concurrency levels (default 1,2,4,8,16)")
     ap.add_argument("--methods", default=",".join(METHODS), help="comma list of decoding methods (default ar,rest)")
     ap.add_argument("--duration-s", type=float, default=60.0, help="measurement window per cell (default 60)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="cells per (method, level), run back to back with the methods' order alternating: the "
+                         "figures pool every round, and each round's rest / ar ratio is kept (a shared machine's "
+                         "drift between cells shows as their spread) (default 1)")
     ap.add_argument("--warmup-s", type=float, default=15.0,
                     help="excluded start of every cell: the closed loop reaches steady state (default 15)")
     ap.add_argument("--max-minutes", type=float, default=40.0,
@@ -328,6 +361,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not args.methods:
         ap.error("--methods: give at least one method")
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds} must be >= 1")
     if args.duration_s <= 0 or args.warmup_s < 0:
         ap.error(f"--duration-s {args.duration_s} must be > 0 and --warmup-s {args.warmup_s} >= 0")
     if not (Path(args.datastore) / "datastore.json").exists():
@@ -342,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     json_path = Path(args.json) if args.json else Path(__file__).parent / "results" / f"concurrency-{cpu_class()}.json"
     plot_path = Path(args.plot) if args.plot else json_path.with_suffix(".png")
     prompts = prompt_mix(args.prompts)
-    plan = cell_order(args.levels, args.methods)
+    plan = cell_order(args.levels, args.methods, args.rounds)
     cell_s = args.warmup_s + args.duration_s
     cmd = list(sys.argv[1:] if argv is None else argv)
     if not args.json:  # the command of record names the file it wrote, which a default depends on the CPU for
@@ -351,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
               "machine": machine(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "loadavg_start": os.getloadavg(), "datastore": args.datastore,
               "settings": {"levels": args.levels, "methods": args.methods, "duration_s": args.duration_s,
-                           "warmup_s": args.warmup_s, "max_minutes": args.max_minutes, "dtype": args.dtype,
+                           "warmup_s": args.warmup_s, "rounds": args.rounds, "max_minutes": args.max_minutes,
+                           "dtype": args.dtype,
                            "max_new_tokens": args.max_new_tokens, "prompts": len(prompts),
                            "worker_args": args.worker_args,
                            "mix": "HumanEval raw prompt + 4 spaces / MT-Bench first turn, alternating"},
@@ -372,17 +408,23 @@ def main(argv: list[str] | None = None) -> int:
             for _, request in tqdm(prompts, desc="priming prompts", unit="prompt"):
                 list(client.stream(**request, max_new_tokens=1, decoding="ar", timeout=300))
         result["start_s"] = round(time.monotonic() - t_start, 1)
+        parts: dict[tuple[str, int], list[tuple[list[RequestRecord], Window]]] = {}
         with tqdm(total=int(cell_s) * len(plan), unit="s", desc="concurrency bench") as bar:
             for level, method in plan:
+                rnd = len([c for c in result["cells"] + result["skipped"]
+                           if (c["method"], c["concurrency"]) == (method, level)])
                 if not fits(time.monotonic() - t_start, cell_s, budget_s):
-                    result["skipped"].append({"method": method, "concurrency": level, "reason": "--max-minutes"})
+                    result["skipped"].append({"method": method, "concurrency": level, "round": rnd,
+                                              "reason": "--max-minutes"})
                     bar.update(int(cell_s))
                     continue
                 feed = PromptFeed(prompts)
-                result["cells"].append(run_cell(target, method, level, feed, args.max_new_tokens, args.warmup_s,
-                                                args.duration_s, pids, bar))
-                result["by_method"] = by_method(result["cells"])
-                result["targets"] = evaluate_targets(result["by_method"])
+                entry, records, window = run_cell(target, method, level, feed, args.max_new_tokens, args.warmup_s,
+                                                  args.duration_s, pids, bar)
+                result["cells"].append({**entry, "round": rnd})
+                parts.setdefault((method, level), []).append((records, window))
+                result["by_method"] = by_method(parts)
+                result["targets"] = evaluate_targets(result["by_method"], round_ratios(result["cells"]))
                 result["loadavg_end"] = os.getloadavg()
                 write_json(json_path, result)  # after every cell: a stopped run keeps what it measured
     finally:
@@ -393,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
              f"{result['machine']['cpu']} - worker {w['dtype']}/{w['threads']}t, {args.max_new_tokens} tokens")
         result["plot"] = str(plot_path)
     write_json(json_path, result)
-    print_table(result["cells"], result["targets"])
+    print_table(result["cells"], result["targets"], result["by_method"])
     print(f"\nwrote {json_path} and {plot_path}")
     return 0
 

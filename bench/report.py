@@ -317,12 +317,16 @@ def contention(name: str, d: dict) -> str:
 
 def concurrency(name: str, d: dict) -> str:
     m, w = d["machine"], d.get("worker", {})
-    rows = [[c["method"], str(c["concurrency"]), _f(c["summary"]["tokens_per_s"], ".1f"),
-             _f(c["summary"]["ms_per_token_p50"], ".0f"), _f(c["summary"]["ms_per_token_p95"], ".0f"),
-             _f(c["summary"]["ttft_ms_p50"], ".0f"), _f(c["summary"]["ttft_ms_p95"], ".0f"),
-             _f((c["summary"].get("speculation") or {}).get("prompt_cached_share"), ".2f"),
-             str(c["summary"]["requests_done"]), str(sum(c["summary"]["errors"].values()))]
-            for c in sorted(d["cells"], key=lambda c: (c["method"], c["concurrency"]))]
+    rounds = d["settings"].get("rounds", 1)
+    if rounds > 1:  # every (method, level) pooled over its rounds (by_method), not one row per cell
+        summaries = [(method, int(level), s) for method, levels in d["by_method"].items() for level, s in levels.items()]
+    else:
+        summaries = [(c["method"], c["concurrency"], c["summary"]) for c in d["cells"]]
+    rows = [[method, str(level), _f(s["tokens_per_s"], ".1f"), _f(s["ms_per_token_p50"], ".0f"),
+             _f(s["ms_per_token_p95"], ".0f"), _f(s["ttft_ms_p50"], ".0f"), _f(s["ttft_ms_p95"], ".0f"),
+             _f((s.get("speculation") or {}).get("prompt_cached_share"), ".2f"),
+             str(s["requests_done"]), str(sum(s["errors"].values()))]
+            for method, level, s in sorted(summaries, key=lambda x: (x[0], x[1]))]
     t = d["targets"]
     verdicts = []
     for key in ("rest_scaling", "rest_vs_ar", "ttft"):
@@ -331,12 +335,19 @@ def concurrency(name: str, d: dict) -> str:
         if "per_method" in v:
             figs = [f"{k} {x['ratio']:.2f}×" for k, x in v["per_method"].items() if x.get("ratio") is not None]
             fig = f" ({', '.join(figs)})" if figs else ""
+        if "per_level" in v:
+            figs = [f"{k}: {x['ratio']:.2f}×" + (f" (rounds {min(x['round_ratios']):.2f}–{max(x['round_ratios']):.2f}×)"
+                                                  if x.get("round_ratios") else "")
+                    for k, x in sorted(v["per_level"].items(), key=lambda kv: int(kv[0])) if x.get("ratio") is not None]
+            fig = f" ({'; '.join(figs)})" if figs else ""
         verdict = "not measured" if v.get("passed") is None else "met" if v["passed"] else "not met"
         verdicts.append(f"{v.get('target', key)}: **{verdict}**{fig}")
+    per_cell = (f"{rounds} rounds of {d['settings'].get('duration_s', '?')} s cells per method and level, the "
+                "methods' order alternating (figures pooled over the rounds)" if rounds > 1 else
+                f"{d['settings'].get('duration_s', '?')} s per cell")
     head = (f"**{m['cpu']} ({' '.join(m.get('cpu_flags', []))}), {m.get('cores', '?')} cores**; worker chose "
             f"{w.get('dtype', '?')}, {w.get('threads', '?')} threads; closed-loop clients, HumanEval + MT-Bench "
-            f"prompts, {d['settings'].get('max_new_tokens', '?')} new tokens, "
-            f"{d['settings'].get('duration_s', '?')} s per cell"
+            f"prompts, {d['settings'].get('max_new_tokens', '?')} new tokens, {per_cell}"
             + (f"; worker flags `{d['settings']['worker_args']}`" if d["settings"].get("worker_args") else ""))
     return head + "\n\n" + _table(["method", "clients", "tok/s (all)", "ms/token p50", "p95", "TTFT p50 ms", "p95",
                                     "prompt cached", "requests", "errors"], rows) + "\n\n" + "\n".join(f"- {v}" for v in verdicts) + \

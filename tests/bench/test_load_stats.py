@@ -17,6 +17,8 @@ from bench.load_stats import (
     fits,
     interleave,
     percentile,
+    pooled_summary,
+    round_ratios,
     speculation_summary,
     steal_share,
     streamed_tokens,
@@ -108,6 +110,48 @@ def test_cell_summary_of_nothing_is_zero_throughput_and_no_latency():
 ])
 def test_cell_order_alternates_the_methods(levels, expected):
     assert cell_order(levels, ["ar", "rest"]) == expected
+
+
+@pytest.mark.parametrize("levels, rounds, expected", [
+    ([1], 2, [(1, "ar"), (1, "rest"), (1, "rest"), (1, "ar")]),  # not ar, rest twice: each method goes first once
+    ([1, 8], 2, [(1, "ar"), (1, "rest"), (1, "rest"), (1, "ar"),
+                 (8, "rest"), (8, "ar"), (8, "ar"), (8, "rest")]),  # a level's rounds back to back, not interleaved
+    ([8], 3, [(8, "ar"), (8, "rest"), (8, "rest"), (8, "ar"), (8, "ar"), (8, "rest")]),
+])
+def test_cell_order_rounds_alternate_within_a_level(levels, rounds, expected):
+    assert cell_order(levels, ["ar", "rest"], rounds) == expected
+
+
+@pytest.mark.parametrize("rounds", [0, -1, True, 1.5])
+def test_cell_order_rejects_rounds_that_are_not_a_positive_integer(rounds):
+    with pytest.raises(ValueError, match="rounds"):
+        cell_order([1], ["ar"], rounds)
+
+
+# A second round's cell, window [5, 25) (20 s): one request finished inside, one refused.
+W2 = Window(5, 25)
+G = rec(4, 9, first=6, tokens=64, deltas=[(6, 1), (9, 63)])
+H = rec(20, 20.1, first=None, tokens=0, status="UNAVAILABLE")
+
+
+def test_pooled_summary_of_one_cell_is_its_cell_summary():
+    assert pooled_summary([([A, B, C, D, E, F], W)]) == cell_summary([A, B, C, D, E, F], W)
+
+
+def test_pooled_summary_weights_by_time_and_takes_percentiles_over_every_request():
+    s = pooled_summary([([A, B, C, D, E, F], W), ([G, H], W2)])
+    assert s["window_s"] == 30.0 and s["requests_done"] == 3 and s["completion_tokens"] == 320
+    assert s["tokens_per_s"] == pytest.approx(320 / 30, abs=1e-3)  # not (25.6 + 3.2) / 2, the mean of the cells
+    assert s["streamed_tokens_per_s"] == pytest.approx((305 + 64) / 30, abs=1e-3)
+    assert s["ttft_samples"] == 3 and s["ttft_ms_p50"] == 2000.0  # B 2000, F 1000, G 2000 ms (the first cell: 1500)
+    assert s["ms_per_token_p95"] == pytest.approx(percentile([10_000 / 128, 7_000 / 128, 5_000 / 64], 95), abs=0.01)
+    assert s["requests_started"] == 8 and s["stopped_in_flight"] == 1
+    assert s["errors"] == {"DEADLINE_EXCEEDED": 1, "RESOURCE_EXHAUSTED": 1, "UNAVAILABLE": 1}
+
+
+def test_pooled_summary_of_nothing_is_an_error_not_a_division_by_zero():
+    with pytest.raises(ValueError, match="at least one"):
+        pooled_summary([])
 
 
 @pytest.mark.parametrize("elapsed, cell, budget, expected", [
@@ -253,3 +297,32 @@ def test_steal_share_ignores_guest_time_counted_in_user_already():
     before = {"user": 0, "idle": 0, "steal": 0, "guest": 0}
     after = {"user": 40, "idle": 40, "steal": 20, "guest": 40}
     assert steal_share(before, after) == 0.2  # not 20 / 140
+
+
+def _run_cell(method, level, rnd, tok_s, done=20):
+    return {"method": method, "concurrency": level, "round": rnd, "summary": cell(tok_s, done=done)}
+
+
+@pytest.mark.parametrize("cells, expected", [
+    ([_run_cell("ar", 8, 0, 700), _run_cell("rest", 8, 0, 770),
+      _run_cell("rest", 8, 1, 570), _run_cell("ar", 8, 1, 600)], {8: [1.1, 0.95]}),  # per round, in round order
+    ([_run_cell("ar", 8, 0, 700), _run_cell("rest", 8, 0, 770),
+      _run_cell("ar", 8, 1, 600)], {8: [1.1]}),  # round 1's rest cell did not run (--max-minutes): no ratio
+    ([_run_cell("ar", 1, 0, 200), _run_cell("rest", 1, 0, 250, done=MIN_SAMPLES - 1)], {}),  # too few requests
+    ([_run_cell("ar", 1, 0, 200), _run_cell("rest", 1, 0, 300),
+      _run_cell("ar", 16, 0, 800), _run_cell("rest", 16, 0, 720)], {1: [1.5], 16: [0.9]}),
+    ([{"method": "ar", "concurrency": 2, "summary": cell(100)},
+      {"method": "rest", "concurrency": 2, "summary": cell(130)}], {2: [1.3]}),  # a JSON without rounds: round 0
+])
+def test_round_ratios(cells, expected):
+    assert round_ratios(cells) == expected
+
+
+def test_round_ratios_stand_beside_the_pooled_verdict_and_do_not_decide_it():
+    """Pooled rest is 1.02x ar at 8 although one round measured 0.95x: the verdict is the pooled one, the rounds
+    show how far a single round could have strayed. One round alone is no spread: not shown."""
+    cells = engine_like()
+    cells["rest"][8] = cell(153, 250)
+    t = evaluate_targets(cells, {8: [1.1, 0.95], 1: [1.5]})["rest_vs_ar"]["per_level"]
+    assert t["8"]["passed"] is True and t["8"]["round_ratios"] == [1.1, 0.95]
+    assert "round_ratios" not in t["1"]

@@ -76,3 +76,21 @@ def test_concurrency_verdicts(targets, expected, not_expected):
     d = {"machine": {"cpu": "X"}, "settings": {}, "cells": [], "targets": targets, "command": "c"}
     text = report.concurrency("concurrency-x.json", d)
     assert expected in text and not_expected not in text
+
+
+def test_concurrency_with_rounds_shows_pooled_rows_and_the_rounds_spread():
+    def summary(tok_s):
+        return {"tokens_per_s": tok_s, "ms_per_token_p50": 10.0, "ms_per_token_p95": 12.0, "ttft_ms_p50": 3.0,
+                "ttft_ms_p95": 6.0, "requests_done": 40, "errors": {}, "speculation": None}
+    cells = [{"method": m, "concurrency": 8, "round": r, "summary": summary(t)}
+             for m, r, t in (("ar", 0, 700.0), ("rest", 0, 770.0), ("rest", 1, 570.0), ("ar", 1, 600.0))]
+    # by_method as json.dump leaves it: levels as strings
+    d = {"machine": {"cpu": "X"}, "settings": {"rounds": 2, "duration_s": 20}, "cells": cells,
+         "by_method": {"ar": {"8": summary(650.0)}, "rest": {"8": summary(670.0)}},
+         "targets": {"rest_vs_ar": {"target": "rest vs ar", "passed": True, "per_level": {
+             "8": {"ratio": 1.031, "passed": True, "round_ratios": [1.1, 0.95]}}}}, "command": "c"}
+    text = report.concurrency("concurrency-x.json", d)
+    assert "| ar | 8 | 650.0 |" in text and "| rest | 8 | 670.0 |" in text  # pooled rows
+    assert "| ar | 8 | 700.0 |" not in text  # not one row per cell
+    assert "2 rounds of 20 s cells" in text
+    assert "rest vs ar: **met** (8: 1.03× (rounds 0.95–1.10×))" in text

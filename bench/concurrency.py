@@ -36,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
@@ -409,10 +410,11 @@ def main(argv: list[str] | None = None) -> int:
                 list(client.stream(**request, max_new_tokens=1, decoding="ar", timeout=300))
         result["start_s"] = round(time.monotonic() - t_start, 1)
         parts: dict[tuple[str, int], list[tuple[list[RequestRecord], Window]]] = {}
+        planned: Counter[tuple[str, int]] = Counter()  # cells of each (method, level) so far: the next one's round
         with tqdm(total=int(cell_s) * len(plan), unit="s", desc="concurrency bench") as bar:
             for level, method in plan:
-                rnd = len([c for c in result["cells"] + result["skipped"]
-                           if (c["method"], c["concurrency"]) == (method, level)])
+                rnd = planned[(method, level)]
+                planned[(method, level)] += 1
                 if not fits(time.monotonic() - t_start, cell_s, budget_s):
                     result["skipped"].append({"method": method, "concurrency": level, "round": rnd,
                                               "reason": "--max-minutes"})

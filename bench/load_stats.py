@@ -135,8 +135,8 @@ def cell_summary(records: Sequence[RequestRecord], window: Window) -> dict:
 def pooled_summary(parts: Sequence[tuple[Sequence[RequestRecord], Window]]) -> dict:
     """The figures of one (method, concurrency) over several cells (rounds), each its records and its window:
     tokens over the windows' summed seconds, latency percentiles over every cell's requests together.
-        two 10 s windows, 256 and 384 tokens finished -> tokens_per_s 32.0 (not the mean of 25.6 and 38.4 per
-        cell when the windows differ: time-weighted)"""
+        a 10 s window with 256 tokens finished and a 20 s one with 64 -> tokens_per_s 320 / 30 = 10.7 (time-weighted;
+        not the cells' mean (25.6 + 3.2) / 2 = 14.4)"""
     if not parts:
         raise ValueError("pooled_summary needs at least one (records, window) part")
     done = [r for records, window in parts for r in finished_in(records, window)]

@@ -412,10 +412,20 @@ inline float row_score(const uint16_t* x0, int d, const float* q, const float* s
 // Prefetch into L1 of the row kAheadRows after i in ids (rows by id are scattered: the hardware prefetcher cannot
 // guess them).
 constexpr int kAheadRows = 4;
+// Queries per bit mask of the rows that passed their bounds (fp16_topk_bounded, step 5).
+constexpr int kMaskBits = 32;
 inline void prefetch_id_ahead(const uint16_t* x, int d, const int64_t* ids, int64_t i, int64_t cnt) {
     if (i + kAheadRows >= cnt) return;
     const char* p = (const char*)(x + ids[i + kAheadRows] * d);
     for (int64_t b = 0; b < (int64_t)d * 2; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
+// The top k of rows whose bound passed tau: a row worse than tau is not in the top k (tau's own row is: id + 1).
+TopK above(const Hit& tau, int64_t k) {
+    TopK top(k);
+    top.threshold = tau.score;
+    top.threshold_id = tau.id == INT64_MAX ? INT64_MAX : tau.id + 1;
+    return top;
 }
 
 // Offers rows ids[0, cnt) of x, scored for query q, to `top`, prefetching ahead.
@@ -578,21 +588,58 @@ int fp16_topk_bounded(const uint16_t* x, int64_t n, int d, const float* q, int n
             out_scored[b] = n;  // tells a scanned query from a bounded one whose rows all passed (m + n)
         }
     }
-    // 5. Score the rows that passed, for the other queries.
-    std::vector<std::vector<std::pair<int64_t, std::vector<Hit>>>> found(threads);
-    parallel_chunks(nq * nslices, threads, [&](int64_t t, int slot) {
-        const int64_t b = t / nslices;
-        if (scan[b]) return;
-        const std::vector<int64_t>& ids = *rows_of[t];
-        TopK top(k);
-        top.threshold = tau[b].score;  // a row worse than tau is not in the top k (tau's own row is: id + 1)
-        top.threshold_id = tau[b].id == INT64_MAX ? INT64_MAX : tau[b].id + 1;
-        offer_rows(x, d, ids.data(), (int64_t)ids.size(), q + b * d, sq_norms, top);
-        found[slot].push_back({t, std::move(top.buf)});
+    // 5. Score the rows that passed, for the other queries: per slice, each row that passed for any of them is read
+    // once and scored for every query it passed for (row_score: the same bits as scoring it query by query). The
+    // queries of one batch are often alike (a kNN-LM round's are consecutive states of one text), so their rows
+    // overlap (8 such queries over 1 M keys: 1.2x as many (query, row) pairs as distinct rows, 2x over 100 K), and
+    // one address-ordered pass over a slice's rows for all queries beat one pass per query: 8 / 16 queries took
+    // 0.90 / 0.87x the time (Zen 5, 1 M x 576 kNN-LM keys, interleaved).
+    std::vector<std::vector<std::pair<int64_t, std::vector<std::vector<Hit>>>>> found(threads);
+    parallel_chunks(nslices, threads, [&](int64_t i, int slot) {
+        const int64_t lo = i * slice, rows = std::min(n, lo + slice) - lo;
+        std::vector<std::vector<Hit>> hits(nq);
+        std::vector<uint32_t> mask(nq > 1 ? rows : 0);
+        std::vector<int64_t> ids;
+        for (int g = 0; g < nq; g += kMaskBits) {  // queries in groups of 32: one bit each
+            const int gn = std::min(kMaskBits, nq - g);
+            if (gn == 1) {  // one query: its rows as they are (a mask would cost a pass over the slice)
+                if (!scan[g]) {
+                    const std::vector<int64_t>& own = *rows_of[g * nslices + i];
+                    TopK top = above(tau[g], k);
+                    offer_rows(x, d, own.data(), (int64_t)own.size(), q + (int64_t)g * d, sq_norms, top);
+                    hits[g] = std::move(top.buf);
+                }
+                continue;
+            }
+            std::fill(mask.begin(), mask.end(), 0u);
+            for (int j = 0; j < gn; ++j) {
+                if (scan[g + j]) continue;
+                for (int64_t id : *rows_of[(g + j) * nslices + i]) mask[id - lo] |= 1u << j;
+            }
+            ids.clear();
+            for (int64_t r = 0; r < rows; ++r) {
+                if (mask[r]) ids.push_back(lo + r);  // address order
+            }
+            std::vector<TopK> tops;
+            for (int j = 0; j < gn; ++j) tops.push_back(above(tau[g + j], k));
+            for (int64_t u = 0; u < (int64_t)ids.size(); ++u) {
+                prefetch_id_ahead(x, d, ids.data(), u, (int64_t)ids.size());
+                const int64_t id = ids[u];
+                for (uint32_t bits = mask[id - lo]; bits; bits &= bits - 1) {
+                    const int j = __builtin_ctz(bits);
+                    const float s = row_score(x + id * d, d, q + (int64_t)(g + j) * d,
+                                              sq_norms != nullptr ? sq_norms + id : nullptr);
+                    tops[j].offer(&s, 1, id);
+                }
+            }
+            for (int j = 0; j < gn; ++j) hits[g + j] = std::move(tops[j].buf);
+        }
+        found[slot].push_back({i, std::move(hits)});
     });
     std::vector<const std::vector<Hit>*> hits_of(nq * nslices, nullptr);
     for (auto& list : found)
-        for (auto& [t, hits] : list) hits_of[t] = &hits;
+        for (auto& [i, hits] : list)
+            for (int b = 0; b < nq; ++b) hits_of[b * nslices + i] = &hits[b];  // a task run twice found the same
     for (int b = 0; b < nq; ++b) {
         if (scan[b]) continue;
         std::vector<std::vector<Hit>*> lists;

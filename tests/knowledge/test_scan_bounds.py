@@ -54,6 +54,8 @@ def data(kind: str, rng: np.random.Generator, n: int, d: int) -> np.ndarray:
         return low_rank(rng, n, d, scale=300.0)
     if kind == "duplicate rows":
         return np.repeat(low_rank(rng, n // 4, d), 4, axis=0)
+    if kind == "a round of consecutive states":  # a kNN-LM round: each query a step further along one text
+        return np.cumsum(low_rank(rng, n, d, noise=0.2).astype(np.float32) * 0.3, axis=0).astype(np.float16)
     raise ValueError(kind)
 
 
@@ -74,23 +76,28 @@ CASES = [
     ("large values (squared norms beyond float16)", 5000, 64, 3, 20, 16, 1),
     ("duplicate rows", 6000, 64, 2, 30, 16, 2),
     ("low rank", 5000, 21, 2, 15, 8, 1),  # d not a multiple of 8 or 16: the exact score's scalar tail
+    ("a round of consecutive states", 6000, 64, 8, 40, 16, 2),  # alike queries: their passing rows overlap
+    ("a round of consecutive states", 6000, 64, 37, 40, 16, 2),  # more queries than one bit mask holds (32)
 ]
 
 
 @pytest.mark.parametrize("kind, n, d, nq, k, dims, threads", CASES, ids=[f"{c[0]} n={c[1]} d={c[2]} q={c[3]}"
                                                                         for c in CASES])
 @pytest.mark.parametrize("metric", ["ip", "l2"])
-def test_bounded_search_equals_the_full_scan(lib, kind, n, d, nq, k, dims, threads, metric):
+def test_bounded_search_equals_the_full_scan(lib, kind, n, d, nq, k, dims, threads, metric, monkeypatch):
     rng = np.random.default_rng(n + d + nq)
     x = data(kind, rng, n, d)
     q = np.concatenate([data(kind, rng, nq - 1, d), x[:1]]).astype(np.float32)  # one query is a stored row
+    if kind == "a round of consecutive states":
+        q = x[1000:1000 + nq].astype(np.float32) + 0.01 * rng.standard_normal((nq, d)).astype(np.float32)
+        monkeypatch.setattr(fp16_scan, "BOUND_MAX_BATCH", 64)  # one kernel call for the whole batch
     bounds = fp16_scan.scan_bounds(x, metric, dims)
     scan = fp16_scan.Fp16Scan(lib, x, metric, threads, bounds)
     full = scan.search(q, k, bounded=False)
     s, i, scored = scan.search_counted(q, k)
     assert_same(full, (s, i))
     assert (scored >= min(n, 2 * k)).all() and (scored <= n + 2 * k).all()
-    if kind == "low rank":
+    if kind in ("low rank", "a round of consecutive states"):
         assert scored.mean() < 0.5 * n  # Not a full scan in disguise
 
 

@@ -365,7 +365,8 @@ TABLES: dict[str, tuple[list[str], Callable[[str, dict], str]]] = {
     "kb": (["kb.json"] + sorted(p.name for p in RESULTS.glob("kb-*.json")), kb),
     "ralm": (["ralm.json"], ralm),
     "ralm-curve": (["ralm-curve.json"], ralm_curve),
-    "knnlm": (["knnlm.json", "knnlm-q4_1.json", "knnlm-served.json", "knnlm-served-zen4.json"], knnlm),
+    "knnlm": (["knnlm.json", "knnlm-q4_1.json", "knnlm-served.json", "knnlm-served-zen4.json",
+               "knnlm-served-zen5.json"], knnlm),
     "load": (["load.json"], load),
 }
 

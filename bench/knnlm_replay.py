@@ -37,6 +37,7 @@ from generation_service.knnlm import (
     KnnBackend,
     KnnLmOptions,
     NeighbourCache,
+    key_norms,
     lm_prefill,
     lm_step,
     mixed_distribution,
@@ -80,13 +81,15 @@ def trajectories(tm, backend: KnnBackend, prompts: list[np.ndarray], new_tokens:
                                                          for s, v in search_s.items()}}
 
 
-def replay(ds, traj: list[dict], opts: KnnLmOptions, stride: int, next_n: int, capacity: int) -> dict:
-    """Sync rounds of `stride` over the baseline's steps: guesses, rounds, tokens, and timed look-ups and fills."""
+def replay(ds, traj: list[dict], opts: KnnLmOptions, stride: int, next_n: int, capacity: int,
+           norms: np.ndarray | None = None) -> dict:
+    """Sync rounds of `stride` over the baseline's steps: guesses, rounds, tokens, and timed look-ups and fills.
+    norms: the datastore's ‖key‖² as the worker keeps them (knnlm.key_norms)."""
     rounds = tokens = guesses = right = 0
     look_s, fill_s = [], []
     for steps in traj:
         n = len(steps["tokens"])
-        cache = NeighbourCache(ds, next_n, capacity)
+        cache = NeighbourCache(ds, next_n, capacity, norms)
         cache.fill(steps["ids"][0])  # the first token is a baseline step
         t = 1
         while t < n:
@@ -167,8 +170,9 @@ def main(argv: list[str] | None = None) -> None:
     settings += [(4, default.cache_next, c) for c in capacities if c != default.cache_capacity]
     settings += [(s, n, default.cache_capacity) for s in (4, 8) for n in nexts if n != default.cache_next]
     rows = []
+    norms = key_norms(ds)
     for stride, next_n, capacity in settings:
-        r = replay(ds, traj, opts, stride, next_n, capacity)
+        r = replay(ds, traj, opts, stride, next_n, capacity, norms)
         rows.append({**r, **modelled(r, costs)})
         print(f"s={stride:2d} n={next_n} C={capacity:6d}  accuracy {r['guess_accuracy']:.3f}  "
               f"tokens/round {r['tokens_per_round']:.2f}  look-up {r['lookup_s'] * 1e3:.2f} ms  "

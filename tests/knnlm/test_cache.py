@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from generation_service.knnlm import NeighbourCache, oldest
+from generation_service.knnlm import NeighbourCache, key_norms, oldest
 
 
 @pytest.mark.parametrize("retrieved, n, expected", [
@@ -131,10 +131,11 @@ def reference_fill_order(runs: list[list[int]], next_n: int, size: int, capacity
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rounds=st.lists(st.lists(st.lists(st.integers(0, 120), max_size=6), min_size=1, max_size=4),
                        min_size=1, max_size=5),
-       next_n=st.integers(1, 5), capacity=st.integers(1, 24))
-def test_fill_many_matches_brute_force(ds, rounds, next_n, capacity):
-    """Rounds of fills against a brute-force model of the cache: which ids are kept, refreshed and evicted."""
-    cache = NeighbourCache(ds, next_n=next_n, capacity=capacity)
+       next_n=st.integers(1, 5), capacity=st.integers(1, 24), datastore_norms=st.booleans())
+def test_fill_many_matches_brute_force(ds, rounds, next_n, capacity, datastore_norms):
+    """Rounds of fills against a brute-force model of the cache: which ids are kept, refreshed and evicted; each
+    cached row's key, value and ‖key‖², whether the norms come from the worker's array or from the filled rows."""
+    cache = NeighbourCache(ds, next_n=next_n, capacity=capacity, norms=key_norms(ds) if datastore_norms else None)
     stamp: dict[int, int] = {}  # id -> last round that filled or refreshed it
     for rnd, runs in enumerate(rounds, start=1):
         wanted = reference_fill_order(runs, next_n, ds.size, capacity)
@@ -150,8 +151,23 @@ def test_fill_many_matches_brute_force(ds, rounds, next_n, capacity):
         stamp = {j: stamp[j] for j in cached}
     for s in np.flatnonzero(cache.ids >= 0):  # rows match the datastore
         assert int(cache.values[s]) == int(ds.values[cache.ids[s]])
-        np.testing.assert_array_equal(cache.keys[s].float().numpy(),
-                                      np.asarray(ds.keys[cache.ids[s]], np.float32))
+        key = np.asarray(ds.keys[cache.ids[s]], np.float64)
+        np.testing.assert_array_equal(cache.keys[s].float().numpy(), key.astype(np.float32))
+        np.testing.assert_allclose(cache.norms[s], key @ key, rtol=1e-5)  # Not a stale slot's norm
+
+
+def test_worker_norms_equal_the_fills_own(ds):
+    """KnnBackend's precomputed ‖key‖² are the very numbers a fill computes from its rows (same function, float32
+    sums), so a cache scores alike with or without them."""
+    ids = np.arange(0, ds.size, 7)
+    own, shared = NeighbourCache(ds, next_n=3, capacity=4096), NeighbourCache(ds, 3, 4096, norms=key_norms(ds))
+    own.fill(ids)
+    shared.fill(ids)
+    np.testing.assert_array_equal(shared.ids, own.ids)
+    np.testing.assert_array_equal(shared.norms.view(np.int32), own.norms.view(np.int32))  # bit for bit
+    q = np.asarray(ds.keys[ids[5] + 1], np.float32)
+    for a, b in zip(own.nearest(q, 50), shared.nearest(q, 50)):
+        np.testing.assert_array_equal(a, b)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -11,9 +11,10 @@ for batches of up to 4 queries when the vectors are float16. The KB's passage em
 kNN-LM datastores register more named indexes (model hidden states, L2 metric) searched through the same Search.
 
 Scores are "higher is better": inner product, or minus the squared L2 distance. faiss only proposes
-candidates; every returned score is recomputed by `exact_scores` from the stored vectors, and ties are broken
-by the smaller id. ScoreCandidates uses the same function, so a doc's score does not depend on whether it
-came from a search or a candidate list, and the search top-1 is the top-1 of any candidate set holding it.
+candidates; every returned score is recomputed by `exact_scores` from the stored vectors (float16 vectors: by
+the kernel's copy of it, fp16_scan.candidate_scores, the same bits), and ties are broken by the smaller id.
+ScoreCandidates uses the same function, so a doc's score does not depend on whether it came from a search or a
+candidate list, and the search top-1 is the top-1 of any candidate set holding it.
 (faiss's own scores come from BLAS or SIMD kernels whose last bits depend on the batch size.)
 """
 
@@ -31,7 +32,7 @@ import faiss
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from ragcore.encoder import METRICS, Encoder, exact_scores, passage_input
+from ragcore.encoder import METRICS, Encoder, passage_input
 from retrieval_service.knowledge import fp16_scan
 from retrieval_service.knowledge.encode_pool import EncodeWork, chunk_path, encode_spans, write_chunk
 
@@ -355,9 +356,7 @@ class VectorIndex:
                     for row_ids, row_s in zip(ids, scores)]
         valid = ids >= 0
         safe = np.where(valid, ids, 0)
-        # One gather and one exact scoring for the whole batch.
-        cand = fp16_scan.candidate_rows(self.vectors, safe.ravel())
-        scores = exact_scores(q, cand.reshape(*safe.shape, self.dim), self.metric)
+        scores = fp16_scan.candidate_scores(self.vectors, q, safe, self.metric)  # one call for the whole batch
         scores[~valid] = -np.inf
         order = np.lexsort((ids, -scores.astype(np.float64)), axis=-1)  # [B, kk]
         ids = np.take_along_axis(ids, order, -1)[:, :k]
@@ -378,8 +377,8 @@ class VectorIndex:
         """query: [D], ids: [n] -> [n] float32, the exact scores search() returns for those docs."""
         if self.vectors is None:
             raise LookupError(f"{self.name}: the index keeps no vectors, so candidates cannot be scored")
-        cand = self.vectors[np.asarray(ids, dtype=np.int64)]  # [n, D]
-        return exact_scores(np.asarray(query, np.float32)[None, :], cand[None], self.metric)[0]
+        return fp16_scan.candidate_scores(self.vectors, np.asarray(query, np.float32)[None, :],
+                                          np.asarray(ids, dtype=np.int64)[None, :], self.metric)[0]
 
     def get_vectors(self, ids: np.ndarray) -> np.ndarray:
         """ids: [n] -> [n, D] float32."""

@@ -412,13 +412,14 @@ inline float row_score(const uint16_t* x0, int d, const float* q, const float* s
 // Prefetch into L1 of the row kAheadRows after i in ids (rows by id are scattered: the hardware prefetcher cannot
 // guess them).
 constexpr int kAheadRows = 4;
-// Queries per bit mask of the rows that passed their bounds (fp16_topk_bounded, step 5).
-constexpr int kMaskBits = 32;
 inline void prefetch_id_ahead(const uint16_t* x, int d, const int64_t* ids, int64_t i, int64_t cnt) {
     if (i + kAheadRows >= cnt) return;
     const char* p = (const char*)(x + ids[i + kAheadRows] * d);
     for (int64_t b = 0; b < (int64_t)d * 2; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
 }
+
+// Queries per bit mask of the rows that passed their bounds (fp16_topk_bounded, step 5).
+constexpr int kMaskBits = 32;
 
 // The top k of rows whose bound passed tau: a row worse than tau is not in the top k (tau's own row is: id + 1).
 TopK above(const Hit& tau, int64_t k) {
@@ -437,6 +438,42 @@ void offer_rows(const uint16_t* x, int d, const int64_t* ids, int64_t cnt, const
         const float s = row_score(x + id * d, d, q, sq_norms != nullptr ? sq_norms + id : nullptr);
         top.offer(&s, 1, id);
     }
+}
+
+// dst[0, d) = the float16 row src widened to float32 (exact).
+void widen_row(const uint16_t* src, int d, float* dst) {
+    int j = 0;
+#if defined(__AVX512F__)
+    for (; j + 16 <= d; j += 16) _mm512_storeu_ps(dst + j, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(src + j))));
+#elif defined(__F16C__)
+    for (; j + 8 <= d; j += 8) _mm256_storeu_ps(dst + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + j))));
+#endif
+    for (; j < d; ++j) dst[j] = half_to_float(src[j]);
+}
+
+// numpy's sum of n float64 values along a contiguous axis (pairwise_sum in numpy/_core/src/umath/
+// loops_utils.h.src, numpy 2.x): the same additions in the same order, so the same bits. Under 8 values a plain
+// loop from -0.0; up to 128, eight running sums (lane j takes values j, j + 8, ...) combined as a tree, then the
+// values past the last multiple of 8; above, the halves (the first a multiple of 8 long) summed recursively.
+double pairwise_sum(const double* a, int64_t n) {
+    if (n < 8) {
+        double res = -0.0;
+        for (int64_t i = 0; i < n; ++i) res += a[i];
+        return res;
+    }
+    if (n <= 128) {
+        double r[8];
+        for (int j = 0; j < 8; ++j) r[j] = a[j];
+        int64_t i = 8;
+        for (; i < n - n % 8; i += 8)
+            for (int j = 0; j < 8; ++j) r[j] += a[i + j];
+        double res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+        for (; i < n; ++i) res += a[i];
+        return res;
+    }
+    int64_t n2 = n / 2;
+    n2 -= n2 % 8;
+    return pairwise_sum(a, n2) + pairwise_sum(a + n2, n - n2);
 }
 
 }  // namespace
@@ -659,15 +696,41 @@ int fp16_rows_f32(const uint16_t* x, int64_t n, int d, const int64_t* ids, int64
         if (ids[i] < 0 || ids[i] >= n) return -1;
     for (int64_t i = 0; i < cnt; ++i) {
         prefetch_id_ahead(x, d, ids, i, cnt);
-        const uint16_t* src = x + ids[i] * d;
-        float* dst = out + i * d;
-        int j = 0;
-#if defined(__AVX512F__)
-        for (; j + 16 <= d; j += 16) _mm512_storeu_ps(dst + j, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(src + j))));
-#elif defined(__F16C__)
-        for (; j + 8 <= d; j += 8) _mm256_storeu_ps(dst + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + j))));
-#endif
-        for (; j < d; ++j) dst[j] = half_to_float(src[j]);
+        widen_row(x + ids[i] * d, d, out + i * d);
+    }
+    return 0;
+}
+
+// out[b * cnt + i] = the exact score of row ids[b * cnt + i] for query b, bit for bit as ragcore.encoder's
+// exact_scores (numpy, float64) computes it from the widened row: ip sum(x * q), l2 -sum((x - q)^2), each product
+// or square in float64 and the sum numpy's pairwise one (pairwise_sum), rounded once to float32. Why here: numpy
+// gathers, widens and copies the rows to float64 first (8 queries x 1040 candidates of the 1 M x 576 kNN-LM keys,
+// Zen 5: ~6 ms, ~1.2 ms for one query; this 3-4 ms and 0.4 ms, the rest of it memory latency of scattered rows).
+// l2: 1 for -|x - q|^2, 0 for q.x. Returns 0, or -1 on bad arguments or an id outside [0, n).
+int fp16_exact_scores(const uint16_t* x, int64_t n, int d, const float* q, int nq, const int64_t* ids, int64_t cnt,
+                      int l2, float* out) {
+    if (n < 0 || d <= 0 || nq < 0 || cnt < 0) return -1;
+    for (int64_t i = 0; i < (int64_t)nq * cnt; ++i)
+        if (ids[i] < 0 || ids[i] >= n) return -1;
+    std::vector<float> row(d);
+    std::vector<double> terms(d);
+    for (int b = 0; b < nq; ++b) {
+        const float* qb = q + (int64_t)b * d;
+        const int64_t* own = ids + (int64_t)b * cnt;
+        for (int64_t i = 0; i < cnt; ++i) {
+            prefetch_id_ahead(x, d, own, i, cnt);
+            widen_row(x + own[i] * d, d, row.data());
+            if (l2) {
+                for (int j = 0; j < d; ++j) {
+                    const double t = (double)row[j] - (double)qb[j];
+                    terms[j] = t * t;
+                }
+                out[b * cnt + i] = (float)-pairwise_sum(terms.data(), d);
+            } else {
+                for (int j = 0; j < d; ++j) terms[j] = (double)row[j] * (double)qb[j];
+                out[b * cnt + i] = (float)pairwise_sum(terms.data(), d);
+            }
+        }
     }
     return 0;
 }

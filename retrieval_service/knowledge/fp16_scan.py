@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from ragcore.encoder import METRICS
+from ragcore.encoder import METRICS, exact_scores
 from ragcore.machine import best_level, cpu_info, prebuild_levels, usable_cores
 from ragcore.model_files import ragserve_home
 
@@ -93,6 +93,9 @@ def load(march: str = "native") -> ctypes.CDLL:
                                       *[ctypes.c_void_p] * 6, ctypes.c_int64, ctypes.c_int, _F32P, _I64P, _F32P, _I64P]
     lib.fp16_rows_f32.restype = ctypes.c_int
     lib.fp16_rows_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, _I64P, ctypes.c_int64, _F32P]
+    lib.fp16_exact_scores.restype = ctypes.c_int
+    lib.fp16_exact_scores.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                                      _I64P, ctypes.c_int64, ctypes.c_int, _F32P]
     lib.fp16_isa.restype = ctypes.c_char_p
     return lib
 
@@ -361,6 +364,27 @@ def candidate_rows(vectors: np.ndarray, ids: np.ndarray) -> np.ndarray:
     out = np.empty((len(ids), vectors.shape[1]), np.float32)
     if lib.fp16_rows_f32(vectors.ctypes.data, len(vectors), vectors.shape[1], ids.ctypes.data_as(_I64P), len(ids),
                          out.ctypes.data_as(_F32P)) != 0:
+        raise IndexError(f"ids: outside [0, {len(vectors)})")
+    return out
+
+
+def candidate_scores(vectors: np.ndarray, queries: np.ndarray, ids: np.ndarray, metric: str) -> np.ndarray:
+    """queries [B, D], ids [B, K] -> [B, K] float32: exact_scores(queries, vectors[ids], metric), the same bits,
+    computed by the kernel from the float16 rows in place when it can (C-contiguous float16 vectors), else by
+    numpy. IndexError for an id out of range."""
+    q = np.ascontiguousarray(queries, dtype=np.float32)
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    lib = library() if vectors.dtype == np.float16 and vectors.ndim == 2 and vectors.flags.c_contiguous else None
+    if lib is None:
+        return exact_scores(q, candidate_rows(vectors, ids.ravel()).reshape(*ids.shape, vectors.shape[1]), metric)
+    if metric not in METRICS:
+        raise ValueError(f"metric: {metric!r} is not one of {METRICS}")
+    if q.ndim != 2 or ids.ndim != 2 or len(q) != len(ids) or q.shape[1] != vectors.shape[1]:
+        raise ValueError(f"queries {q.shape} and ids {ids.shape} do not match vectors {vectors.shape}")
+    out = np.empty(ids.shape, np.float32)
+    if lib.fp16_exact_scores(vectors.ctypes.data, len(vectors), vectors.shape[1], q.ctypes.data, len(q),
+                             ids.ctypes.data_as(_I64P), ids.shape[1], int(metric == "l2"),
+                             out.ctypes.data_as(_F32P)) != 0:
         raise IndexError(f"ids: outside [0, {len(vectors)})")
     return out
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from ragcore.encoder import exact_scores
 from ragcore.machine import usable_cores
 from retrieval_service.knowledge import fp16_scan
 
@@ -178,6 +179,78 @@ def test_candidate_rows_kernel_or_numpy():
     for bad in ([40], [-1], [0, 1, 99]):
         with pytest.raises(IndexError, match="ids"):
             fp16_scan.candidate_rows(x, np.array(bad))
+
+
+# Exact scores of candidates (fp16_exact_scores, candidate_scores): ragcore.encoder.exact_scores' values bit for
+# bit (the worker's RaLM cache scores passages with it and compares with the service's), on each instruction set.
+# numpy's float64 sum is pairwise, with three regimes the kernel repeats. (scenario, d)
+EXACT_CASES = [
+    ("under 8 values: a plain sum", 5),
+    ("8 values: eight running sums", 8),
+    ("eight running sums and a tail of 5", 61),
+    ("128: the largest single block", 128),
+    ("129: halves of 64 and 65", 129),
+    ("384: the KB's embeddings", 384),
+    ("576: the kNN-LM keys", 576),
+    ("1000: halves of unequal length, recursively", 1000),
+]
+
+
+def wide_values(rng: np.random.Generator, shape: tuple, dtype) -> np.ndarray:
+    """Values over six decades: summation order shows in the last bits of float64 sums."""
+    return (rng.standard_normal(shape) * 10 ** rng.uniform(-3, 3, shape)).astype(dtype)
+
+
+def kernel_scores(lib, x: np.ndarray, q: np.ndarray, ids: np.ndarray, metric: str) -> np.ndarray:
+    out = np.full(ids.shape, np.nan, np.float32)
+    ids = np.ascontiguousarray(ids, np.int64)
+    assert lib.fp16_exact_scores(x.ctypes.data, len(x), x.shape[1], q.ctypes.data, len(q),
+                                 ids.ctypes.data_as(fp16_scan._I64P), ids.shape[1], int(metric == "l2"),
+                                 out.ctypes.data_as(fp16_scan._F32P)) == 0
+    return out
+
+
+@pytest.mark.parametrize("scenario, d", EXACT_CASES, ids=[c[0] for c in EXACT_CASES])
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+def test_exact_scores_are_numpys_bit_for_bit(lib, scenario, d, metric):
+    rng = np.random.default_rng(d)
+    x = wide_values(rng, (300, d), np.float16)
+    q = wide_values(rng, (4, d), np.float32)
+    ids = rng.integers(0, 300, (4, 50))
+    ids[0, :3] = ids[0, 3]  # a row asked for more than once
+    got = kernel_scores(lib, x, q, ids, metric)
+    want = exact_scores(q, x[ids].astype(np.float32), metric)
+    assert got.view(np.uint32).tolist() == want.view(np.uint32).tolist()
+    if d >= 61:  # the check tells summation orders apart: float32 sums of the same terms differ somewhere
+        terms = (x[ids].astype(np.float32) - q[:, None, :]) ** 2 if metric == "l2" else x[ids] * q[:, None, :]
+        assert not np.array_equal(got, (-1 if metric == "l2" else 1) * terms.astype(np.float32).sum(-1))
+
+
+@settings(max_examples=40, deadline=None)
+@given(d=st.integers(1, 700), nq=st.integers(1, 5), cnt=st.integers(0, 40), metric=st.sampled_from(["ip", "l2"]),
+       seed=st.integers(0, 2**16))
+def test_exact_scores_random_shapes(d, nq, cnt, metric, seed):
+    rng = np.random.default_rng(seed)
+    x = wide_values(rng, (50, d), np.float16)
+    q = wide_values(rng, (nq, d), np.float32)
+    ids = rng.integers(0, 50, (nq, cnt))
+    got = fp16_scan.candidate_scores(x, q, ids, metric)
+    assert got.view(np.uint32).tolist() == exact_scores(q, x[ids].astype(np.float32), metric).view(np.uint32).tolist()
+
+
+def test_candidate_scores_kernel_or_numpy():
+    rng = np.random.default_rng(11)
+    x = wide_values(rng, (40, 24), np.float16)
+    q = wide_values(rng, (2, 24), np.float32)
+    ids = np.array([[39, 0, 17], [5, 5, 1]], np.int64)
+    want = exact_scores(q, x[ids].astype(np.float32), "l2")
+    for vectors in (x, x.astype(np.float32), np.asfortranarray(x)):  # the kernel, then numpy's fallbacks
+        assert np.array_equal(fp16_scan.candidate_scores(vectors, q, ids, "l2"), want)
+    for bad in ([[40, 0, 1], [0, 1, 2]], [[0, 1, 2], [-1, 0, 0]]):
+        with pytest.raises(IndexError, match="ids"):
+            fp16_scan.candidate_scores(x, q, np.array(bad), "l2")
+    with pytest.raises(ValueError, match="ids"):
+        fp16_scan.candidate_scores(x, q, ids[:1], "l2")  # a row of ids per query
 
 
 def test_prebuild_of_a_level_this_cpu_lacks_compiles_without_loading(monkeypatch, capsys):

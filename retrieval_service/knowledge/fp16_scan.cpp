@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <functional>
 #include <memory>
 #include <thread>
 #include <type_traits>
@@ -538,6 +539,44 @@ TopK above(const Hit& tau, int64_t k) {
     return top;
 }
 
+// Step 1's starting bar per query (fp16_topk_bounded): a bound that about kBarMargin x m rows reach, from the bounds
+// of one block of rows in `stride`. Why: from -inf, each query's top m of 1 M bounds filled and shrank its buffer
+// ~12 times (a selection over 2 m hits each, plus a push per row that beat a lagging bar). Any m rows would do for
+// tau (the answer is exact whatever they are); when at least m rows reach the bar, they are the same m rows as
+// without it. -inf where the sample would be too small to place the bar (small m: fewer than kMinRank rows above
+// it in the sample, or a sample of more than one block in kMinStride).
+constexpr int64_t kBarMargin = 3, kMinRank = 32, kMaxStride = 64, kMinStride = 16;
+std::vector<float> starting_bars(const int8_t* p, int64_t n, int dp, const int32_t* qp, int nq, const float* a,
+                                 const float* h, const float* l1, const float* c, const float* e, int64_t m) {
+    std::vector<float> bars(nq, -INFINITY);
+    const int64_t stride = std::min<int64_t>(kMaxStride, kBarMargin * m / kMinRank);
+    const int64_t full = n / kLanes;  // blocks without padding rows
+    if (stride < kMinStride || full < stride) return bars;
+    const int64_t blocks = (full + stride - 1) / stride, rows = blocks * kLanes;
+    const int64_t rank = kBarMargin * m * rows / n;  // about kBarMargin x m of the n rows score above it
+    if (rank < kMinRank || rank >= rows) return bars;
+    std::vector<float> s((size_t)nq * rows);
+    const int64_t step = (int64_t)dp * kLanes;  // bytes per block
+    for (int64_t i = 0; i < blocks; ++i) {
+        for (int g = 0; g < nq; g += kGroup)
+            bound_dots(std::min(kGroup, nq - g), p + i * stride * step, 1, dp / 2, qp + (int64_t)g * (dp / 2),
+                       s.data() + (int64_t)g * rows + i * kLanes, rows);
+    }
+    for (int b = 0; b < nq; ++b) {
+        float* v = s.data() + (int64_t)b * rows;
+        for (int64_t i = 0; i < blocks; ++i) {
+            for (int l = 0; l < kLanes; ++l) {
+                const int64_t r = i * stride * kLanes + l;
+                const float u = a[b] * v[i * kLanes + l] + h[b] * l1[r] - c[r] + e[b];
+                v[i * kLanes + l] = u == u ? u : -INFINITY;  // a NaN would break the selection's order
+            }
+        }
+        std::nth_element(v, v + rank - 1, v + rows, std::greater<float>());
+        bars[b] = v[rank - 1];
+    }
+    return bars;
+}
+
 // Offers rows ids[0, cnt) of x, scored for query q, to `top`, prefetching ahead.
 void offer_rows(const uint16_t* x, int d, const int64_t* ids, int64_t cnt, const float* q, const float* sq_norms,
                 TopK& top) {
@@ -639,6 +678,9 @@ int fp16_topk_bounded(const uint16_t* x, int64_t n, int d, const float* q, int n
     const int64_t chunk = 16384;
     const int parts = (int)std::max<int64_t>(1, std::min<int64_t>(threads, n / (4 * chunk)));
     std::vector<std::vector<TopK>> tops(parts, std::vector<TopK>(nq, TopK(m)));
+    const std::vector<float> bars = starting_bars(p, n, dp, qp, nq, a, h, l1, c, e, m);
+    for (auto& part_tops : tops)
+        for (int b = 0; b < nq; ++b) part_tops[b].threshold = bars[b];  // the threshold id stays: ties pass
     parallel_chunks((n + chunk - 1) / chunk, parts, [&](int64_t ci, int part) {
         std::vector<float> block((size_t)nq * kBlock);
         const int64_t hi = std::min(n, (ci + 1) * chunk);

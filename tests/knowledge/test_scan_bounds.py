@@ -78,6 +78,9 @@ CASES = [
     ("low rank", 5000, 21, 2, 15, 8, 1),  # d not a multiple of 8 or 16: the exact score's scalar tail
     ("a round of consecutive states", 6000, 64, 8, 40, 16, 2),  # alike queries: their passing rows overlap
     ("a round of consecutive states", 6000, 64, 37, 40, 16, 2),  # more queries than one bit mask holds (32)
+    # k large enough for step 1's sampled starting bar (starting_bars in fp16_scan.cpp)
+    ("integers, many ties", 20_000, 32, 3, 200, 8, 2),
+    ("a round of consecutive states", 30_000, 64, 8, 300, 16, 2),
 ]
 
 

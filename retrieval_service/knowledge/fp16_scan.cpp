@@ -539,6 +539,20 @@ TopK above(const Hit& tau, int64_t k) {
     return top;
 }
 
+// The terms of a row's bound for a query (fp16_topk_bounded): ub_b(r) = a_b dot + h_b l1_r - c_r + e_b + g_b dn_r
+// for the int32 dot product of the query's weights with the row's steps.
+struct BoundTerms {
+    const float *a, *h, *e, *g;  // [nq]
+    const float *l1, *c, *dn;    // [n]
+
+    // s[i] = the bound of row r0 + i for query b, from s[i] = its dot product, for i in [0, rows).
+    void apply(int b, int64_t r0, int64_t rows, float* s) const {
+        const float ab = a[b], hb = h[b], eb = e[b], gb = g[b];  // in registers: s could alias them
+        const float *l1r = l1 + r0, *cr = c + r0, *dnr = dn + r0;
+        for (int64_t i = 0; i < rows; ++i) s[i] = ab * s[i] + hb * l1r[i] - cr[i] + eb + gb * dnr[i];
+    }
+};
+
 // Step 1's starting bar per query (fp16_topk_bounded): a bound that about kBarMargin x m rows reach, from the bounds
 // of one block of rows in `stride`. Why: from -inf, each query's top m of 1 M bounds filled and shrank its buffer
 // ~12 times (a selection over 2 m hits each, plus a push per row that beat a lagging bar). Any m rows would do for
@@ -546,8 +560,8 @@ TopK above(const Hit& tau, int64_t k) {
 // without it. -inf where the sample would be too small to place the bar (small m: fewer than kMinRank rows above
 // it in the sample, or a sample of more than one block in kMinStride).
 constexpr int64_t kBarMargin = 3, kMinRank = 32, kMaxStride = 64, kMinStride = 16;
-std::vector<float> starting_bars(const int8_t* p, int64_t n, int dp, const int32_t* qp, int nq, const float* a,
-                                 const float* h, const float* l1, const float* c, const float* e, int64_t m) {
+std::vector<float> starting_bars(const int8_t* p, int64_t n, int dp, const int32_t* qp, int nq, const BoundTerms& terms,
+                                 int64_t m) {
     std::vector<float> bars(nq, -INFINITY);
     const int64_t stride = std::min<int64_t>(kMaxStride, kBarMargin * m / kMinRank);
     const int64_t full = n / kLanes;  // blocks without padding rows
@@ -564,13 +578,8 @@ std::vector<float> starting_bars(const int8_t* p, int64_t n, int dp, const int32
     }
     for (int b = 0; b < nq; ++b) {
         float* v = s.data() + (int64_t)b * rows;
-        for (int64_t i = 0; i < blocks; ++i) {
-            for (int l = 0; l < kLanes; ++l) {
-                const int64_t r = i * stride * kLanes + l;
-                const float u = a[b] * v[i * kLanes + l] + h[b] * l1[r] - c[r] + e[b];
-                v[i * kLanes + l] = u == u ? u : -INFINITY;  // a NaN would break the selection's order
-            }
-        }
+        for (int64_t i = 0; i < blocks; ++i) terms.apply(b, i * stride * kLanes, kLanes, v + i * kLanes);
+        for (int64_t i = 0; i < rows; ++i) v[i] = v[i] == v[i] ? v[i] : -INFINITY;  // NaN breaks the order
         std::nth_element(v, v + rank - 1, v + rows, std::greater<float>());
         bars[b] = v[rank - 1];
     }
@@ -654,10 +663,10 @@ int fp16_topk(const uint16_t* x, int64_t n, int d, const float* q, int nq, const
 
 // fp16_topk's answer (the same ids and scores, bit for bit) from fewer rows, when each row r has a bound
 // ub_b(r) >= its score for query b:
-//   ub_b(r) = a_b * (qp_b . p_r) + h_b * l1_r - c_r + e_b
+//   ub_b(r) = a_b * (qp_b . p_r) + h_b * l1_r - c_r + e_b + g_b * dn_r
 // p: [ceil(n / 16), dp / 2, 16, 2] int8 (the caller's quantised projection of x, principal directions and the
 // residual's norm, in blocks of 16 rows: bound_dots), qp: [nq, dp / 2] int32 (pairs of int16 weights), dp even,
-// l1, c: [n], a, h, e: [nq] (the caller's terms cover both quantisations and rounding: fp16_scan.py). One pass
+// l1, c, dn: [n], a, h, e, g: [nq] (the caller's terms cover both quantisations and rounding: fp16_scan.py). One pass
 // over p (dp bytes per row, not 2 d) gives every bound and the m rows of highest bound; their scores give tau,
 // the k-th best of them, which no true top-k row is below; then only rows with ub >= tau are scored.
 // ub: [nq, n] floats of workspace (the caller's, so a search does not page-fault a fresh buffer in).
@@ -665,7 +674,8 @@ int fp16_topk(const uint16_t* x, int64_t n, int d, const float* q, int nq, const
 // Returns 0, or -1 on bad arguments.
 int fp16_topk_bounded(const uint16_t* x, int64_t n, int d, const float* q, int nq, const float* sq_norms, int64_t k,
                       const int8_t* p, int dp, const int32_t* qp, const float* a, const float* h, const float* l1,
-                      const float* c, const float* e, int64_t m, int threads, float* ub, int64_t* out_ids,
+                      const float* c, const float* e, const float* g, const float* dn, int64_t m, int threads,
+                      float* ub, int64_t* out_ids,
                       float* out_scores, int64_t* out_scored) {
     if (n < 0 || d <= 0 || dp <= 0 || dp % 2 || nq < 0 || k <= 0 || m < k || threads <= 0) return -1;
     if (n <= m) {  // nothing to prune
@@ -678,7 +688,8 @@ int fp16_topk_bounded(const uint16_t* x, int64_t n, int d, const float* q, int n
     const int64_t chunk = 16384;
     const int parts = (int)std::max<int64_t>(1, std::min<int64_t>(threads, n / (4 * chunk)));
     std::vector<std::vector<TopK>> tops(parts, std::vector<TopK>(nq, TopK(m)));
-    const std::vector<float> bars = starting_bars(p, n, dp, qp, nq, a, h, l1, c, e, m);
+    const BoundTerms terms{a, h, e, g, l1, c, dn};
+    const std::vector<float> bars = starting_bars(p, n, dp, qp, nq, terms, m);
     for (auto& part_tops : tops)
         for (int b = 0; b < nq; ++b) part_tops[b].threshold = bars[b];  // the threshold id stays: ties pass
     parallel_chunks((n + chunk - 1) / chunk, parts, [&](int64_t ci, int part) {
@@ -692,7 +703,7 @@ int fp16_topk_bounded(const uint16_t* x, int64_t n, int d, const float* q, int n
             }
             for (int b = 0; b < nq; ++b) {
                 float* s = block.data() + (int64_t)b * kBlock;
-                for (int64_t r = 0; r < rows; ++r) s[r] = a[b] * s[r] + h[b] * l1[r0 + r] - c[r0 + r] + e[b];
+                terms.apply(b, r0, rows, s);
                 memcpy(ub + (int64_t)b * n + r0, s, rows * sizeof(float));
                 tops[part][b].offer(s, rows, r0);
             }

@@ -539,17 +539,17 @@ TopK above(const Hit& tau, int64_t k) {
     return top;
 }
 
-// The terms of a row's bound for a query (fp16_topk_bounded): ub_b(r) = a_b dot + h_b l1_r - c_r + e_b + g_b dn_r
-// for the int32 dot product of the query's weights with the row's steps.
+// The terms of a row's bound for a query (fp16_topk_bounded): ub_b(r) = a_b dot - c_r + e_b + g_b dn_r for the
+// int32 dot product of the query's weights with the row's steps.
 struct BoundTerms {
-    const float *a, *h, *e, *g;  // [nq]
-    const float *l1, *c, *dn;    // [n]
+    const float *a, *e, *g;  // [nq]
+    const float *c, *dn;     // [n]
 
     // s[i] = the bound of row r0 + i for query b, from s[i] = its dot product, for i in [0, rows).
     void apply(int b, int64_t r0, int64_t rows, float* s) const {
-        const float ab = a[b], hb = h[b], eb = e[b], gb = g[b];  // in registers: s could alias them
-        const float *l1r = l1 + r0, *cr = c + r0, *dnr = dn + r0;
-        for (int64_t i = 0; i < rows; ++i) s[i] = ab * s[i] + hb * l1r[i] - cr[i] + eb + gb * dnr[i];
+        const float ab = a[b], eb = e[b], gb = g[b];  // in registers: s could alias them
+        const float *cr = c + r0, *dnr = dn + r0;
+        for (int64_t i = 0; i < rows; ++i) s[i] = ab * s[i] - cr[i] + eb + gb * dnr[i];
     }
 };
 
@@ -663,18 +663,18 @@ int fp16_topk(const uint16_t* x, int64_t n, int d, const float* q, int nq, const
 
 // fp16_topk's answer (the same ids and scores, bit for bit) from fewer rows, when each row r has a bound
 // ub_b(r) >= its score for query b:
-//   ub_b(r) = a_b * (qp_b . p_r) + h_b * l1_r - c_r + e_b + g_b * dn_r
+//   ub_b(r) = a_b * (qp_b . p_r) - c_r + e_b + g_b * dn_r
 // p: [ceil(n / 16), dp / 2, 16, 2] int8 (the caller's quantised projection of x, principal directions and the
 // residual's norm, in blocks of 16 rows: bound_dots), qp: [nq, dp / 2] int32 (pairs of int16 weights), dp even,
-// l1, c, dn: [n], a, h, e, g: [nq] (the caller's terms cover both quantisations and rounding: fp16_scan.py). One pass
+// c, dn: [n], a, e, g: [nq] (the caller's terms cover both quantisations and rounding: fp16_scan.py). One pass
 // over p (dp bytes per row, not 2 d) gives every bound and the m rows of highest bound; their scores give tau,
 // the k-th best of them, which no true top-k row is below; then only rows with ub >= tau are scored.
 // ub: [nq, n] floats of workspace (the caller's, so a search does not page-fault a fresh buffer in).
 // out_scored: [nq] rows scored per query: the m plus those that pass, or n for a query scanned instead.
 // Returns 0, or -1 on bad arguments.
 int fp16_topk_bounded(const uint16_t* x, int64_t n, int d, const float* q, int nq, const float* sq_norms, int64_t k,
-                      const int8_t* p, int dp, const int32_t* qp, const float* a, const float* h, const float* l1,
-                      const float* c, const float* e, const float* g, const float* dn, int64_t m, int threads,
+                      const int8_t* p, int dp, const int32_t* qp, const float* a, const float* c, const float* e,
+                      const float* g, const float* dn, int64_t m, int threads,
                       float* ub, int64_t* out_ids,
                       float* out_scores, int64_t* out_scored) {
     if (n < 0 || d <= 0 || dp <= 0 || dp % 2 || nq < 0 || k <= 0 || m < k || threads <= 0) return -1;
@@ -688,7 +688,7 @@ int fp16_topk_bounded(const uint16_t* x, int64_t n, int d, const float* q, int n
     const int64_t chunk = 16384;
     const int parts = (int)std::max<int64_t>(1, std::min<int64_t>(threads, n / (4 * chunk)));
     std::vector<std::vector<TopK>> tops(parts, std::vector<TopK>(nq, TopK(m)));
-    const BoundTerms terms{a, h, e, g, l1, c, dn};
+    const BoundTerms terms{a, e, g, c, dn};
     const std::vector<float> bars = starting_bars(p, n, dp, qp, nq, terms, m);
     for (auto& part_tops : tops)
         for (int b = 0; b < nq; ++b) part_tops[b].threshold = bars[b];  // the threshold id stays: ties pass

@@ -90,7 +90,7 @@ def load(march: str = "native") -> ctypes.CDLL:
     lib.fp16_topk_bounded.restype = ctypes.c_int
     lib.fp16_topk_bounded.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
                                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
-                                      *[ctypes.c_void_p] * 8, ctypes.c_int64, ctypes.c_int, _F32P, _I64P, _F32P, _I64P]
+                                      *[ctypes.c_void_p] * 6, ctypes.c_int64, ctypes.c_int, _F32P, _I64P, _F32P, _I64P]
     lib.fp16_rows_f32.restype = ctypes.c_int
     lib.fp16_rows_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, _I64P, ctypes.c_int64, _F32P]
     lib.fp16_exact_scores.restype = ctypes.c_int
@@ -141,8 +141,8 @@ INFLATE = 1 + 2.0 ** -12
 # kNN-LM keys, k = 1040, 8 queries (keys + noise), 160 columns, share of the rows whose bound reaches the true k-th
 # score: 1.29 % at 0.999, 1.33 % at 0.9999, 1.42 % at the maximum, 1.56 % at 0.99 (1.67 % with the per-query term
 # sum |qp_j| scale_j / 2 this replaced; 0.96 % with an exact projection). Rows a search scores (its tau is lower
-# than the true k-th score): 1 / 8 / 16 queries 26.1 / 22.8 / 27.6 K -> 24.3 / 20.3 / 24.9 K per query, 1.00 / 0.97
-# / 0.97x the time (Zen 5, in-process, interleaved).
+# than the true k-th score): 1 / 8 / 16 queries 26.1 / 22.8 / 27.6 K -> 24.5 / 20.5 / 25.1 K per query, 1.00 / 0.96
+# / 0.99x the time (Zen 5, in-process, interleaved; with ScanBounds' l1max).
 CLIP_QUANTILE = 0.999
 # An index whose sample queries would score more than this share of its rows keeps plain scans.
 BOUND_MAX_SHARE = 0.3
@@ -161,25 +161,29 @@ class ScanBounds:
     rounding error delta = x_h - P_h scale_h kept as its norm dn (rounded up); the query side qp = [q_h, |q_r|] as
     int16 steps W = rint(qp scale / s_q) of one scale per query. Then
 
-        qp . p <= s_q (W . P) + s_q / 2 * sum |P|  +  |q_h| dn
+        qp . p <= s_q (W . P) + s_q / 2 * max_r sum |P_r|  +  |q_h| dn
 
-    (the rounding of W; the row's rounding, by Cauchy-Schwarz), so ub = a (W . P) + h l1 - c + e + g dn with
-    a = alpha s_q, h = alpha s_q / 2, g = alpha |q_h|, l1 = sum |P| per row, and e the slack: the kernel's exact
-    int32 sums and a few float32 operations per row (h and g carry INFLATE). Measured on the kNN-LM keys, held-out
-    contexts, k = 1040, at 128 columns: 2.3 % of the rows passed with a per-query term sum |qp_j| scale_j / 2 for
-    the row's rounding, unclipped (2.2 % with float32 weights; 1.6 % with the float16 projection this replaced, at
-    twice the bytes); at 160 columns (BOUND_DIMS) 1.6 %; clipped steps and dn: CLIP_QUANTILE.
+    (the rounding of W, over the largest row; the row's rounding, by Cauchy-Schwarz), so ub = a (W . P) - c + e +
+    g dn with a = alpha s_q, g = alpha |q_h|, e = alpha s_q / 2 * l1max + the slack: the kernel's exact int32 sums
+    and four float32 operations per row (e's first term and g carry INFLATE). With the per-row sum |P_r| in place of
+    the largest (a load and a product more per row and query, for ~4 % of the slack on the kNN-LM keys), the 1 M x
+    384 KB's searches (k = 16) of 4-16 queries took 1.02-1.04x the time of the bounds before dn; 1.00-1.02x without
+    it (Zen 5, interleaved). Measured on the kNN-LM keys, held-out contexts, k = 1040, at 128 columns: 2.3 % of the
+    rows passed with a per-query term sum |qp_j| scale_j / 2 for the row's rounding, unclipped (2.2 % with float32
+    weights; 1.6 % with the float16 projection this replaced, at twice the bytes); at 160 columns (BOUND_DIMS)
+    1.6 %; clipped steps and dn: CLIP_QUANTILE.
 
     basis [D, cols - 1] float32 (orthonormal: principal directions of a sample), proj int8 in blocks of LANES
     rows, column pairs interleaved ([ceil(N / LANES), dp / 2, LANES, 2], the kernel's layout; dp = cols rounded up
-    to even, a zero column pads), scale [dp] float64, l1, c and dn [N] float32, alpha as the kernel takes them."""
+    to even, a zero column pads), scale [dp] float64, c and dn [N] float32, l1max and alpha as the kernel takes
+    them."""
 
     basis: np.ndarray
     proj: np.ndarray
     scale: np.ndarray
-    l1: np.ndarray
     c: np.ndarray
     dn: np.ndarray
+    l1max: float
     alpha: float
 
     @property
@@ -201,23 +205,24 @@ class ScanBounds:
         return qp
 
     def queries(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """q [B, D] float32 -> (W as int16 pairs [B, dp / 2] int32, a, h, e, g [B] float32), the query side."""
+        """q [B, D] float32 -> (W as int16 pairs [B, dp / 2] int32, a, e, g [B] float32), the query side."""
         qp = self.project(q)
         w = qp * self.scale
         w[~np.isfinite(w)] = 0.0  # a NaN query: e is NaN, so no bound passes (nor does any score)
         step = np.abs(w).max(axis=1) / WEIGHT_STEPS
         step[step == 0] = 1.0
         weights = np.rint(w / step[:, None]).astype(np.int16)  # |w / step| <= 32767
-        e = BOUND_SLACK * np.einsum("ij,ij->i", np.asarray(q, np.float64), np.asarray(q, np.float64))
+        e = (BOUND_SLACK * np.einsum("ij,ij->i", np.asarray(q, np.float64), np.asarray(q, np.float64))
+             + self.alpha * INFLATE * 0.5 * step * self.l1max)
         g = self.alpha * INFLATE * np.linalg.norm(qp[:, :self.basis.shape[1]], axis=1)
         return (np.ascontiguousarray(weights).view(np.int32), (self.alpha * step).astype(np.float32),
-                (self.alpha * step * 0.5 * INFLATE).astype(np.float32), e.astype(np.float32), g.astype(np.float32))
+                e.astype(np.float32), g.astype(np.float32))
 
     def upper(self, q: np.ndarray) -> np.ndarray:
         """The kernel's bounds [B, N] in float64 (tests)."""
-        weights, a, h, e, g = (np.asarray(t, np.float64) if i else t for i, t in enumerate(self.queries(q)))
+        weights, a, e, g = (np.asarray(t, np.float64) if i else t for i, t in enumerate(self.queries(q)))
         dots = weights.view(np.int16).astype(np.float64) @ self.rows().astype(np.float64).T
-        return a[:, None] * dots + h[:, None] * self.l1 - self.c + e[:, None] + g[:, None] * self.dn
+        return a[:, None] * dots - self.c + e[:, None] + g[:, None] * self.dn
 
 
 def scan_bounds(vectors: np.ndarray, metric: str, dims: int = BOUND_DIMS, sample: int = 65536,
@@ -255,14 +260,14 @@ def scan_bounds(vectors: np.ndarray, metric: str, dims: int = BOUND_DIMS, sample
     scale = np.where(top > 0, top / ROW_STEPS, 1.0)
     scale[h] *= 1 + 2.0 ** -20
     steps = np.empty(proj.shape, np.int8)
-    l1 = np.zeros(len(proj), np.float32)
+    l1max = 0.0
     dn = np.zeros(len(proj), np.float32)
     for s in range(0, len(proj), chunk):
         p = proj[s:s + chunk] / scale  # float64
         p[:, :h] = np.clip(np.rint(p[:, :h]), -ROW_STEPS, ROW_STEPS)
         p[:, h:] = np.ceil(p[:, h:])
         steps[s:s + chunk] = p
-        l1[s:s + chunk] = np.abs(p).sum(axis=1)
+        l1max = max(l1max, float(np.abs(p).sum(axis=1).max()))
         # |delta| rounded up: float32's rounding (2^-24) is below the factor's 2^-20
         dn[s:s + chunk] = np.linalg.norm(proj[s:s + chunk, :h] - p[:, :h] * scale[:h], axis=1) * (1 + 2.0 ** -20)
     del proj
@@ -271,7 +276,7 @@ def scan_bounds(vectors: np.ndarray, metric: str, dims: int = BOUND_DIMS, sample
     else:
         c, alpha = -BOUND_SLACK * norms, 1.0
     blocks = steps.reshape(-1, LANES, dp // 2, 2).transpose(0, 2, 1, 3)
-    return ScanBounds(basis, np.ascontiguousarray(blocks), scale, l1[:n], c.astype(np.float32), dn[:n], alpha)
+    return ScanBounds(basis, np.ascontiguousarray(blocks), scale, c.astype(np.float32), dn[:n], l1max, alpha)
 
 
 class Fp16Scan:
@@ -341,12 +346,12 @@ class Fp16Scan:
             rc = 0
             for s in range(0, len(q), BOUND_MAX_BATCH):  # the bounds' workspace stays BOUND_MAX_BATCH x N floats
                 qs = q[s:s + BOUND_MAX_BATCH]
-                weights, a, h, e, g = b.queries(qs)
+                weights, a, e, g = b.queries(qs)
                 ub = self._bound_buffer(len(qs) * self.ntotal)
                 rc = rc or self._lib.fp16_topk_bounded(
                     self.vectors.ctypes.data, self.ntotal, self.d, qs.ctypes.data, len(qs), norms, k,
-                    b.proj.ctypes.data, b.dims, weights.ctypes.data, a.ctypes.data, h.ctypes.data, b.l1.ctypes.data,
-                    b.c.ctypes.data, e.ctypes.data, g.ctypes.data, b.dn.ctypes.data, m, threads,
+                    b.proj.ctypes.data, b.dims, weights.ctypes.data, a.ctypes.data, b.c.ctypes.data, e.ctypes.data,
+                    g.ctypes.data, b.dn.ctypes.data, m, threads,
                     ub.ctypes.data_as(_F32P), ids[s:].ctypes.data_as(_I64P), scores[s:].ctypes.data_as(_F32P),
                     scored[s:].ctypes.data_as(_I64P))
         else:

@@ -539,6 +539,25 @@ TopK above(const Hit& tau, int64_t k) {
     return top;
 }
 
+// dst[0, cnt) = src[0, cnt), with non-temporal stores where dst is aligned. Why: a bounded search writes nq x n
+// bounds (64 MB for 16 queries over 1 M rows) that are read once, in step 3; plain stores first read each line
+// from memory. Bounds that stay in cache until step 3 are stored plainly (kStreamBytes). The caller fences before
+// other threads read dst.
+// Above this many bytes of bounds, stream_floats: Zen 5, 1 M x 384 KB (k = 16), streamed / plain, 1 / 4 / 8 / 16
+// queries 1.03 / 0.92 / 0.92 / 0.92x the time (4 MB of bounds for one query stay in cache for step 3).
+constexpr int64_t kStreamBytes = int64_t(8) << 20;
+inline void stream_floats(float* dst, const float* src, int64_t cnt) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i < cnt && ((uintptr_t)(dst + i) & 63); ++i) dst[i] = src[i];
+    for (; i + 16 <= cnt; i += 16) _mm512_stream_ps(dst + i, _mm512_loadu_ps(src + i));
+#elif defined(__AVX__)
+    for (; i < cnt && ((uintptr_t)(dst + i) & 31); ++i) dst[i] = src[i];
+    for (; i + 8 <= cnt; i += 8) _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
+#endif
+    for (; i < cnt; ++i) dst[i] = src[i];
+}
+
 // The terms of a row's bound for a query (fp16_topk_bounded): ub_b(r) = a_b dot - c_r + e_b + g_b dn_r for the
 // int32 dot product of the query's weights with the row's steps.
 struct BoundTerms {
@@ -688,6 +707,7 @@ int fp16_topk_bounded(const uint16_t* x, int64_t n, int d, const float* q, int n
     const int64_t chunk = 16384;
     const int parts = (int)std::max<int64_t>(1, std::min<int64_t>(threads, n / (4 * chunk)));
     std::vector<std::vector<TopK>> tops(parts, std::vector<TopK>(nq, TopK(m)));
+    const bool stream = (int64_t)nq * n * (int64_t)sizeof(float) > kStreamBytes;
     const BoundTerms terms{a, e, g, c, dn};
     const std::vector<float> bars = starting_bars(p, n, dp, qp, nq, terms, m);
     for (auto& part_tops : tops)
@@ -704,10 +724,15 @@ int fp16_topk_bounded(const uint16_t* x, int64_t n, int d, const float* q, int n
             for (int b = 0; b < nq; ++b) {
                 float* s = block.data() + (int64_t)b * kBlock;
                 terms.apply(b, r0, rows, s);
-                memcpy(ub + (int64_t)b * n + r0, s, rows * sizeof(float));
+                if (stream) {
+                    stream_floats(ub + (int64_t)b * n + r0, s, rows);
+                } else {
+                    memcpy(ub + (int64_t)b * n + r0, s, rows * sizeof(float));
+                }
                 tops[part][b].offer(s, rows, r0);
             }
         }
+        _mm_sfence();  // the streamed bounds are read by other threads in step 3
     });
     // 2. Per query, tau: the k-th best score among its m rows of highest bound (-inf when fewer than k of them
     // have a score: NaN rows). No row of the true top k is worse than tau, so each is one of these or has a bound

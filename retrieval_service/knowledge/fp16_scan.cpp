@@ -558,6 +558,22 @@ inline void stream_floats(float* dst, const float* src, int64_t cnt) {
     for (; i < cnt; ++i) dst[i] = src[i];
 }
 
+// Bit l set for each of the kLanes values v[l] >= bar (NaN: not set). Written out: GCC compared them one at a time
+// (Zen 5, 1 M x 384 KB, k = 16: 1 / 4 / 8 / 16 queries 0.98 / 0.99 / 0.95 / 0.94x the time with this).
+inline uint32_t lanes_at_least(const float* v, float bar) {
+#if defined(__AVX512F__)
+    return _mm512_cmp_ps_mask(_mm512_loadu_ps(v), _mm512_set1_ps(bar), _CMP_GE_OQ);
+#elif defined(__AVX__)
+    const __m256 b = _mm256_set1_ps(bar);
+    return (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(v), b, _CMP_GE_OQ))
+           | (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(v + 8), b, _CMP_GE_OQ)) << 8;
+#else
+    uint32_t mask = 0;
+    for (int l = 0; l < kLanes; ++l) mask |= (uint32_t)(v[l] >= bar) << l;
+    return mask;
+#endif
+}
+
 // The terms of a row's bound for a query (fp16_topk_bounded): ub_b(r) = a_b dot - c_r + e_b + g_b dn_r for the
 // int32 dot product of the query's weights with the row's steps.
 struct BoundTerms {
@@ -770,9 +786,8 @@ int fp16_topk_bounded(const uint16_t* x, int64_t n, int d, const float* q, int n
         std::vector<int64_t> ids;
         int64_t r = lo;
         for (; r + kLanes <= hi; r += kLanes) {  // a mask per 16 rows (vectorised), most of them empty
-            uint32_t mask = 0;
-            for (int l = 0; l < kLanes; ++l) mask |= (uint32_t)(s[r + l] >= bar) << l;
-            for (; mask; mask &= mask - 1) ids.push_back(r + __builtin_ctz(mask));
+            for (uint32_t mask = lanes_at_least(s + r, bar); mask; mask &= mask - 1)
+                ids.push_back(r + __builtin_ctz(mask));
         }
         for (; r < hi; ++r) {
             if (s[r] >= bar) ids.push_back(r);

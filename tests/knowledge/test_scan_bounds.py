@@ -81,6 +81,8 @@ CASES = [
     # k large enough for step 1's sampled starting bar (starting_bars in fp16_scan.cpp)
     ("integers, many ties", 20_000, 32, 3, 200, 8, 2),
     ("a round of consecutive states", 30_000, 64, 8, 300, 16, 2),
+    # bounds of more than kStreamBytes (8 MB): streamed to the workspace; n odd, so the query rows start unaligned
+    ("low rank", 140_003, 16, 16, 20, 8, 2),
 ]
 
 

@@ -539,13 +539,14 @@ TopK above(const Hit& tau, int64_t k) {
     return top;
 }
 
+// A bounded search streams its bounds (stream_floats) above this many bytes of them, else stores them plainly
+// (4 MB for one query over 1 M rows stay in cache until step 3). Zen 5, 1 M x 384 KB (k = 16), all streamed
+// against all plain: 1 / 4 / 8 / 16 queries 1.03 / 0.92 / 0.92 / 0.92x the time.
+constexpr int64_t kStreamBytes = int64_t(8) << 20;
+
 // dst[0, cnt) = src[0, cnt), with non-temporal stores where dst is aligned. Why: a bounded search writes nq x n
 // bounds (64 MB for 16 queries over 1 M rows) that are read once, in step 3; plain stores first read each line
-// from memory. Bounds that stay in cache until step 3 are stored plainly (kStreamBytes). The caller fences before
-// other threads read dst.
-// Above this many bytes of bounds, stream_floats: Zen 5, 1 M x 384 KB (k = 16), streamed / plain, 1 / 4 / 8 / 16
-// queries 1.03 / 0.92 / 0.92 / 0.92x the time (4 MB of bounds for one query stay in cache for step 3).
-constexpr int64_t kStreamBytes = int64_t(8) << 20;
+// from memory. The caller fences before other threads read dst.
 inline void stream_floats(float* dst, const float* src, int64_t cnt) {
     int64_t i = 0;
 #if defined(__AVX512F__)
@@ -709,8 +710,7 @@ int fp16_topk(const uint16_t* x, int64_t n, int d, const float* q, int nq, const
 // Returns 0, or -1 on bad arguments.
 int fp16_topk_bounded(const uint16_t* x, int64_t n, int d, const float* q, int nq, const float* sq_norms, int64_t k,
                       const int8_t* p, int dp, const int32_t* qp, const float* a, const float* c, const float* e,
-                      const float* g, const float* dn, int64_t m, int threads,
-                      float* ub, int64_t* out_ids,
+                      const float* g, const float* dn, int64_t m, int threads, float* ub, int64_t* out_ids,
                       float* out_scores, int64_t* out_scored) {
     if (n < 0 || d <= 0 || dp <= 0 || dp % 2 || nq < 0 || k <= 0 || m < k || threads <= 0) return -1;
     if (n <= m) {  // nothing to prune

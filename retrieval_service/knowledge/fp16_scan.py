@@ -204,7 +204,7 @@ class ScanBounds:
         qp[:, basis.shape[1]] = np.linalg.norm(q64 - head @ basis.T, axis=1)
         return qp
 
-    def queries(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def queries(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """q [B, D] float32 -> (W as int16 pairs [B, dp / 2] int32, a, e, g [B] float32), the query side."""
         qp = self.project(q)
         w = qp * self.scale

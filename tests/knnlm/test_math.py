@@ -7,6 +7,8 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from generation_service import ralm_gate
 from generation_service.knnlm import (
@@ -36,7 +38,7 @@ def test_interpolation_hand_example():
     # p = 0.6·0.2 + 0.4·p_kNN = [0.12, 0.12, 0.12 + 0.3, 0.12, 0.12 + 0.1]
     lm = torch.zeros(5)
     p = mixed_distribution(lm, np.array([0.0, -math.log(3)]), np.array([2, 4]), KnnLmOptions(lam=0.4, temperature=1.0))
-    np.testing.assert_allclose(p.numpy(), [0.12, 0.12, 0.42, 0.12, 0.22], rtol=1e-12)
+    np.testing.assert_allclose(p, [0.12, 0.12, 0.42, 0.12, 0.22], rtol=1e-12)
     assert next_token(p) == 2  # Not 0 (the LM's first-index argmax of a flat distribution)
     assert math.isclose(float(p.sum()), 1.0, rel_tol=1e-12)
 
@@ -51,14 +53,44 @@ def test_lambda_moves_the_argmax(lam, expected_token):
     p_lm = torch.tensor([0.1, 0.5, 0.2, 0.1, 0.1], dtype=torch.float64)
     p = interpolate(p_lm.log(), np.array([3]), np.array([1.0]), lam)
     assert next_token(p) == expected_token
-    np.testing.assert_allclose(p.numpy(), (1 - lam) * p_lm.numpy() + lam * np.eye(5)[3], rtol=1e-12)
+    np.testing.assert_allclose(p, (1 - lam) * p_lm.numpy() + lam * np.eye(5)[3], rtol=1e-12)
 
 
 def test_no_neighbours_keeps_the_lm_argmax():
     lm = torch.tensor([0.0, 3.0, 1.0])
     p = interpolate(lm, np.zeros(0, np.int64), np.zeros(0), 0.9)
     assert next_token(p) == 1
-    np.testing.assert_allclose(p.numpy(), 0.1 * torch.softmax(lm.double(), -1).numpy(), rtol=1e-12)
+    np.testing.assert_allclose(p, 0.1 * torch.softmax(lm.double(), -1).numpy(), rtol=1e-12)
+
+
+def torch_reference(lm: torch.Tensor, tokens: np.ndarray, probs: np.ndarray, lam: float) -> np.ndarray:
+    """The definition in torch, in float64: softmax, scaled, the neighbours' mass added per token."""
+    p = torch.softmax(lm.double(), -1) * (1.0 - lam)
+    p.index_add_(0, torch.from_numpy(tokens), torch.from_numpy(probs * lam))
+    return p.numpy()
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), vocab=st.sampled_from([5, 97, 49152]), k=st.integers(0, 64),
+       lam=st.floats(0.0, 1.0), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]))
+def test_interpolate_matches_the_torch_definition(seed, vocab, k, lam, dtype):
+    rng = np.random.default_rng(seed)
+    lm = torch.from_numpy(rng.normal(0, 8, vocab)).to(dtype)
+    tokens, probs = knn_distribution(-rng.exponential(50, k), rng.integers(0, vocab, k), 10.0)
+    p = interpolate(lm, tokens, probs, lam)
+    assert p.dtype == np.float64 and p.shape == (vocab,)
+    np.testing.assert_allclose(p, torch_reference(lm, tokens, probs, lam), rtol=1e-10, atol=1e-300)
+    # No neighbours leaves only the LM's share (1 - λ), not 1
+    assert math.isclose(float(p.sum()), 1.0 if k else 1.0 - lam, rel_tol=1e-9, abs_tol=1e-12)
+
+
+@pytest.mark.parametrize("p, token", [
+    ([0.2, 0.4, 0.4], 1),   # a tie goes to the smaller id, not 2
+    ([0.5, 0.1, 0.4], 0),
+    ([0.1, 0.1, 0.8], 2),   # not the first id when it is not a maximum
+])
+def test_next_token_takes_the_first_maximum(p, token):
+    assert next_token(np.array(p)) == token
 
 
 @pytest.mark.parametrize("field, kwargs", [

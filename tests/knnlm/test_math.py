@@ -7,8 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from generation_service import ralm_gate
 from generation_service.knnlm import (

@@ -82,14 +82,14 @@ def trajectories(tm, backend: KnnBackend, prompts: list[np.ndarray], new_tokens:
 
 
 def replay(ds, traj: list[dict], opts: KnnLmOptions, stride: int, next_n: int, capacity: int,
-           norms: np.ndarray | None = None) -> dict:
+           norms: np.ndarray | None = None, fill_top: int = 0) -> dict:
     """Sync rounds of `stride` over the baseline's steps: guesses, rounds, tokens, and timed look-ups and fills.
     norms: the datastore's ‖key‖² as the worker keeps them (knnlm.key_norms)."""
     rounds = tokens = guesses = right = 0
     look_s, fill_s = [], []
     for steps in traj:
         n = len(steps["tokens"])
-        cache = NeighbourCache(ds, next_n, capacity, norms)
+        cache = NeighbourCache(ds, next_n, capacity, norms, fill_top)
         cache.fill(steps["ids"][0])  # the first token is a baseline step
         t = 1
         while t < n:
@@ -110,7 +110,8 @@ def replay(ds, traj: list[dict], opts: KnnLmOptions, stride: int, next_n: int, c
             t += emitted
             rounds += 1
             tokens += emitted
-    return {"stride": stride, "cache_next": next_n, "cache_capacity": capacity, "guess_accuracy": right / guesses,
+    return {"stride": stride, "cache_next": next_n, "cache_capacity": capacity, "cache_fill_top": fill_top,
+            "guess_accuracy": right / guesses,
             "tokens_per_round": tokens / rounds, "rounds": rounds, "tokens": tokens, "guesses": guesses,
             "lookup_s": float(np.median(look_s)), "fill_s": float(np.median(fill_s))}
 
@@ -140,11 +141,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--nexts", default="",
                     help="comma list of cache_next values (entries after each neighbour), replayed at stride 4 "
                          "and 8 (default: none)")
+    ap.add_argument("--fill-tops", default="",
+                    help="comma list of cache_fill_top values (successors of each query's best m neighbours only; "
+                         "0 = all), replayed at stride 4 and 8 with each of --capacities (default: none)")
     ap.add_argument("--json", default="", help="write the results here (atomic; '' = none)")
     args = ap.parse_args(argv)
     strides = [int(s) for s in args.strides.split(",") if s.strip()]
     capacities = [int(c) for c in args.capacities.split(",") if c.strip()]
     nexts = [int(n) for n in args.nexts.split(",") if n.strip()]
+    fill_tops = [int(m) for m in args.fill_tops.split(",") if m.strip()]
 
     from bench.knnlm import RetrievalProcess, _atomic_json
     from generation_service.calibrate import calibrated_model
@@ -166,18 +171,21 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         proc.stop()
     default = KnnLmOptions()
-    settings = [(s, default.cache_next, default.cache_capacity) for s in strides]
-    settings += [(4, default.cache_next, c) for c in capacities if c != default.cache_capacity]
-    settings += [(s, n, default.cache_capacity) for s in (4, 8) for n in nexts if n != default.cache_next]
+    top = default.cache_fill_top
+    settings = [(s, default.cache_next, default.cache_capacity, top) for s in strides]
+    settings += [(4, default.cache_next, c, top) for c in capacities if c != default.cache_capacity]
+    settings += [(s, n, default.cache_capacity, top) for s in (4, 8) for n in nexts if n != default.cache_next]
+    settings += [(s, default.cache_next, c, m) for s in (4, 8) for m in fill_tops for c in capacities
+                 if m != top or c != default.cache_capacity]
     rows = []
     norms = key_norms(ds)
-    for stride, next_n, capacity in settings:
-        r = replay(ds, traj, opts, stride, next_n, capacity, norms)
+    for stride, next_n, capacity, fill_top in dict.fromkeys(settings):  # each setting once, in order
+        r = replay(ds, traj, opts, stride, next_n, capacity, norms, fill_top)
         rows.append({**r, **modelled(r, costs)})
-        print(f"s={stride:2d} n={next_n} C={capacity:6d}  accuracy {r['guess_accuracy']:.3f}  "
-              f"tokens/round {r['tokens_per_round']:.2f}  look-up {r['lookup_s'] * 1e3:.2f} ms  "
-              f"fill {r['fill_s'] * 1e3:.1f} ms  modelled {rows[-1]['modelled_x']:.2f}x  "
-              f"ceiling {rows[-1]['ceiling_x']:.2f}x", flush=True)
+        print(f"s={stride:2d} n={next_n} C={capacity:6d} top={fill_top or args.k:4d}  "
+              f"accuracy {r['guess_accuracy']:.3f}  tokens/round {r['tokens_per_round']:.2f}  "
+              f"look-up {r['lookup_s'] * 1e3:.2f} ms  fill {r['fill_s'] * 1e3:.1f} ms  "
+              f"modelled {rows[-1]['modelled_x']:.2f}x  ceiling {rows[-1]['ceiling_x']:.2f}x", flush=True)
     print("costs (median s): " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in costs.items()))
     if args.json:
         result = {"command": "python -m bench.knnlm_replay " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -139,7 +139,12 @@ class KnnLmOptions:
     # MIN_SEARCH_SHARE: speculation can at most hide the Search). 0 = always weigh every kind. Not on the wire.
     min_search_share: float = MIN_SEARCH_SHARE
     cache_next: int = 10  # n: datastore entries after each retrieved one that enter the cache
-    cache_capacity: int = 16384  # cached entries kept (most recently filled first)
+    cache_capacity: int = 8192  # cached entries kept (most recently filled first)
+    # Successors of each query's best m neighbours enter the cache (0 = of all k). Why not all k: a guess is decided
+    # by the closest neighbours (softmax over −‖q − key‖² / T), and a fill of every neighbour's successors (~10^4
+    # rows) cost ~3 ms a round, a look-up over 16 K entries 0.6 ms. See the README's kNN-LM limits for the replay
+    # and the served A/B that chose m = 64 in 8,192 entries.
+    cache_fill_top: int = 64
     ef_search: int = 0  # adr: HNSW efSearch (0 = server default; raised to k + margin by the service)
 
     def __post_init__(self) -> None:
@@ -154,6 +159,7 @@ class KnnLmOptions:
         _check_int("stride", self.stride, 0, MAX_STRIDE)
         _check_int("cache_next", self.cache_next, 1, 64)
         _check_int("cache_capacity", self.cache_capacity, 1, 1 << 20)
+        _check_int("cache_fill_top", self.cache_fill_top, 0, MAX_K)
         _check_int("ef_search", self.ef_search, 0, 1 << 16)
         if not isinstance(self.adaptive, bool):
             raise InvalidArgument("adaptive", f"{self.adaptive!r} is not a bool")
@@ -317,8 +323,11 @@ class NeighbourCache:
     replaced (an entry filled again counts as new). nearest(q, k) is the speculative retrieval: the k cached
     entries closest to q in L2, best first.
 
-    Storage is preallocated [capacity, D] and overwritten in place: with k = 1024 and n = 10 a fill brings
-    ~10^4 entries, and growing arrays by concatenation would copy the whole cache (~40 MB) on every token.
+    fill_top = m keeps only the successors of the m best retrieved entries (a Search's order); 0 = of all.
+
+    Storage is preallocated [capacity, D] and overwritten in place: with k = 1024, n = 10 and every neighbour a
+    fill brings ~10^4 entries, and growing arrays by concatenation would copy the whole cache (~40 MB) on every
+    token.
     Keys stay in the datastore's dtype. With float16 keys (the builder's default) a fill copies rows as they are
     and a look-up reads half the bytes. Replaying 6 requests' fills (4 queries each, k = 1024, 16 K x 576 keys,
     Zen 4, torch's 2 threads): a fill 16.6 -> 6.7 ms, a look-up 3.0-3.7 -> 1.2 ms (also: no copy of the filled
@@ -328,8 +337,9 @@ class NeighbourCache:
     """
 
     def __init__(self, datastore: KnnDatastore, next_n: int = 10, capacity: int = 16384,
-                 norms: np.ndarray | None = None):
+                 norms: np.ndarray | None = None, fill_top: int = 0):
         self.ds, self.next_n, self.capacity = datastore, next_n, capacity
+        self.fill_top = fill_top  # successors of each query's `fill_top` best neighbours only (0 = of all)
         # ‖key‖² float32 [N] of every datastore entry (KnnBackend.key_norms), gathered at a fill; None = computed
         # from the filled rows.
         self._ds_norms = norms
@@ -386,13 +396,13 @@ class NeighbourCache:
 
     def _wanted(self, retrieved: Sequence[np.ndarray]) -> np.ndarray:
         """Successor ids of several queries, latest query first, unique, at most `capacity` of them (ascending
-        within each query). Stops at the query that fills the cache: with k = 1024 and n = 10 one query brings
-        ~10^4 entries, so the older queries of a long round would only be sorted to be dropped."""
+        within each query). Stops at the query that fills the cache: with k = 1024, n = 10 and every neighbour one
+        query brings ~10^4 entries, so the older queries of a long round would only be sorted to be dropped."""
         taken = np.zeros(0, np.int64)  # sorted union so far
         runs: list[np.ndarray] = []
         n = 0
         for r in reversed(retrieved):
-            succ = self.successors(r)
+            succ = self.successors(r[: self.fill_top] if self.fill_top else r)
             if n:
                 succ = succ[~np.isin(succ, taken, assume_unique=True)]
             runs.append(succ[: self.capacity - n])
@@ -897,7 +907,8 @@ def _speculative(tm, kv, logits, hidden, max_new, eos, opts, backend, stats, can
     the very last token's pass while `head` is None. The tokens emitted are always the greedy picks of true
     distributions (real Search, LM logits) over a context of emitted tokens only, whatever was speculated.
     """
-    cache = NeighbourCache(backend.datastore, opts.cache_next, opts.cache_capacity, backend.key_norms)
+    cache = NeighbourCache(backend.datastore, opts.cache_next, opts.cache_capacity, backend.key_norms,
+                           opts.cache_fill_top)
     sched = None
     if opts.stride == 0:
         sched = backend.scheduler(opts, replace(os3 or KNN_OS3, async_verify=opts.async_verify))

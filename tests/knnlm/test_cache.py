@@ -37,6 +37,18 @@ def test_fill_takes_the_next_n_entries(ds, retrieved, n, expected):
         np.testing.assert_array_equal(cache.keys[s].float().numpy(), np.asarray(ds.keys[j], np.float32))
 
 
+@pytest.mark.parametrize("fill_top, expected, not_expected", [
+    (0, [6, 7, 51, 52, 91, 92], []),   # every retrieved entry's successors
+    (2, [6, 7, 91, 92], [51, 52]),     # the best two (retrieved best first: 90, 5), not the third
+    (1, [91, 92], [6, 7]),
+])
+def test_fill_top_keeps_the_best_entries_successors(ds, fill_top, expected, not_expected):
+    cache = NeighbourCache(ds, next_n=2, capacity=64, fill_top=fill_top)
+    cache.fill(np.array([90, 5, 50]))  # a Search's order: closest first, not ascending ids
+    assert cache.cached_ids().tolist() == expected
+    assert not set(not_expected) & set(cache.cached_ids().tolist())
+
+
 def test_refill_counts_only_new_entries(ds):
     cache = NeighbourCache(ds, next_n=4, capacity=64)
     assert cache.fill(np.array([10])) == 4   # 11..14
@@ -117,12 +129,14 @@ def test_fill_many_keeps_the_latest_queries_when_full(ds):
     assert cache.cached_ids().tolist() == [11, 21, 22, 23]
 
 
-def reference_fill_order(runs: list[list[int]], next_n: int, size: int, capacity: int) -> list[int]:
-    """Brute force of the ids one fill_many keeps, in priority order: each query's successors ascending, latest
-    query first, an id once (at its latest query), the first `capacity` of them."""
+def reference_fill_order(runs: list[list[int]], next_n: int, size: int, capacity: int, fill_top: int = 0) -> list[int]:
+    """Brute force of the ids one fill_many keeps, in priority order: each query's successors ascending (of its
+    first `fill_top` retrieved entries, the best; 0 = all), latest query first, an id once (at its latest query),
+    the first `capacity` of them."""
     order: list[int] = []
     for r in reversed(runs):
-        for j in sorted({j + i for j in r for i in range(1, next_n + 1) if j + i < size}):
+        best = r[:fill_top] if fill_top else r
+        for j in sorted({j + i for j in best for i in range(1, next_n + 1) if j + i < size}):
             if j not in order:
                 order.append(j)
     return order[:capacity]
@@ -131,14 +145,17 @@ def reference_fill_order(runs: list[list[int]], next_n: int, size: int, capacity
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rounds=st.lists(st.lists(st.lists(st.integers(0, 120), max_size=6), min_size=1, max_size=4),
                        min_size=1, max_size=5),
-       next_n=st.integers(1, 5), capacity=st.integers(1, 24), datastore_norms=st.booleans())
-def test_fill_many_matches_brute_force(ds, rounds, next_n, capacity, datastore_norms):
+       next_n=st.integers(1, 5), capacity=st.integers(1, 24), datastore_norms=st.booleans(),
+       fill_top=st.integers(0, 4))
+def test_fill_many_matches_brute_force(ds, rounds, next_n, capacity, datastore_norms, fill_top):
     """Rounds of fills against a brute-force model of the cache: which ids are kept, refreshed and evicted; each
-    cached row's key, value and ‖key‖², whether the norms come from the worker's array or from the filled rows."""
-    cache = NeighbourCache(ds, next_n=next_n, capacity=capacity, norms=key_norms(ds) if datastore_norms else None)
+    cached row's key, value and ‖key‖², whether the norms come from the worker's array or from the filled rows;
+    with every retrieved entry's successors or only the best `fill_top` entries'."""
+    cache = NeighbourCache(ds, next_n=next_n, capacity=capacity, norms=key_norms(ds) if datastore_norms else None,
+                           fill_top=fill_top)
     stamp: dict[int, int] = {}  # id -> last round that filled or refreshed it
     for rnd, runs in enumerate(rounds, start=1):
-        wanted = reference_fill_order(runs, next_n, ds.size, capacity)
+        wanted = reference_fill_order(runs, next_n, ds.size, capacity, fill_top)
         new = [j for j in wanted if j not in stamp]
         stamp.update({j: rnd for j in wanted})
         assert cache.fill_many([np.array(r, np.int64) for r in runs]) == len(new)

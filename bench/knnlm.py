@@ -38,7 +38,7 @@ from typing import Callable
 
 import numpy as np
 
-from bench.serving import machine
+from bench.serving import closed_loop, machine
 from generation_service.config import DTYPE_CHOICES
 from generation_service.knnlm import KNN_OS3, KnnBackend, KnnLmOptions, _output_layer_input, generate_tokens
 from generation_service.sampling import SamplingParams
@@ -209,8 +209,6 @@ def run_concurrent(run: Runner, prompts: list[np.ndarray], k: int, configs: list
     """--clients N closed-loop clients per config (2 N requests, prompts in turn) -> {"<config>": {aggregate
     tokens/s, mean latency, identical to the solo baseline}}. Concurrent requests share the worker's batched
     passes and the retrieval service's scans (concurrent exact Searches run as one: knowledge/coalesce.py)."""
-    import threading
-
     from tqdm import tqdm
 
     n_req = 2 * args.clients
@@ -218,29 +216,15 @@ def run_concurrent(run: Runner, prompts: list[np.ndarray], k: int, configs: list
     out = {}
     for c in configs:
         opts = config_options(c, retriever, k, args.lam, args.temperature)
-        lock, next_i, rows = threading.Lock(), [0], []
 
-        def client() -> None:
-            while True:
-                with lock:
-                    i = next_i[0]
-                    next_i[0] += 1
-                if i >= n_req:
-                    return
-                p = i % len(prompts)
-                t0 = time.perf_counter()
-                tokens, _ = run(prompts[p], args.max_new_tokens, opts)
-                with lock:
-                    rows.append((time.perf_counter() - t0, len(tokens), tokens == base_tokens.get((p, k))))
-                bar.update(1)
+        def one(i: int) -> tuple[float, int, bool]:
+            p = i % len(prompts)
+            t0 = time.perf_counter()
+            tokens, _ = run(prompts[p], args.max_new_tokens, opts)
+            bar.update(1)
+            return time.perf_counter() - t0, len(tokens), tokens == base_tokens.get((p, k))
 
-        t0 = time.perf_counter()
-        threads = [threading.Thread(target=client, name=f"client-{j}") for j in range(args.clients)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - t0
+        rows, wall = closed_loop(n_req, args.clients, one)
         out[c] = {"clients": args.clients, "requests": len(rows), "wall_s": wall,
                   "tokens_per_s": sum(n for _, n, _ in rows) / wall,
                   "latency_s": float(np.mean([lat for lat, _, _ in rows])),

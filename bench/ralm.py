@@ -14,7 +14,8 @@ read. The KB runs in this process behind a real gRPC server on a loopback port (
 so every retrieval pays the wire as in production. --serve measures the product path instead: both services
 started as a user starts them (tools.launcher, default flags, the worker pointed at the KB) and every request
 sent over gRPC (GenerateRequest.rag); R/G and the round stats come from the reply's RagStats, the latency is
-the client's wall time. Greedy, ignore_eos (every request makes exactly
+the client's wall time; with --clients N each config then runs again from N concurrent clients (2 N requests):
+aggregate tokens/s against B's, and whether each output is identical to its question's B run alone. Greedy, ignore_eos (every request makes exactly
 --max-new-tokens tokens). The JSON is rewritten (atomically) after every question, so a cut-short run keeps
 what it measured.
 
@@ -36,7 +37,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from bench.serving import machine
+from bench.serving import closed_loop, machine
 from generation_service.config import DTYPE_CHOICES
 from generation_service.kb_client import KBClient
 from generation_service.ralm import RagParams, RagStats, passage_budget, ralm_decode
@@ -251,6 +252,45 @@ def summarize(rows: list[dict], configs: list[str]) -> dict:
     return out
 
 
+def run_concurrent(backend, prompts: list[np.ndarray], configs: list[str], retriever: str, args,
+                   solo_b: dict[tuple[int, str], list[int]]) -> dict:
+    """--clients N closed-loop clients per config (2 N requests, the questions in turn) -> {config: aggregate
+    tokens/s, mean latency and RaLM stats, outputs identical to the question's B run alone, throughput_x vs B}.
+    Concurrent requests share the worker's batched passes and the retrieval service's scans."""
+    n_req = 2 * args.clients
+    bar = tqdm(total=n_req * len(configs), desc=f"{args.clients} clients {retriever}", unit="req")
+    out = {}
+    for c in configs:
+        def one(i: int) -> dict:
+            q = i % len(prompts)
+            toks, lat, d = backend.run(prompts[q], args.max_new_tokens, c, retriever)
+            bar.update(1)
+            return {"latency_s": lat, "tokens": len(toks), "identical": toks == solo_b[(q, retriever)],
+                    "retrieval_s": d["retrieval_s"], "generation_s": d["generation_s"],
+                    "sequential_rounds": d["strides"].count(0), "rounds": len(d["strides"])}
+
+        runs, wall = closed_loop(n_req, args.clients, one)
+        out[c] = {"clients": args.clients, "requests": len(runs), "wall_s": wall,
+                  "tokens_per_s": sum(x["tokens"] for x in runs) / wall,
+                  "identical": sum(x["identical"] for x in runs),
+                  **{k: statistics.fmean(x[k] for x in runs)
+                     for k in ("latency_s", "retrieval_s", "generation_s", "sequential_rounds", "rounds")}}
+    bar.close()
+    if "B" in out:
+        for v in out.values():
+            v["throughput_x"] = v["tokens_per_s"] / out["B"]["tokens_per_s"]
+    return out
+
+
+def print_concurrent(concurrent: dict, clients: int) -> None:
+    print(f"\n{clients} concurrent clients: aggregate tokens/s (x B), mean latency s, identical to B alone")
+    for r, cfgs in concurrent.items():
+        for c, v in cfgs.items():
+            print(f"{r:4} {c:4} {v['tokens_per_s']:7.1f} tok/s  x {v.get('throughput_x', 0):4.2f}  "
+                  f"{v['latency_s']:6.2f} s  R {v['retrieval_s']:5.2f} G {v['generation_s']:5.2f}  "
+                  f"seq {v['sequential_rounds']:4.1f}/{v['rounds']:4.1f}  {v['identical']}/{v['requests']}")
+
+
 def paired_median(pairs: list[tuple[dict, dict]], key: str, invert: bool = False) -> float | None:
     """Median over questions of config[key] / B[key] (invert: B / config, i.e. a speedup)."""
     ratios = [(b[key] / x[key] if invert else x[key] / b[key]) for x, b in pairs if x[key] > 0 and b[key] > 0]
@@ -308,6 +348,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-minutes", type=float, default=0.0,
                     help="start no new question after this many minutes of measuring (0 = no limit); the JSON "
                          "says how many questions completed")
+    ap.add_argument("--clients", type=int, default=1,
+                    help="--serve: after the latency runs, each config again from this many concurrent clients "
+                         "(2 x clients requests over the measured questions): aggregate tokens/s (1 = skip)")
     ap.add_argument("--json", type=Path, required=True, help="result file (written atomically)")
     args = ap.parse_args(argv)
     retrievers = [r.strip() for r in args.retrievers.split(",") if r.strip()]
@@ -317,6 +360,10 @@ def main(argv: list[str] | None = None) -> None:
     if "B" not in configs:
         raise SystemExit("--configs: B (RaLMSeq) is the reference every other config is compared with")
 
+    if args.clients < 1:
+        raise SystemExit("--clients must be >= 1")
+    if args.clients > 1 and not args.serve:
+        raise SystemExit("--clients needs --serve (concurrent requests go through the services)")
     if args.serve and (args.kb_target or args.threads or args.ranking_questions or args.interference_steps
                        or "B0" in configs):
         raise SystemExit("--serve starts its own services with default flags: no --kb-target, --threads or B0 (no "
@@ -443,6 +490,7 @@ def measure(args, argv, retrievers: list[str], configs: list[str], load_start, b
         write_json(args.json, result)
 
     rows: list[dict] = []
+    solo_b: dict[tuple[int, str], list[int]] = {}  # (question, retriever) -> B's tokens, alone
     measure_start = time.monotonic()
     bar = tqdm(total=len(prompts) * len(retrievers) * len(configs), desc="ralm", unit="req")
     for qi, prompt in enumerate(prompts):
@@ -469,6 +517,7 @@ def measure(args, argv, retrievers: list[str], configs: list[str], load_start, b
                 bar.set_postfix_str(f"q{qi} {r} {c} {lat:.1f}s")
             for row in rows[-len(order):]:
                 row["identical"] = outs[row["config"]] == outs["B"]
+            solo_b[(qi, r)] = outs["B"]
         result["retrievers"] = summarize(rows, configs)
         result["runs"] = rows
         result["machine"]["loadavg_end"] = os.getloadavg()
@@ -479,6 +528,13 @@ def measure(args, argv, retrievers: list[str], configs: list[str], load_start, b
     bar.close()
     if rows:
         print_table(result["retrievers"])
+    if args.clients > 1 and solo_b:
+        n_done = 1 + max(q for q, _ in solo_b)
+        result["concurrent"] = {r: run_concurrent(backend, prompts[:n_done], configs, r, args, solo_b)
+                                for r in retrievers}
+        result["machine"]["loadavg_end"] = os.getloadavg()
+        write_json(args.json, result)
+        print_concurrent(result["concurrent"], args.clients)
     print(f"load average start {load_start[0]:.2f}, end {os.getloadavg()[0]:.2f}; {args.json}")
 
 

@@ -30,8 +30,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from tqdm import tqdm
 
@@ -45,6 +48,7 @@ from tools import launcher
 METHODS = ("ar", "pld", "rest-ds", "rest", "crest")
 WORKLOADS = {"humaneval": "code", "mtbench": "docs", "docs-chat": "docs"}
 TTFT_LENGTHS = (100, 500, 2000)
+T = TypeVar("T")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -113,6 +117,39 @@ def run_request(client: GenerationClient, request: dict, method: str, max_new: i
         "draft_ms_per_step": s.draft_ms / steps, "skipped_drafts": s.skipped_drafts,
         "degraded_steps": s.degraded_steps, "loadavg": os.getloadavg()[0],
     }
+
+
+def closed_loop(n_requests: int, clients: int, one: Callable[[int], T]) -> tuple[list[T], float]:
+    """Requests i = 0..n_requests-1, each once, from `clients` closed-loop threads (a client sends its next request
+    when its last one is answered) -> (one(i)'s results in completion order, wall seconds). An exception in a
+    request propagates after every thread has stopped."""
+    lock, next_i, out, errors = threading.Lock(), [0], [], []
+
+    def client() -> None:
+        while not errors:
+            with lock:
+                i = next_i[0]
+                next_i[0] += 1
+            if i >= n_requests:
+                return
+            try:
+                r = one(i)
+            except Exception as e:  # noqa: BLE001 - re-raised below, in the caller's thread
+                errors.append(e)
+                return
+            with lock:
+                out.append(r)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, name=f"client-{j}") for j in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return out, wall
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ read. The KB runs in this process behind a real gRPC server on a loopback port (
 so every retrieval pays the wire as in production. --serve measures the product path instead: both services
 started as a user starts them (tools.launcher, default flags, the worker pointed at the KB) and every request
 sent over gRPC (GenerateRequest.rag); R/G and the round stats come from the reply's RagStats, the latency is
-the client's wall time; with --clients N each config then runs again from N concurrent clients (2 N requests):
+the client's wall time; with --clients N each config then runs again from N concurrent clients (2 N requests;
+--requests-per-client):
 aggregate tokens/s against B's, and whether each output is identical to its question's B run alone. Greedy, ignore_eos (every request makes exactly
 --max-new-tokens tokens). The JSON is rewritten (atomically) after every question, so a cut-short run keeps
 what it measured.
@@ -254,10 +255,11 @@ def summarize(rows: list[dict], configs: list[str]) -> dict:
 
 def run_concurrent(backend, prompts: list[np.ndarray], configs: list[str], retriever: str, args,
                    solo_b: dict[tuple[int, str], list[int]]) -> dict:
-    """--clients N closed-loop clients per config (2 N requests, the questions in turn) -> {config: aggregate
+    """--clients N closed-loop clients per config (--requests-per-client x N requests, the questions in turn) ->
+    {config: aggregate
     tokens/s, mean latency and RaLM stats, outputs identical to the question's B run alone, throughput_x vs B}.
     Concurrent requests share the worker's batched passes and the retrieval service's scans."""
-    n_req = 2 * args.clients
+    n_req = args.requests_per_client * args.clients
     bar = tqdm(total=n_req * len(configs), desc=f"{args.clients} clients {retriever}", unit="req")
     out = {}
     for c in configs:
@@ -350,7 +352,10 @@ def main(argv: list[str] | None = None) -> None:
                          "says how many questions completed")
     ap.add_argument("--clients", type=int, default=1,
                     help="--serve: after the latency runs, each config again from this many concurrent clients "
-                         "(2 x clients requests over the measured questions): aggregate tokens/s (1 = skip)")
+                         "(--requests-per-client x clients requests over the measured questions): aggregate "
+                         "tokens/s (1 = skip)")
+    ap.add_argument("--requests-per-client", type=int, default=2,
+                    help="--clients: requests per client in each config's cell (default %(default)s)")
     ap.add_argument("--json", type=Path, required=True, help="result file (written atomically)")
     args = ap.parse_args(argv)
     retrievers = [r.strip() for r in args.retrievers.split(",") if r.strip()]
@@ -360,8 +365,8 @@ def main(argv: list[str] | None = None) -> None:
     if "B" not in configs:
         raise SystemExit("--configs: B (RaLMSeq) is the reference every other config is compared with")
 
-    if args.clients < 1:
-        raise SystemExit("--clients must be >= 1")
+    if args.clients < 1 or args.requests_per_client < 1:
+        raise SystemExit("--clients and --requests-per-client must be >= 1")
     if args.clients > 1 and not args.serve:
         raise SystemExit("--clients needs --serve (concurrent requests go through the services)")
     if args.serve and (args.kb_target or args.threads or args.ranking_questions or args.interference_steps

@@ -22,6 +22,7 @@ import hashlib
 import importlib.util
 import logging
 import subprocess
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -73,12 +74,36 @@ def _name(out: Path) -> str:
     return f"ragserve_blockquant_{out.name.split('-')[-1]}"
 
 
+# A build takes ~1.5 min on 2 cores (Zen 5: the three objects in 95 s); a lock this much older is a dead build's.
+STALE_LOCK_S = 600.0
+
+
+def clear_stale_lock(out: Path, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove `out`/lock if a build left it more than max_age_s ago; True if removed.
+
+    Why: torch's cpp_extension.load takes the lock while it builds and every other process waits for it to go
+    (FileBaton, no timeout), so a build killed midway (Ctrl-C in `make install`, a test run stopped) left every
+    later start of the worker waiting forever. Seen: a clean clone's `make test` stuck 8 min on an AVX2 build's
+    lock left by an interrupted run until it was removed by hand."""
+    lock = out / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age <= max_age_s:
+        return False  # a build in progress: wait for it as torch does
+    log.warning("removing %s: left by a build %.0f s ago that did not finish", lock, age)
+    lock.unlink(missing_ok=True)
+    return True
+
+
 def build(march: str = "native") -> ModuleType:
     """Compile (or find up to date) the extension for `march` and load it; raises when it cannot be built."""
     from torch.utils import cpp_extension
 
     out = build_dir(march)
     out.mkdir(parents=True, exist_ok=True)
+    clear_stale_lock(out)
     return cpp_extension.load(name=_name(out), sources=_cpp_sources(), extra_cflags=list(_cflags(march)),
                               extra_ldflags=list(_LDFLAGS), build_directory=str(out), verbose=False)
 

@@ -46,3 +46,23 @@ def test_prebuild_of_a_level_this_cpu_lacks_compiles_without_loading(monkeypatch
     out = capsys.readouterr().out
     assert f"CPU kernels for {LEVEL}: built, not loaded" in out, out
     assert (q4_kernel.build_dir(LEVEL) / f"{q4_kernel._name(q4_kernel.build_dir(LEVEL))}.so").is_file()
+
+
+@pytest.mark.parametrize("lock_age_s, removed", [
+    (3600.0, True),    # a build killed an hour ago: cleared, or load() would wait for it forever
+    (30.0, False),     # a build in progress: Not removed, load() waits for it
+    (None, False),     # no lock: nothing to do
+])
+def test_a_dead_builds_lock_is_cleared(tmp_path, lock_age_s, removed):
+    import os
+    import time
+
+    from generation_service.q4_kernel import clear_stale_lock
+
+    lock = tmp_path / "lock"
+    if lock_age_s is not None:
+        lock.touch()
+        t = time.time() - lock_age_s
+        os.utime(lock, (t, t))
+    assert clear_stale_lock(tmp_path) == removed
+    assert lock.exists() == (lock_age_s is not None and not removed)

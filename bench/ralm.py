@@ -232,7 +232,7 @@ def summarize(rows: list[dict], configs: list[str]) -> dict:
                 "prefetches": statistics.fmean(x.get("prefetches", 0) for x in xs),
                 **{k: statistics.fmean(x.get(k, 0.0) for x in xs)
                    for k in ("sequential_retrieval_s", "speculation_retrieval_s", "verification_wait_s",
-                             "held_changes", "held_change_hits")},
+                             "held_changes", "held_change_hits", "revisits")},
             }
         base = out[r].get("B")
         for c, v in out[r].items():
@@ -516,7 +516,8 @@ def measure(args, argv, retrievers: list[str], configs: list[str], load_start, b
                                                   "wasted_generation_s", "prefill_tokens", "prefill_s", "rollbacks",
                                                   "strides", "fallback_reason", "retrievals", "prefetches",
                                                   "sequential_retrieval_s", "speculation_retrieval_s",
-                                                  "verification_wait_s", "held_changes", "held_change_hits")},
+                                                  "verification_wait_s", "held_changes", "held_change_hits",
+                                                  "revisits")},
                              "loadavg_1m": os.getloadavg()[0]})
                 bar.update(1)
                 bar.set_postfix_str(f"q{qi} {r} {c} {lat:.1f}s")

@@ -6,6 +6,8 @@ RaLMSeq, one step per `stride` (k = 4) tokens:
     (+ passage <= 512) + output -> generate the next k tokens greedily.
   The passage is prepended, so a new passage invalidates every KV row; while it stays the same the KV cache of
   the whole prefix is kept and the step only decodes (`reuse_kv`; stats count prefill tokens with and without).
+  The caches of the last `revisit_passages` passages left behind are kept too: a step that returns to one (27 of
+  136 passage changes did, 1 M passages) prefills only the output written since, not passage + prompt again.
 RaLMSpec, rounds of s speculative steps:
     speculate    rank the cached passages for the step's query with the retriever's own scoring (ralm_cache.py)
                  and generate the step with the cache's top-1, checkpointing the model state before it
@@ -37,6 +39,7 @@ if that fails too the request fails with KBUnavailable (UNAVAILABLE), never with
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator
 
@@ -99,6 +102,9 @@ class RagParams:
     async_verify: bool = True
     encoder: str = "server"  # dense queries encoded by the KB (server) or in the worker (local)
     reuse_kv: bool = True  # keep the KV cache while the passage stays the same
+    # With reuse_kv: earlier passages whose KV caches are kept (least recently used out), so that returning to one
+    # prefills only the output since; each costs a cache of passage + prompt + output (job_kv_rows reserves it).
+    revisit_passages: int = 2
     ef_search: int = 0  # adr: efSearch for every call of the request; 0 = ralm_retrieval.ADR_EF_SEARCH
     cache_capacity: int = 512
     os3_window: int = 5
@@ -127,6 +133,7 @@ class RagParams:
         _int_in("ef_search", self.ef_search, 0, 1 << 16)
         _int_in("cache_capacity", self.cache_capacity, 1, 1 << 16)
         _int_in("os3_window", self.os3_window, 1, 1024)
+        _int_in("revisit_passages", self.revisit_passages, 0, 64)
         _int_in("s_max", self.s_max, 1, 64)
         if not (isinstance(self.gamma_max, (int, float)) and 0.0 <= self.gamma_max <= 1.0):
             raise InvalidArgument("rag.gamma_max", f"must lie in [0, 1], got {self.gamma_max!r}")
@@ -178,6 +185,7 @@ class RagStats:
     verification_wait_ms: float = 0.0
     held_changes: int = 0  # guessed passage changes not acted on: verified first (ralm_gate.hold_change)
     held_change_hits: int = 0  # ... whose guess was the KB's passage
+    revisits: int = 0  # prefills that took up an earlier passage's kept KV rows (only the output since)
 
     @property
     def speculation_accuracy(self) -> float:
@@ -216,6 +224,7 @@ class Checkpoint:
     draws: int
     generation_ms: float  # stats.generation_ms then (to measure the generation a rollback throws away)
     prefill_ms: float  # stats.prefill_ms then (the part of it that was prefill)
+    kept: tuple = ()  # (doc, cache, rows) of the earlier passages' caches then, least recently used first
 
 
 class StepRunner:
@@ -229,6 +238,8 @@ class StepRunner:
         self.out: list[int] = []
         self.cache = None
         self.cache_doc: object = None
+        # doc -> the KV cache of an earlier passage (rows: passage + prompt + the output then), least recent first
+        self.kept: OrderedDict[object, object] = OrderedDict()
         self.finish: str | None = None
 
     def window(self) -> np.ndarray:
@@ -242,15 +253,17 @@ class StepRunner:
         rng = self.sampler._rng.bit_generator
         return Checkpoint(len(self.out), self.cache, cache_length(self.cache) if self.cache is not None else 0,
                           self.cache_doc, rng.state, self.sampler.draws, self.stats.generation_ms,
-                          self.stats.prefill_ms)
+                          self.stats.prefill_ms, tuple((d, c, cache_length(c)) for d, c in self.kept.items()))
 
     def restore(self, ck: Checkpoint) -> None:
         del self.out[ck.n_out:]
         self.cache, self.cache_doc = ck.cache, ck.cache_doc
         if self.cache is not None:
-            extra = cache_length(self.cache) - ck.cache_len
-            if extra > 0:
-                self.cache.crop(-extra)  # rows before ck.cache_len were never modified after the checkpoint
+            _crop_to(self.cache, ck.cache_len)
+        # A kept cache taken up again after the checkpoint grew from its rows then; an evicted one is back.
+        self.kept = OrderedDict((d, c) for d, c, _ in ck.kept)
+        for _, c, rows in ck.kept:
+            _crop_to(c, rows)
         self.sampler._rng.bit_generator.state = ck.rng_state
         self.sampler.draws = ck.draws
         self.finish = None
@@ -269,10 +282,17 @@ class StepRunner:
                 if abort is not None and abort():
                     return False
                 if i == 0 and not (self.rag.reuse_kv and self.cache is not None and self.cache_doc == doc):
-                    ids = np.concatenate([np.asarray(passage, np.int64), self.prompt.astype(np.int64),
-                                          np.asarray(self.out, np.int64)])  # [P] passage + prompt + output
+                    kept = self._switch(doc, len(passage))
+                    if kept is not None:  # this passage's rows and the output's up to out[:j]: the rest
+                        self.cache, self.cache_doc = kept
+                        self.stats.revisits += 1
+                        ids = np.asarray(self.out[cache_length(kept[0]) - len(passage) - len(self.prompt):],
+                                         np.int64)
+                    else:
+                        ids = np.concatenate([np.asarray(passage, np.int64), self.prompt.astype(np.int64),
+                                              np.asarray(self.out, np.int64)])  # [P] passage + prompt + output
+                        self.cache, self.cache_doc = new_cache(self.tm), doc
                     t1 = time.perf_counter()
-                    self.cache, self.cache_doc = new_cache(self.tm), doc
                     logits, _ = yield from prefill_passes(self.tm, self.cache,
                                                           torch.from_numpy(ids).to(self.tm.device))  # [V]
                     self.stats.prefill_ms += (time.perf_counter() - t1) * 1e3
@@ -291,6 +311,30 @@ class StepRunner:
             return True
         finally:
             self.stats.generation_ms += (time.perf_counter() - t0) * 1e3
+
+    def _switch(self, doc: object, passage_len: int) -> tuple[object, object] | None:
+        """Leave the current passage for `doc`: keep the current cache (least recently used out beyond
+        rag.revisit_passages) and take doc's kept cache -> (cache, doc), or None: prefill from scratch."""
+        if not self.rag.reuse_kv or self.rag.revisit_passages == 0:
+            return None
+        if self.cache is not None:
+            self.kept.pop(self.cache_doc, None)
+            self.kept[self.cache_doc] = self.cache
+        cache = self.kept.pop(doc, None)
+        while len(self.kept) > self.rag.revisit_passages:
+            self.kept.popitem(last=False)
+        if cache is None:
+            return None
+        done = cache_length(cache) - passage_len - len(self.prompt)  # output tokens in its rows
+        # Its rows end before the last output token (`last` is never cached): something is always left to feed.
+        return (cache, doc) if 0 <= done < len(self.out) else None
+
+
+def _crop_to(cache, rows: int) -> None:
+    """Cut `cache` back to `rows` rows (those before were never modified since they were written)."""
+    extra = cache_length(cache) - rows
+    if extra > 0:
+        cache.crop(-extra)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -583,6 +627,8 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
                     d = yield call(retr.speculate, q, cache)
                 expected = 0.0
                 if q is not None and rag.adaptive and rag.reuse_kv and d != runner.cache_doc:
+                    # What this guess would prefill at the measured rate: a kept passage costs only the output
+                    # since, so a guess back to one is acted on where a guess of a new passage is verified first.
                     prefill_s = stats.prefill_ms / max(1, stats.prefills) / 1e3
                     if gate.hold_change(prefill_s, search_s):
                         queries.append(q)  # verified with the round; the step then runs with the KB's passage

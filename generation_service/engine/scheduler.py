@@ -85,12 +85,14 @@ def kv_bytes_per_row(tm: TargetModel) -> int:
 
 def job_kv_rows(tm: TargetModel, job) -> int:
     """KV rows a job reserves while it runs: its cache's capacity. A RAG job's cache holds passage + prompt +
-    output, and RaLMSpec keeps the cache of an earlier passage while it speculates with another (a rollback may go
-    back to it): two. A kNN-LM job's holds prompt + output (+ a pad row)."""
+    output; it keeps the caches of up to rag.revisit_passages earlier passages (a later step may return to one),
+    and RaLMSpec one more while it speculates with another passage (a rollback may go back to it). A kNN-LM job's
+    holds prompt + output (+ a pad row)."""
     n_prompt, n_new = len(job.prompt_ids), job.params.max_new_tokens
     if job.rag is not None:
         rows = capacity_for(n_prompt + passage_budget(n_prompt, job.rag), n_new, 0)
-        return 2 * rows if job.rag.speculate else rows
+        kept = job.rag.revisit_passages if job.rag.reuse_kv else 0
+        return (1 + kept + job.rag.speculate) * rows
     if job.knnlm is not None:
         return capacity_for(n_prompt, n_new, 1)
     return capacity_for(n_prompt, n_new, max(job.budget, 0))

@@ -15,7 +15,7 @@ so every retrieval pays the wire as in production. --serve measures the product 
 started as a user starts them (tools.launcher, default flags, the worker pointed at the KB) and every request
 sent over gRPC (GenerateRequest.rag); R/G and the round stats come from the reply's RagStats, the latency is
 the client's wall time; with --clients N each config then runs again from N concurrent clients (2 N requests;
---requests-per-client):
+--requests-per-client; --rounds R repeats the cells R times, the order reversed every other round):
 aggregate tokens/s against B's, and whether each output is identical to its question's B run alone. Greedy, ignore_eos (every request makes exactly
 --max-new-tokens tokens). The JSON is rewritten (atomically) after every question, so a cut-short run keeps
 what it measured.
@@ -255,32 +255,44 @@ def summarize(rows: list[dict], configs: list[str]) -> dict:
 
 def run_concurrent(backend, prompts: list[np.ndarray], configs: list[str], retriever: str, args,
                    solo_b: dict[tuple[int, str], list[int]]) -> dict:
-    """--clients N closed-loop clients per config (--requests-per-client x N requests, the questions in turn) ->
-    {config: aggregate
-    tokens/s, mean latency and RaLM stats, outputs identical to the question's B run alone, throughput_x vs B}.
-    Concurrent requests share the worker's batched passes and the retrieval service's scans."""
+    """--clients N closed-loop clients per config (--requests-per-client x N requests, the questions in turn),
+    --rounds times, the configs' order reversed every other round -> {config: aggregate tokens/s pooled over the
+    rounds (tokens over summed wall seconds), mean latency and RaLM stats, outputs identical to the question's B run
+    alone, throughput_x vs B pooled, and per round its tokens/s and its ratio to that round's B cell}. Concurrent
+    requests share the worker's batched passes and the retrieval service's scans. Why rounds: on a 2-vCPU VM the
+    same 4-client cell of the same build moved by +-6 % between runs minutes apart, more than the differences
+    between configs the targets ask about; within a round a config and B run minutes apart at most, and reversing
+    the order puts B before and after every config in turn."""
     n_req = args.requests_per_client * args.clients
-    bar = tqdm(total=n_req * len(configs), desc=f"{args.clients} clients {retriever}", unit="req")
-    out = {}
-    for c in configs:
-        def one(i: int) -> dict:
-            q = i % len(prompts)
-            toks, lat, d = backend.run(prompts[q], args.max_new_tokens, c, retriever)
-            bar.update(1)
-            return {"latency_s": lat, "tokens": len(toks), "identical": toks == solo_b[(q, retriever)],
-                    "retrieval_s": d["retrieval_s"], "generation_s": d["generation_s"],
-                    "sequential_rounds": d["strides"].count(0), "rounds": len(d["strides"])}
+    bar = tqdm(total=n_req * len(configs) * args.rounds, desc=f"{args.clients} clients {retriever}", unit="req")
+    cells: dict[str, list[tuple[list[dict], float]]] = {c: [] for c in configs}
+    for rnd in range(args.rounds):
+        for c in (configs if rnd % 2 == 0 else configs[::-1]):
+            def one(i: int, c: str = c) -> dict:
+                q = i % len(prompts)
+                toks, lat, d = backend.run(prompts[q], args.max_new_tokens, c, retriever)
+                bar.update(1)
+                return {"latency_s": lat, "tokens": len(toks), "identical": toks == solo_b[(q, retriever)],
+                        "retrieval_s": d["retrieval_s"], "generation_s": d["generation_s"],
+                        "sequential_rounds": d["strides"].count(0), "rounds": len(d["strides"])}
 
-        runs, wall = closed_loop(n_req, args.clients, one)
+            cells[c].append(closed_loop(n_req, args.clients, one))
+    bar.close()
+    out = {}
+    for c, parts in cells.items():
+        runs = [x for part, _ in parts for x in part]
+        wall = sum(w for _, w in parts)
         out[c] = {"clients": args.clients, "requests": len(runs), "wall_s": wall,
                   "tokens_per_s": sum(x["tokens"] for x in runs) / wall,
+                  "round_tokens_per_s": [sum(x["tokens"] for x in part) / w for part, w in parts],
                   "identical": sum(x["identical"] for x in runs),
                   **{k: statistics.fmean(x[k] for x in runs)
                      for k in ("latency_s", "retrieval_s", "generation_s", "sequential_rounds", "rounds")}}
-    bar.close()
     if "B" in out:
         for v in out.values():
             v["throughput_x"] = v["tokens_per_s"] / out["B"]["tokens_per_s"]
+            v["round_throughput_x"] = [round(t / b, 3) for t, b in zip(v["round_tokens_per_s"],
+                                                                      out["B"]["round_tokens_per_s"])]
     return out
 
 
@@ -290,7 +302,8 @@ def print_concurrent(concurrent: dict, clients: int) -> None:
         for c, v in cfgs.items():
             print(f"{r:4} {c:4} {v['tokens_per_s']:7.1f} tok/s  x {v.get('throughput_x', 0):4.2f}  "
                   f"{v['latency_s']:6.2f} s  R {v['retrieval_s']:5.2f} G {v['generation_s']:5.2f}  "
-                  f"seq {v['sequential_rounds']:4.1f}/{v['rounds']:4.1f}  {v['identical']}/{v['requests']}")
+                  f"seq {v['sequential_rounds']:4.1f}/{v['rounds']:4.1f}  {v['identical']}/{v['requests']}"
+                  + (f"  rounds x {v['round_throughput_x']}" if len(v.get("round_throughput_x", ())) > 1 else ""))
 
 
 def paired_median(pairs: list[tuple[dict, dict]], key: str, invert: bool = False) -> float | None:
@@ -356,6 +369,9 @@ def main(argv: list[str] | None = None) -> None:
                          "tokens/s (1 = skip)")
     ap.add_argument("--requests-per-client", type=int, default=2,
                     help="--clients: requests per client in each config's cell (default %(default)s)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="--clients: each config's cell this many times, the configs' order reversed every other "
+                         "round; tokens/s pooled, each round's ratio to its B cell kept (default %(default)s)")
     ap.add_argument("--json", type=Path, required=True, help="result file (written atomically)")
     args = ap.parse_args(argv)
     retrievers = [r.strip() for r in args.retrievers.split(",") if r.strip()]
@@ -365,8 +381,8 @@ def main(argv: list[str] | None = None) -> None:
     if "B" not in configs:
         raise SystemExit("--configs: B (RaLMSeq) is the reference every other config is compared with")
 
-    if args.clients < 1 or args.requests_per_client < 1:
-        raise SystemExit("--clients and --requests-per-client must be >= 1")
+    if args.clients < 1 or args.requests_per_client < 1 or args.rounds < 1:
+        raise SystemExit("--clients, --requests-per-client and --rounds must be >= 1")
     if args.clients > 1 and not args.serve:
         raise SystemExit("--clients needs --serve (concurrent requests go through the services)")
     if args.serve and (args.kb_target or args.threads or args.ranking_questions or args.interference_steps

@@ -14,7 +14,7 @@ STUBS := $(PROTOS:.proto=_pb2.py)
 
 .PHONY: run test lint install stubs model datastore system-packages clean-stubs bench-speculative up down loadtest kb kb-large \
 	calibrate bench-datastores bench-serving bench-concurrency loadtest-8 compose-test docker-engine kernels bench-step \
-	kb-large-prefixes bench-ralm-curve
+	kb-large-prefixes bench-ralm-curve k8s-secrets
 
 # Debian packages the project uses (redis-server for the CREST Redis backend, python3.11-doc for the docs corpus,
 # g++ for the q4_1 block kernel).
@@ -198,6 +198,16 @@ compose-test: stubs
 	fi; \
 	mkdir -p var; \
 	$(PYTHON) -m tests.deploy.compose_e2e $(COMPOSE_TEST_ARGS)
+
+# The two files deploy/k8s/overlays/cpu turns into Secrets (never committed; an existing one is kept):
+# the services' bearer token and one gateway API key. docs/kubernetes.md.
+K8S_SECRETS := deploy/k8s/overlays/cpu/secrets
+k8s-secrets:
+	@umask 077; [ -s $(K8S_SECRETS)/auth-token ] || $(PY) -c "import secrets; print(secrets.token_hex(24), end='')" \
+		> $(K8S_SECRETS)/auth-token
+	@umask 077; [ -s $(K8S_SECRETS)/api-keys ] || $(PY) -c "import secrets; print('sk-' + secrets.token_hex(24))" \
+		> $(K8S_SECRETS)/api-keys
+	@echo "$(K8S_SECRETS)/auth-token and $(K8S_SECRETS)/api-keys ready (the API key: $$(head -n 1 $(K8S_SECRETS)/api-keys))"
 
 # A running Docker engine for working with the compose file by hand (left running).
 docker-engine:

@@ -334,15 +334,23 @@ class RunningServer:
     closers: list[Callable[[], None]] = field(default_factory=list)
     _stopped: threading.Event = field(default_factory=threading.Event)
     _stopping: threading.Lock = field(default_factory=threading.Lock)
+    _health_lock: threading.Lock = field(default_factory=threading.Lock)
+    _service_status: dict = field(default_factory=dict)
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     def set_serving(self, serving: bool = True, services: Sequence[str] | None = None) -> None:
+        """Set the named services (None = all); the overall status ("") is SERVING only while every service is:
+        orchestrators and compose's healthcheck read the overall status."""
         status = _SERVING if serving else _NOT_SERVING
-        for name in (["", *self.services] if services is None else services):
-            self.health.set(name, status)
+        with self._health_lock:
+            for name in (self.services if services is None else [s for s in services if s]):
+                self._service_status[name] = status
+                self.health.set(name, status)
+            every = all(self._service_status.get(name) == _SERVING for name in self.services)
+            self.health.set("", status if services is None else _SERVING if every else _NOT_SERVING)
 
     def stop(self, grace_s: float | None = None) -> None:
         """Drain, then stop: health NOT_SERVING (still answering), new calls UNAVAILABLE, in-flight calls get up

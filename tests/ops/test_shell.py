@@ -139,3 +139,25 @@ def test_failed_calls_are_logged_in_one_line(retrieval, caplog, scenario, call, 
     assert lines[0].levelno == level and code.name in lines[0].getMessage()
     assert not any(r.levelno >= logging.ERROR for r in caplog.records)  # Not an ERROR for a client mistake
     assert not any(r.exc_info for r in caplog.records)  # no traceback
+
+
+def _status(channel: grpc.Channel, service: str) -> str:
+    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def test_overall_health_follows_any_service_not_serving(datastore):
+    """An orchestrator reads the overall status (service ""): one service that stops serving (a corrupted
+    datastore) must show there too, and the others keep their own status."""
+    running = build_retrieval(RetrievalConfig(port=0, workers=2), datastore=datastore)
+    draft, knowledge = "ragserve.v1.DraftService", "ragserve.v1.KnowledgeService"
+    try:
+        with grpc.insecure_channel(running.address) as ch:
+            assert [_status(ch, s) for s in ("", draft, knowledge)] == ["SERVING"] * 3
+            running.set_serving(False, [draft])
+            assert [_status(ch, s) for s in ("", draft, knowledge)] == \
+                ["NOT_SERVING", "NOT_SERVING", "SERVING"]  # Not SERVING overall
+            running.set_serving(True, [draft])
+            assert _status(ch, "") == "SERVING"  # every service serves again
+    finally:
+        running.stop(0)

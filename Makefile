@@ -44,10 +44,12 @@ install: $(STAMP) system-packages stubs kernels
 # The block-quantized linear kernel of the q4_1 weight format (generation_service/q4_kernel.cpp), compiled for this
 # CPU into $(RAGSERVE_HOME)/kernels (~30 s, once per CPU + torch version). Without g++/ninja it reports
 # "unavailable" and q4_1 serves the same weights dequantized to fp32 (with a warning). Then the retrieval service's
-# float16 exact-search kernel (retrieval_service/knowledge/fp16_scan.cpp, ~2 s; without g++ exact search uses faiss).
+# float16 exact-search kernel (retrieval_service/knowledge/fp16_scan.cpp, ~2 s; without g++ exact search uses faiss),
+# and the SIGBUS guard of memory-mapped stores (retrieval_service/datastore/map_guard.c, plain C, < 1 s).
 kernels: $(STAMP)
 	$(PYTHON) -m generation_service.q4_kernel
 	$(PYTHON) -m retrieval_service.knowledge.fp16_scan
+	$(PYTHON) -m retrieval_service.datastore.map_guard
 
 # gRPC stubs are generated, never committed (pinned grpcio-tools = grpcio version).
 proto/%_pb2.py: proto/%.proto $(STAMP)

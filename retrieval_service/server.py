@@ -10,7 +10,6 @@ index is open and its kernels are warmed up.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 import time
@@ -29,6 +28,7 @@ from ragcore.process import offline_process
 from ragcore.wire import WireError, clip, unpack_tokens
 from retrieval_service import metrics
 from retrieval_service.config import RetrievalConfig
+from retrieval_service.datastore import container
 from retrieval_service.datastore.ngram_backends import open_ngram_store
 from retrieval_service.datastore.ngram_store import StoreUnavailable
 from retrieval_service.datastore.online import OnlineLearner
@@ -135,7 +135,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         if limits.source == "context":
             return context_draft(ctx, **limits.kwargs())
         if limits.source == "crest":  # StoreUnavailable (Redis down) -> UNAVAILABLE in the callers
-            return self._crest.lookup(ctx, max_nodes=limits.max_nodes)
+            return self._drafts(lambda: self._crest.lookup(ctx, max_nodes=limits.max_nodes))
         return self._ds.draft(ctx, source=limits.source, **limits.kwargs())
 
     def _check_ready(self) -> None:
@@ -146,7 +146,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         with self._corrupted_lock:
             first, self._corrupted = self._corrupted is None, self._corrupted or e
         if first:
-            log.error("datastore corrupted while drafting (Draft answers DATA_LOSS; restart to re-verify): %s", e)
+            log.error("datastore corrupted while drafting (Draft answers DATA_LOSS; restart to re-verify): %s "
+                      "[%s]", e, ", ".join(e.paths))
             if self._on_corrupted is not None:
                 self._on_corrupted(e)
 
@@ -175,7 +176,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         same = all(lim == limits0 for _, lim in parsed)
         if same and limits0.source == "crest":
             # One call: a Redis store answers the whole batch in one round trip.
-            trees = self._crest.lookup_batch([c for c, _ in parsed], max_nodes=limits0.max_nodes)
+            trees = self._drafts(lambda: self._crest.lookup_batch([c for c, _ in parsed],
+                                                                  max_nodes=limits0.max_nodes))
         elif self._ds is not None and limits0.source not in ("context", "crest") and same:
             # One call: the datastore spreads the batch over both cores with GIL-free kernels.
             trees = self._drafts(lambda: self._ds.draft_batch([c for c, _ in parsed], source=limits0.source,
@@ -200,7 +202,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return draft_pb2.DatastoreInfo(
             tokenizer_id=ds.tokenizer_id, vocab_size=ds.vocab_size, num_tokens=ds.num_tokens,
             num_documents=ds.num_documents, num_shards=ds.num_shards, bytes_on_disk=ds.bytes_on_disk,
-            path=str(ds.path), sources=sources, learning=self._learner is not None,
+            path=ds.path.name if ds.path is not None else "", sources=sources, learning=self._learner is not None,
             learned_tokens=self._learner.learned_tokens if self._learner is not None else 0,
             searchable_learned_tokens=self._learner.searchable_tokens if self._learner is not None else 0,
         )
@@ -218,12 +220,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
 def verify_cache_path(cfg: RetrievalConfig) -> Path | None:
     """cfg.verify_cache resolved: "" = $RAGSERVE_HOME/cache/verified-stores.json, "off" = no cache."""
-    if cfg.verify_cache == "off":
-        return None
-    if cfg.verify_cache:
-        return Path(cfg.verify_cache).expanduser()
-    home = Path(os.environ.get("RAGSERVE_HOME", Path.home() / ".cache" / "ragserve")).expanduser()
-    return home / "cache" / "verified-stores.json"
+    return container.cache_path(cfg.verify_cache)
 
 
 def open_indexes(cfg: RetrievalConfig):

@@ -102,6 +102,16 @@ def header_digest(path: Path) -> int:
     return PREFIX.unpack(prefix)[2] if len(prefix) == PREFIX.size else 0
 
 
+def cache_path(setting: str) -> Path | None:
+    """The verify_cache setting resolved: "" = $RAGSERVE_HOME/cache/verified-stores.json, "off" = no cache."""
+    if setting == "off":
+        return None
+    if setting:
+        return Path(setting).expanduser()
+    home = Path(os.environ.get("RAGSERVE_HOME", Path.home() / ".cache" / "ragserve")).expanduser()
+    return home / "cache" / "verified-stores.json"
+
+
 class VerifiedCache:
     """A small JSON file remembering which store files passed a full content verification, keyed by absolute path
     with their identity (file_identity); a changed file no longer matches and is verified again.

@@ -47,10 +47,11 @@ import xxhash
 from ragcore.draft_tree import DraftTree, as_context
 from ragcore.errors import Unavailable
 from retrieval_service.datastore import container
+from retrieval_service.datastore.map_guard import MappedFile
 from retrieval_service.datastore.ngram_codec import Codec, decode_payload, trim_tree
-from retrieval_service.datastore.shards import DatastoreError, TokenizerMismatch, token_dtype
+from retrieval_service.datastore.shards import DatastoreCorrupted, DatastoreError, TokenizerMismatch, token_dtype
 
-__all__ = ["NgramStoreError", "StoreUnavailable", "TokenizerMismatch", "EmbeddedNgramStore", "FallbackNgramStore",
+__all__ = ["NgramStoreError", "NgramStoreCorrupted", "StoreUnavailable", "TokenizerMismatch", "EmbeddedNgramStore", "FallbackNgramStore",
            "StoreRecords", "write_store", "read_header", "store_size", "record_nbytes",
            "build_id", "FORMAT", "FORMAT_VERSION"]
 
@@ -67,6 +68,10 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 class NgramStoreError(DatastoreError):
     """A CREST store is missing, corrupted, incomplete or does not fit the caller (the message says which)."""
+
+
+class NgramStoreCorrupted(DatastoreCorrupted, NgramStoreError):
+    """The store file changed under the server (DATA_LOSS; the message names the file, not its server path)."""
 
 
 class StoreUnavailable(Unavailable):
@@ -373,8 +378,10 @@ class EmbeddedNgramStore:
     backend = "embedded"
 
     def __init__(self, path: Path, header: dict, index: np.ndarray, records: np.ndarray, zdict: bytes,
-                 mm: mmap.mmap | None):
+                 mm: mmap.mmap | None, guard: MappedFile | None = None):
         self.path = path
+        self._guard = guard
+        self._changed: NgramStoreCorrupted | None = None
         self.header = header
         self._index = index
         self._records = records
@@ -394,6 +401,7 @@ class EmbeddedNgramStore:
         size = path.stat().st_size
         with open(path, "rb") as f:
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            guard = MappedFile(f.fileno(), mm, path, path.name)
         views = {}
         for name in _SECTIONS:
             s = header["sections"][name]
@@ -412,7 +420,7 @@ class EmbeddedNgramStore:
             raise NgramStoreError(f"{path} is corrupted: index holds {views['index'].shape[0]} bytes, expected "
                                   f"{slots} slots")
         index = views["index"].view("<u8").view(np.uint64)
-        return cls(path, header, index, views["records"], bytes(views["zdict"]), mm)
+        return cls(path, header, index, views["records"], bytes(views["zdict"]), mm, guard)
 
     # -- properties ------------------------------------------------------------------------------------------------
 
@@ -445,10 +453,26 @@ class EmbeddedNgramStore:
     def lookup(self, context_ids, max_nodes: int = 64) -> DraftTree:
         """Tree of the longest stored suffix of the context (n = max_n..1), trimmed to max_nodes."""
         ctx = check_lookup_args(context_ids, max_nodes, self.max_n)
-        off, n = probe_longest(self._index, self._records, self._tb, self._decoder.present, ctx)
-        if off < 0:
-            return DraftTree.empty()
-        return self._decoder.tree(self._payload(int(off)), int(n), max_nodes)
+        if self._changed is not None:
+            raise NgramStoreCorrupted(str(self._changed), self._changed.paths)
+        try:
+            off, n = probe_longest(self._index, self._records, self._tb, self._decoder.present, ctx)
+            tree = DraftTree.empty() if off < 0 else self._decoder.tree(self._payload(int(off)), int(n), max_nodes)
+        except Exception:
+            self._check_file()  # a payload read from a file that changed fails to decode: say that, not why
+            raise
+        self._check_file()
+        return tree
+
+    def _check_file(self) -> None:
+        """NgramStoreCorrupted if the file changed under the server (map_guard); then every lookup fails."""
+        what = self._guard.change() if self._guard is not None else None
+        if what is not None:
+            err = NgramStoreCorrupted(f"CREST store {self.path.name} {what}; lookups stopped: restore the file and "
+                                      f"restart the server (replace store files by renaming a new file over them, "
+                                      f"never in place)", [self.path])
+            self._changed = self._changed or err
+            raise err
 
     def lookup_batch(self, contexts: Sequence, max_nodes: int = 64) -> list[DraftTree]:
         return [self.lookup(c, max_nodes) for c in contexts]
@@ -508,6 +532,8 @@ class EmbeddedNgramStore:
 
     def close(self) -> None:
         self._index = self._records = None  # views must go before the map closes
+        if self._guard is not None:
+            self._guard.close()
         self._mmap = None
 
 

@@ -38,6 +38,7 @@ import xxhash
 
 from ragcore.errors import DataLoss, FailedPrecondition
 from retrieval_service.datastore import container
+from retrieval_service.datastore.map_guard import MappedFile
 
 FORMAT = "ragserve-suffix-array"
 FORMAT_VERSION = 1
@@ -61,8 +62,13 @@ class TokenizerMismatch(DatastoreError):
 
 
 class DatastoreCorrupted(DataLoss, DatastoreError):
-    """Drafting met data no valid shard holds (an index outside the arrays, a token outside the vocabulary): the
-    files changed or were crafted behind the load-time verification. The message names the shard file(s)."""
+    """Drafting met data no valid shard holds (an index outside the arrays, a token outside the vocabulary), or a
+    store file changed under the server: the files changed or were crafted behind the load-time verification. The
+    message names the file(s) relative to their store (it reaches clients); `paths` are the server paths (logs)."""
+
+    def __init__(self, message: str, paths: Sequence[Path | None] = ()):
+        super().__init__(message)
+        self.paths = tuple(str(p) for p in paths if p is not None)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -172,6 +178,12 @@ class Shard:
     header: dict
     path: Path | None = None
     _mmap: mmap.mmap | None = field(default=None, repr=False)
+    guard: MappedFile | None = field(default=None, repr=False)  # watches the file for changes while it serves
+
+    @property
+    def name(self) -> str:
+        """The file named relative to its store (what messages to clients say; never a server path)."""
+        return self.path.name if self.path is not None else "in-memory shard"
 
     @property
     def num_tokens(self) -> int:
@@ -272,6 +284,7 @@ class Shard:
         size = path.stat().st_size
         with open(path, "rb") as f:
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            guard = MappedFile(f.fileno(), mm, path, path.name)
         if hasattr(mmap, "MADV_RANDOM"):
             mm.madvise(mmap.MADV_RANDOM)  # binary search: readahead would only inflate RSS
         arrays = {}
@@ -283,7 +296,7 @@ class Shard:
                 raise DatastoreError(f"{path} is truncated or corrupted: section {name!r} "
                                      f"[{start}, {start + s['nbytes']}) does not fit the file size {size}")
             arrays[name] = np.frombuffer(mm, dtype=dtype, count=s["nbytes"] // dtype.itemsize, offset=start)
-        shard = Shard(arrays["tokens"], arrays["sa"], arrays["bucket"], arrays["doc_starts"], header, path, mm)
+        shard = Shard(arrays["tokens"], arrays["sa"], arrays["bucket"], arrays["doc_starts"], header, path, mm, guard)
         _check_structure(shard)
         return shard
 

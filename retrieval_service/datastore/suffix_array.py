@@ -76,6 +76,7 @@ class SuffixArrayDatastore:
         self.path = path
         self.verification: list[tuple[Path, str]] = []  # (shard file, "verified" | "cached") from open(verify=True)
         self._lock = threading.Lock()
+        self._changed: DatastoreCorrupted | None = None  # a shard file changed under the server: every draft fails
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
         self._base = tuple(shards)
@@ -247,11 +248,14 @@ class SuffixArrayDatastore:
         args = self._args(max_suffix, min_suffix, max_matches, continuation, max_nodes, source, context_min_suffix,
                           context_max_matches, context_continuation, weights, sampling)
         shards, toks, sas, buckets, n_shards, n_base, sep = self._state
+        self._check_files(shards, before=True)
         try:
             tok, par, score, src_p, length, m, ctx_len = draft_kernel(toks, sas, buckets, n_shards, n_base, sep,
                                                                       ctx, *args)
         except IndexError as e:  # a bounds check in the kernels: bad data, never a wild read
+            self._check_files(shards)
             raise _corrupted(shards, e) from None
+        self._check_files(shards)
         return DraftTree(tok, par, score, matched_suffix=int(length), num_matches=int(m),
                          context_matched_suffix=int(ctx_len), source_p=src_p)
 
@@ -283,6 +287,7 @@ class SuffixArrayDatastore:
         out_p = np.zeros((b, width, N_SOURCES), np.float32)
         out_meta = np.zeros((b, 4), np.int64)
         shards, toks, sas, buckets, n_shards, n_base, sep = self._state
+        self._check_files(shards, before=True)
 
         def run(lo: int, hi: int) -> None:
             draft_packed(toks, sas, buckets, n_shards, n_base, sep, flat, starts, lo, hi, *args,
@@ -304,11 +309,32 @@ class SuffixArrayDatastore:
                 for f in futures:
                     f.result()
         except IndexError as e:
+            self._check_files(shards)
             raise _corrupted(shards, e) from None
+        self._check_files(shards)
         return [DraftTree(out_tok[i, : out_meta[i, 0]], out_par[i, : out_meta[i, 0]], out_score[i, : out_meta[i, 0]],
                           matched_suffix=int(out_meta[i, 1]), num_matches=int(out_meta[i, 2]),
                           context_matched_suffix=int(out_meta[i, 3]), source_p=out_p[i, : out_meta[i, 0]])
                 for i in range(b)]
+
+    def _check_files(self, shards: Sequence[Shard], before: bool = False) -> None:
+        """Raise DatastoreCorrupted if a shard file changed under the server (map_guard: truncated while mapped,
+        or its size / modification time differ from those at open). After a kernel this discards its result;
+        once seen, every later draft fails at once (before=True: no per-file check, the kernel runs next)."""
+        changed = self._changed
+        if changed is None and not before:
+            for shard in shards:
+                what = shard.guard.change() if shard.guard is not None else None
+                if what is not None:
+                    changed = DatastoreCorrupted(
+                        f"datastore file {shard.name} {what}; drafting from it stopped: restore the file and restart "
+                        f"the server (replace store files by renaming a new file over them, never in place)",
+                        [shard.path])
+                    with self._lock:
+                        self._changed = self._changed or changed
+                    break
+        if changed is not None:
+            raise DatastoreCorrupted(str(changed), changed.paths)
 
     def _executor(self, threads: int) -> ThreadPoolExecutor:
         # threads - 1 helpers: the calling thread drafts a chunk itself.
@@ -342,9 +368,9 @@ class SuffixArrayDatastore:
 def _corrupted(shards: Sequence[Shard], e: IndexError) -> DatastoreCorrupted:
     """The kernels' IndexError(what, value, bound) as an error naming the shard file(s) (one of them is bad)."""
     what, *values = e.args or ("index out of range",)
-    files = ", ".join(str(s.path or "in-memory shard") for s in shards)
+    files = ", ".join(s.name for s in shards)
     return DatastoreCorrupted(f"{files} is corrupted: {what} ({', '.join(map(str, values))}); rebuild or restore "
-                              f"the datastore")
+                              f"the datastore", [s.path for s in shards])
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:

@@ -21,7 +21,8 @@ FLAG_HELP = {
     "datastore": "suffix-array datastore directory or shard file for REST drafts (\"\" = none)",
     "datastore_verify": "verify the datastore's content (checksums, value ranges) before SERVING",
     "verify_cache": "JSON file remembering verified store files by identity (\"\" = $RAGSERVE_HOME/cache/verified-stores.json, off = none)",
-    "kb": "knowledge-base directory for Search/ScoreCandidates/GetDocuments (\"\" = none)",
+    "kb": "knowledge-base directory, or a postgresql:// URL (docs/postgres.md), for Search/ScoreCandidates/"
+          "GetDocuments (\"\" = none)",
     "crest": "CREST n-gram store for Draft source 'crest': a store file or a redis:// URL (\"\" = none)",
     "crest_namespace": "name of the CREST store inside Redis",
     "crest_fallback": "embedded CREST store file that answers while Redis is down (\"\" = UNAVAILABLE instead)",
@@ -67,6 +68,11 @@ FLAG_HELP = {
     "kb_warmup_s": "seconds of Lucene JIT warm-up before SERVING",
     "kb_verify": "re-hash passages.jsonl at open and compare it with the KB manifest",
     "kb_knn_datastores": "comma-separated kNN-LM datastore directories served as named vector indexes",
+    "kb_pg_table": "table of the knowledge base when --kb is a postgresql:// URL",
+    "kb_pg_pool": "connections of the PostgreSQL knowledge base's pool (keep >= kb_workers)",
+    "kb_pg_connect_timeout_s": "seconds to wait for a PostgreSQL connection before UNAVAILABLE",
+    "kb_pg_statement_timeout_ms": "statement_timeout of a PostgreSQL KB call without a gRPC deadline, ms",
+    "kb_pg_health_s": "seconds between checks that the PostgreSQL KB answers (KnowledgeService NOT_SERVING if not)",
     **config_util.SHELL_FLAG_HELP,
 }
 
@@ -176,3 +182,11 @@ class RetrievalConfig(config_util.ShellConfig):
     # as a named vector index (its knn.json name, default "knnlm"; edr = exact L2, adr = its HNSW), with or
     # without a knowledge base.
     kb_knn_datastores: str = ""
+    # Knowledge base in PostgreSQL + pgvector (kb = postgresql://...; knowledge/pg.py, docs/postgres.md): the table,
+    # the connection pool (one connection per concurrent KB call; the executor runs kb_workers at a time), how long
+    # a call waits for a connection, and the statement_timeout of calls that carry no gRPC deadline.
+    kb_pg_table: str = "ragserve_kb"
+    kb_pg_pool: int = 4
+    kb_pg_connect_timeout_s: float = 5.0
+    kb_pg_statement_timeout_ms: float = 30_000.0
+    kb_pg_health_s: float = 2.0

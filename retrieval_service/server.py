@@ -36,7 +36,7 @@ from retrieval_service.datastore.shards import DatastoreCorrupted
 from retrieval_service.datastore.suffix_array import SuffixArrayDatastore
 from retrieval_service.knowledge import dense, knn_index, sparse
 from retrieval_service.knowledge.kb import KBOpenError, KnowledgeBase
-from retrieval_service.knowledge.service import KnowledgeServicer
+from retrieval_service.knowledge.service import SERVICE_NAME as KNOWLEDGE_SERVICE, KnowledgeServicer
 
 log = logging.getLogger("retrieval_service")
 
@@ -293,6 +293,9 @@ def build_server(cfg: RetrievalConfig, *, datastore=None, kb=None, crest=None) -
         if kb is not None:
             knowledge.attach(kb)
             knowledge.warmup()
+            if hasattr(kb, "watch_health"):  # a KB in a database: NOT_SERVING while it cannot be reached
+                running.closers.append(kb.watch_health(
+                    lambda ok: running.set_serving(ok, [KNOWLEDGE_SERVICE]), cfg.kb_pg_health_s))
             info = kb.info()
             metrics.set_kb_size(info["passages"], [(i["name"], i["size"]) for i in info["indexes"]])
         metrics.set_datastore_size(ds, learner)

@@ -5,5 +5,7 @@
     sparse.py    JVM start-up, Anserini indexing, pyserini LuceneSearcher search and candidate scoring
     kb.py        KnowledgeBase: open/check/warm up, batched search, ScoreCandidates, documents
     service.py   KnowledgeServicer (proto/knowledge.proto)
-    build.py     CLI: python -m retrieval_service.knowledge.build --out DIR
+    pg.py        the KB in PostgreSQL + pgvector (--kb postgresql://...): load, search, pool, health
+    deadline.py  the running KB call's gRPC deadline, handed to a database as statement_timeout
+    build.py     CLI: python -m retrieval_service.knowledge.build --out DIR [--to postgresql://...]
 """

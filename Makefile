@@ -16,13 +16,15 @@ STUBS := $(PROTOS:.proto=_pb2.py)
 	calibrate bench-datastores bench-serving bench-concurrency loadtest-8 compose-test docker-engine kernels bench-step \
 	kb-large-prefixes bench-ralm-curve k8s-secrets
 
-# Debian packages the project uses (redis-server for the CREST Redis backend, python3.11-doc for the docs corpus,
+# Debian packages the project uses (redis-server for the CREST Redis backend, redis-tools' redis-cli to create the
+# local Redis Clusters of the tests and the failover check, python3.11-doc for the docs corpus,
 # g++ for the q4_1 block kernel).
 # Installed only when running as root and missing; otherwise the features that need them say so.
 system-packages:
 	@if [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null; then \
 	  missing=""; \
 	  command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	  command -v redis-cli >/dev/null || missing="$$missing redis-tools"; \
 	  command -v g++ >/dev/null || missing="$$missing g++"; \
 	  [ -d /usr/share/doc/python3.11/html/_sources ] || missing="$$missing python3.11-doc"; \
 	  if [ -n "$$missing" ]; then \

@@ -23,7 +23,8 @@ FLAG_HELP = {
     "verify_cache": "JSON file remembering verified store files by identity (\"\" = $RAGSERVE_HOME/cache/verified-stores.json, off = none)",
     "kb": "knowledge-base directory, or a postgresql:// URL (docs/postgres.md), for Search/ScoreCandidates/"
           "GetDocuments (\"\" = none)",
-    "crest": "CREST n-gram store for Draft source 'crest': a store file or a redis:// URL (\"\" = none)",
+    "crest": "CREST n-gram store for Draft source 'crest': a store file, a redis:// URL or a "
+             "redis+cluster://host:port,host:port,... URL (\"\" = none)",
     "crest_namespace": "name of the CREST store inside Redis",
     "crest_fallback": "embedded CREST store file that answers while Redis is down (\"\" = UNAVAILABLE instead)",
     "crest_timeout_ms": "deadline of every Redis call of the CREST store, ms",
@@ -96,10 +97,11 @@ class RetrievalConfig(config_util.ShellConfig):
     verify_cache: str = ""
     # Knowledge base directory (passages + dense/sparse indexes); "" = no knowledge base.
     kb: str = ""
-    # CREST n-gram store (Draft source "crest"): a store file (embedded, memory-mapped) or a redis:// URL, then
-    # crest_namespace names the store inside Redis. crest_fallback: an embedded copy of the same store that
-    # answers while Redis is unavailable ("" = such drafts answer UNAVAILABLE and the worker decodes that step
-    # autoregressively). crest_timeout_ms bounds every Redis call. "" = no CREST store.
+    # CREST n-gram store (Draft source "crest"): a store file (embedded, memory-mapped), a redis:// URL or a
+    # redis+cluster://host:port,host:port,... URL, then crest_namespace names the store inside Redis.
+    # crest_fallback: an embedded copy of the same store that answers while Redis is unavailable ("" = a single
+    # Redis's drafts answer UNAVAILABLE and the worker decodes that step autoregressively; a cluster's drafts are
+    # empty until its failover ends). crest_timeout_ms bounds every Redis call. "" = no CREST store.
     crest: str = ""
     crest_namespace: str = "crest"
     crest_fallback: str = ""

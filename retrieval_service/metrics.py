@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Iterable
 
 import grpc
-from prometheus_client import CollectorRegistry, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ragcore import metrics as core
 from ragcore.metrics import LATENCY_BUCKETS, ServerMetrics
@@ -34,6 +34,11 @@ class RetrievalMetrics(ServerMetrics):
         self.learned = Gauge("ragserve_retrieval_learned_tokens", "Tokens held by the online-learning shards.",
                              registry=r)
         self.kb_passages = Gauge("ragserve_retrieval_kb_passages", "Passages in the knowledge base.", registry=r)
+        self.crest_degraded = Counter("ragserve_retrieval_crest_degraded_total",
+                                      "CREST lookups answered without their store (empty draft, or the embedded "
+                                      "fallback) because Redis Cluster could not answer: unavailable = connection "
+                                      "error, timeout or CLUSTERDOWN (failover); missing = the slot lost the store's "
+                                      "keys.", ("reason",), registry=r)
         self.kb_vectors = Gauge("ragserve_retrieval_kb_index_vectors", "Vectors per KB vector index.", ("index",),
                                 registry=r)
 
@@ -63,6 +68,11 @@ def observe_retrieval(method: str, request, seconds: float, code: grpc.StatusCod
     m.retrieval_seconds.labels(method, retriever).observe(seconds)
     if method in ("DraftBatch", "Search") and batch:
         m.batch.labels(method).observe(batch)
+
+
+def crest_degraded(reason: str, contexts: int) -> None:
+    """on_degraded hook of a Redis Cluster CREST store."""
+    get().crest_degraded.labels(reason).inc(contexts)
 
 
 def set_datastore_size(ds, learner=None) -> None:

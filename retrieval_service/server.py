@@ -134,7 +134,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def _draft_one(self, ctx: np.ndarray, limits: DraftLimits) -> DraftTree:
         if limits.source == "context":
             return context_draft(ctx, **limits.kwargs())
-        if limits.source == "crest":  # StoreUnavailable (Redis down) -> UNAVAILABLE in the callers
+        if limits.source == "crest":  # single Redis down: StoreUnavailable -> UNAVAILABLE; a cluster: empty
             return self._drafts(lambda: self._crest.lookup(ctx, max_nodes=limits.max_nodes))
         return self._ds.draft(ctx, source=limits.source, **limits.kwargs())
 
@@ -240,17 +240,18 @@ def open_indexes(cfg: RetrievalConfig):
 
 
 def open_crest(cfg: RetrievalConfig, datastore=None):
-    """The configured CREST store (None if none), warmed up. Redis down at start-up is not fatal: the store
-    answers StoreUnavailable (-> UNAVAILABLE) until Redis is back; a missing or corrupted store is."""
+    """The configured CREST store (None if none), warmed up. Redis down at start-up is not fatal: a single Redis
+    answers StoreUnavailable (-> UNAVAILABLE) until it is back, a cluster empty drafts (counted in
+    ragserve_retrieval_crest_degraded_total); a missing or corrupted store is fatal."""
     if not cfg.crest:
         return None
     store = open_ngram_store(cfg.crest, namespace=cfg.crest_namespace, timeout_ms=cfg.crest_timeout_ms,
-                             fallback=cfg.crest_fallback,
+                             fallback=cfg.crest_fallback, on_degraded=metrics.crest_degraded,
                              expected_tokenizer_id=datastore.tokenizer_id if datastore is not None else None)
     try:
         store.warmup()
     except StoreUnavailable as e:
-        log.warning("CREST store not reachable yet (drafts answer UNAVAILABLE until it is): %s", e)
+        log.warning("CREST store not reachable yet (no CREST drafts until it is): %s", e)
     return store
 
 

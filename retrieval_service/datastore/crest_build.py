@@ -3,7 +3,7 @@
     python -m retrieval_service.datastore.crest_build build --datastore ~/.cache/ragserve/datastores/code \\
         --out ~/.cache/ragserve/crest/code.crest --max-n 5 --budget 50MB          # or --t 20000
     python -m retrieval_service.datastore.crest_build push --store ~/.cache/ragserve/crest/code.crest \\
-        --redis redis://127.0.0.1:6379/0 --namespace crest:code
+        --redis redis://127.0.0.1:6379/0 --namespace crest:code     # or --redis redis+cluster://h1:p1,h2:p2,...
     python -m retrieval_service.datastore.crest_build info --store ~/.cache/ragserve/crest/code.crest --check
 
 Pipeline: count every n-gram (n <= m) of the datastore exactly (ngram_count: one streaming pass over the suffix
@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from retrieval_service.datastore.ngram_cluster import is_cluster_url, push_to_cluster
 from retrieval_service.datastore.ngram_codec import (
     COMPRESSIONS,
     MAX_COUNT,
@@ -272,11 +273,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                         "default %(default)s")
     b.add_argument("--threads", type=int, default=2, help="threads drafting the trees (default %(default)s)")
     b.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p = sub.add_parser("push", help="bulk-load a store file into Redis (pipelined)")
+    p = sub.add_parser("push", help="bulk-load a store file into Redis or Redis Cluster (pipelined)")
     p.add_argument("--store", required=True, help="store file written by build")
-    p.add_argument("--redis", required=True, help="redis://host:port/db")
+    p.add_argument("--redis", required=True,
+                   help="redis://host:port/db, or redis+cluster://host:port,host:port,... (any reachable nodes)")
     p.add_argument("--namespace", required=True, help="key prefix naming this store in Redis, e.g. crest:code")
     p.add_argument("--keep-old", action="store_true", help="keep keys of earlier pushes under the namespace")
+    p.add_argument("--no-resume", action="store_true",
+                   help="Redis Cluster: rewrite every n-gram instead of resuming an interrupted push of the same "
+                        "store")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     i = sub.add_parser("info", help="header, per-n tree sizes; --check runs the invariant checker")
     i.add_argument("--store", required=True, help="store file to describe")
@@ -308,10 +313,17 @@ def main(argv: list[str] | None = None) -> int:
                   f"{report['total_seconds']:.0f} s, peak RSS {report['peak_rss_mb']:.0f} MB")
         elif args.cmd == "push":
             store = EmbeddedNgramStore.open(args.store)
-            r = push_to_redis(store, args.redis, args.namespace, drop_old=not args.keep_old,
-                              progress=not args.no_progress)
-            print(f"pushed {r['ngrams']:,} n-grams to {args.redis} as {r['namespace']} (build {r['build']}); "
-                  f"dropped {r['dropped_keys']:,} keys of older builds")
+            if is_cluster_url(args.redis):
+                r = push_to_cluster(store, args.redis, args.namespace, drop_old=not args.keep_old,
+                                    resume=not args.no_resume, progress=not args.no_progress)
+                resumed = f", resumed after {r['resumed_from']:,}" if r["resumed_from"] else ""
+                print(f"pushed {r['ngrams']:,} n-grams ({r['written']:,} written{resumed}) to the Redis Cluster as "
+                      f"{r['namespace']} (build {r['build']}); dropped {r['dropped_keys']:,} keys of older builds")
+            else:
+                r = push_to_redis(store, args.redis, args.namespace, drop_old=not args.keep_old,
+                                  progress=not args.no_progress)
+                print(f"pushed {r['ngrams']:,} n-grams to {args.redis} as {r['namespace']} (build {r['build']}); "
+                      f"dropped {r['dropped_keys']:,} keys of older builds")
         else:
             store = EmbeddedNgramStore.open(args.store)
             h = store.header

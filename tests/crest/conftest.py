@@ -1,5 +1,6 @@
-"""Fixtures for CREST: tiny corpora, stores built from them, and a real redis-server of our own on loopback
-(own free port, no persistence); tests that need Redis skip, saying why, only when the binary is absent."""
+"""Fixtures for CREST: tiny corpora, stores built from them, a real redis-server of our own on loopback (own free
+port, no persistence) and a real 6-node Redis Cluster; tests that need Redis skip, saying why, only when the
+binaries are absent."""
 
 from __future__ import annotations
 
@@ -105,3 +106,21 @@ def redis_server(tmp_path):
     server = RedisServer(binary, tmp_path).start()
     yield server
     server.stop()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Redis Cluster
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory):
+    """6 redis-server nodes on loopback (3 primaries, 3 replicas, cluster-node-timeout 1000 ms), shared by the
+    session; a test that kills a node restarts it and waits until every primary has a synced replica again."""
+    from tools.redis_cluster import LocalCluster, binaries
+
+    if binaries() is None:
+        pytest.skip("redis-server / redis-cli not found (Debian redis-server + redis-tools; `make system-packages`)")
+    cluster = LocalCluster(tmp_path_factory.mktemp("redis-cluster"), primaries=3, replicas=1, node_timeout_ms=1000)
+    cluster.start()
+    yield cluster
+    cluster.stop()

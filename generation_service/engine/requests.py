@@ -27,6 +27,7 @@ import torch
 
 from generation_service.draft_budget import DraftSizer, SharedCalibration, StepCost, best_size, keep_best, subtree
 from generation_service.drafters import Drafter, DraftUnavailable
+from generation_service.engine.prefill_share import piece_rows
 from generation_service.engine.prefix_cache import PrefixCache, PrefixHit
 from generation_service.engine.steps import (
     DEFAULT_DRAFT_BUDGET,
@@ -38,11 +39,10 @@ from generation_service.engine.steps import (
     check_tree,
     cut_emitted,
     degrade,
-    prefill_segments,
     tree_segment,
 )
 from generation_service.lean_llama import Segment, capacity_for
-from generation_service.model import TargetModel, new_cache
+from generation_service.model import TargetModel, cache_length, new_cache
 from generation_service.sampling import Sampler, SamplingParams
 from generation_service.tree_attention import dfs_order, gather_kv, prune_depth, tree_children
 from ragcore.draft_tree import DraftTree
@@ -120,9 +120,14 @@ class TreeRequest:
         self.stats.cached_prompt_tokens = hit.rows if hit is not None else 0
         if hit is not None:
             self._restore(hit)
+        # The prompt rows still to prefill, in pieces the engine sizes per pass (engine/prefill_share.py) within
+        # the grid of prefill_chunk from position 0 (the prefix cache's boundaries).
         rest = self.prompt[self.stats.cached_prompt_tokens:]
-        self._prefill = prefill_segments(torch.from_numpy(rest.astype(np.int64)).to(tm.device), self.cache,
-                                         prefill_chunk) if rest.shape[0] else []
+        self._rest = torch.from_numpy(rest.astype(np.int64)).to(tm.device)
+        self._chunk = max(1, prefill_chunk)
+        self._done = 0  # rows of _rest prefilled
+        self._piece = 0  # rows of the piece in flight (prefill_segment)
+        self._base = cache_length(self.cache)  # rows restored from the prefix cache: whole chunks, or none
         # The first output step when the whole prompt came from the prefix cache (the engine sends it at once).
         self.first_step = None
         if first is not None:
@@ -139,7 +144,7 @@ class TreeRequest:
 
     @property
     def prefilling(self) -> bool:
-        return bool(self._prefill)
+        return self._done < self._rest.shape[0]
 
     @property
     def kv_rows(self) -> int:
@@ -148,18 +153,31 @@ class TreeRequest:
 
     @property
     def next_prefill_rows(self) -> int:
-        """Rows of the next prefill chunk (0 once prefilled)."""
-        return int(self._prefill[0].ids.shape[0]) if self._prefill else 0
+        """Rows of the next prefill chunk when a pass takes all it may (0 once prefilled)."""
+        return self.prefill_rows(self._chunk)
 
-    def prefill_segment(self) -> Segment:
+    def prefill_rows(self, allowed: int) -> int:
+        """Rows of the next prefill piece when a pass may carry about `allowed` (engine/prefill_share.py)."""
+        if not self.prefilling:
+            return 0
+        return piece_rows(self._base + self._done, int(self._rest.shape[0]) - self._done, self._chunk, allowed)
+
+    def prefill_segment(self, allowed: int | None = None) -> Segment:
+        """The next prefill piece (about `allowed` rows, None = a whole chunk); prefilled() takes its logits."""
         if not self._t_prefill:
             self._t_prefill = time.perf_counter()
-        return self._prefill[0]
+        n = self.prefill_rows(self._chunk if allowed is None else allowed)
+        a = self._done
+        self._piece = n
+        past = self._base
+        return Segment(self._rest[a:a + n], torch.arange(past + a, past + a + n, device=self._rest.device),
+                       self.cache, None, 1)
 
     def prefilled(self, logits: torch.Tensor) -> tuple[list[int], str | None] | None:
         """After the pass of prefill_segment(): None while chunks remain; then the first output step."""
-        self._prefill.pop(0)
-        if self._prefill:
+        self._done += self._piece
+        self._piece = 0
+        if self.prefilling:
             return None
         self.stats.prefill_ms = (time.perf_counter() - self._t_prefill) * 1e3
         if self._prefix_cache is not None:

@@ -21,8 +21,10 @@ One step:
     sizes       draft_budget.batch_sizes: the nodes worth verifying across the whole batch, best first, from the
                 calibrated pass cost of the batch's decoding rows — trees shrink as the batch grows
     one pass    forward_batch over [last + tree] of every decoding tree request, every loop's AR rows, and prefill
-                chunks of the longest-waiting requests up to `prefill_chunk` rows (at least one), so a long prompt
-                (or a RAG request's re-prefill with a new passage) never stalls the others for long
+                pieces of the longest-waiting requests (at least one): a whole `prefill_chunk` when nothing decodes,
+                else the rows that keep the pass within `prefill_slowdown` x the decoding rows' own pass
+                (engine/prefill_share.py), so a long prompt (or a RAG request's re-prefill with a new passage)
+                never stalls the others for long
     commit      per request: accept, KV commit, text (TextOutput), stream chunks, finish
 
 Each request's tokens are chosen from its own rows exactly as it would be alone (same sampler, same draws, the
@@ -38,6 +40,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -53,6 +56,7 @@ from generation_service.engine.admission import FollowWait
 from generation_service.engine.draft_gate import LOCAL, NONE, REMOTE, DraftGate
 from generation_service.engine.effects import EffectRun, Emit, Pass, on_done
 from generation_service.engine.pass_costs import PassCosts
+from generation_service.engine.prefill_share import PrefillShare
 from generation_service.engine.prefix_cache import PrefixCache
 from generation_service.engine.requests import FirstPick, TreeRequest, pick_first
 from generation_service.engine.steps import SpeculationStats, is_prefill, prefill, tree_segment
@@ -173,7 +177,7 @@ class Engine:
                  learn: Callable[[np.ndarray, list[int]], None] | None = None,
                  model_thread: ModelThread | None = None, threads: ThreadGovernor | None = None,
                  acceptance_path: Path | None = None, prefix_cache_mb: int = 0, stream_interval_ms: float = 0.0,
-                 follow_wait_ms: float = 0.0, live_pass_costs: bool = True):
+                 follow_wait_ms: float = 0.0, live_pass_costs: bool = True, prefill_slowdown: float = 2.5):
         """drafter(job): the job's Drafter (None = AR); loop(job): the request of a RAG / kNN-LM job (an object with
         effects(), final_chunk() and chunk: ralm.RagRequest, knnlm.KnnRequest); learn(prompt, completion): called
         (on a helper thread) for finished jobs that asked to learn; threads: picks torch's intra-op threads per
@@ -185,7 +189,9 @@ class Engine:
         in between go out merged with the next), 0 = every step's tokens at once; follow_wait_ms: after a request
         finishes, how long the next pass may wait for its replacement while clients run closed loops
         (engine/admission.py; 0 = never); live_pass_costs: size trees on the calibrated pass-cost curve corrected
-        by the measured decode passes (engine/pass_costs.py), not on the start-up curve alone."""
+        by the measured decode passes (engine/pass_costs.py), not on the start-up curve alone; prefill_slowdown: a
+        pass carrying prompt rows beside decoding ones may take up to this many times the decoding rows' own pass
+        (engine/prefill_share.py)."""
         self.tm = tm
         self.threads = threads
         self.live_cost = PassCosts(tm.step_cost) if live_pass_costs and tm.step_cost.measured else None
@@ -211,6 +217,9 @@ class Engine:
         self.acceptance_path = acceptance_path
         self._load_acceptance()
         self.passes = 0  # batched passes run (stats, tests)
+        # Prompt rows a pass carries beside decoding ones (engine/prefill_share.py); the last few such passes' rows.
+        self.prefill_share = PrefillShare(self.prefill_chunk, prefill_slowdown)
+        self.mixed_prefill_rows: deque[int] = deque(maxlen=4096)
         self.peak_batch = 0  # most sequences in one pass so far
         # The running requests' caches, in slots of one slab (the unfused forward attends neighbouring slots in one
         # chain of ops per layer). A request that needs more rows than a slot holds gets a cache of its own.
@@ -278,6 +287,17 @@ class Engine:
             return None
         run.out, run.first_sent = out, True  # piece None: its text waits for the next tokens (TextStream)
         return piece
+
+    def withdraw(self, job) -> bool:
+        """Take a job out of the queue (its caller left or its deadline passed) -> whether it was still queued.
+        Its slot in the queue is free at once; a job the engine took already is stopped at its next step."""
+        with self.jobs.mutex:  # queue.Queue's own lock: the engine's get() and every put() take it
+            try:
+                self.jobs.queue.remove(job)
+            except ValueError:
+                return False
+            self.jobs.not_full.notify()
+            return True
 
     def depth(self) -> int:
         return self.jobs.qsize() + (self._waiting is not None)
@@ -455,17 +475,11 @@ class Engine:
 
     def _pass(self, trees: list[_Running], ready: list[_Running]) -> None:
         """One batched forward pass: every decoding request's rows (tree requests: the last token + the chosen
-        draft nodes; RAG / kNN-LM loops: their AR step), and prefill chunks of the longest-waiting requests up to
-        prefill_chunk rows (at least one), so a long prompt never stalls the others for long."""
+        draft nodes; RAG / kNN-LM loops: their AR step), and prefill pieces of the longest-waiting requests
+        (_choose_prefills), so a long prompt never stalls the others for long."""
         t0 = time.perf_counter()
         decoding = [r for r in trees if not r.req.prefilling]
         loop_rows = [r for r in ready if not r.prefill_rows()]
-        prefills, rows = [], 0
-        for r in sorted((r for r in trees + ready if r.prefill_rows()), key=lambda r: r.t0):
-            if prefills and rows + r.prefill_rows() > self.prefill_chunk:
-                break
-            prefills.append(r)
-            rows += r.prefill_rows()
         # Alone, a request decides for itself (its sizer); in a batch the gate measures how drafting pays.
         gated = len(decoding) > 1 and any(r.req.drafter is not None for r in decoding)
         arm = REMOTE
@@ -494,10 +508,12 @@ class Engine:
             for r in decoding:
                 if r.req.sizer is None:
                     r.req.choose()
-        pre_trees = [r for r in prefills if r.req is not None]
-        loops = loop_rows + [r for r in prefills if r.loop is not None]
-        segments = ([r.req.decode_segment() for r in decoding] + [r.loop.pending.segment for r in loops]
-                    + [r.req.prefill_segment() for r in pre_trees])
+        decode_segments = [r.req.decode_segment() for r in decoding] + [r.loop.pending.segment for r in loop_rows]
+        decode_ms, prefills = self._choose_prefills(trees + ready, decode_segments, cost)
+        pre_trees = [(r, n) for r, n in prefills if r.req is not None]
+        loops = loop_rows + [r for r, _ in prefills if r.loop is not None]
+        segments = (decode_segments + [r.loop.pending.segment for r in loops[len(loop_rows):]]
+                    + [r.req.prefill_segment(n) for r, n in pre_trees])
         pass_rows = sum(int(s.ids.shape[0]) for s in segments)
         n_threads = self._set_threads(pass_rows)
         t_pass = time.perf_counter()
@@ -506,6 +522,13 @@ class Engine:
         else:
             logits, hidden = forward_batch(self.tm, segments), [None] * len(segments)
         pass_ms = (time.perf_counter() - t_pass) * 1e3
+        if decode_ms > 0:
+            prefill_rows = pass_rows - sum(int(s.ids.shape[0]) for s in decode_segments)
+            if prefills:
+                self.prefill_share.record_mixed(pass_ms, decode_ms, prefill_rows)
+                self.mixed_prefill_rows.append(prefill_rows)
+            else:
+                self.prefill_share.record_decode(pass_ms, decode_ms)
         if self.threads is not None:
             self.threads.record(n_threads, pass_rows, pass_ms)
         if self.live_cost is not None and not prefills and (self.threads is None or n_threads == self.threads.start):
@@ -544,10 +567,36 @@ class Engine:
             elif cost.measured:
                 ar_ms = float(cost.pass_ms(n * self.tm.min_rows)) + n * self.segment_ms
             self.gate.record(n, arm, emitted, (time.perf_counter() - t0) * 1e3, ar_ms)
-        for r, lg in zip(pre_trees, logits[len(decoding) + len(loops):]):
+        for (r, _), lg in zip(pre_trees, logits[len(decoding) + len(loops):]):
             step = r.req.prefilled(lg)
             if step is not None:
                 self._feed(r, step)
+
+    def _choose_prefills(self, runs: list[_Running], decode_segments: list, cost: StepCost
+                         ) -> tuple[float, list[tuple[_Running, int]]]:
+        """The prompt pieces this pass carries beside the decoding rows, the longest-waiting request first (at least
+        one piece): a whole chunk when nothing decodes, else as many rows as the prefill share allows
+        (engine/prefill_share.py). -> (calibrated ms of the decoding rows alone (0: none), [(request, rows)])."""
+        waiting = sorted((r for r in runs if r.prefill_rows()), key=lambda r: r.t0)
+        if not waiting:
+            return 0.0, []
+        decode_ms = 0.0
+        row_guess = 0.0
+        if decode_segments:
+            rows = sum(int(s.ids.shape[0]) for s in decode_segments)
+            decode_ms = float(cost.pass_ms(rows)) + (len(decode_segments) - 1) * self.segment_ms
+            row_guess = float(cost.pass_ms(rows + self.prefill_chunk) - cost.pass_ms(rows)) / self.prefill_chunk
+        budget = self.prefill_share.rows(decode_ms, row_guess)
+        chosen: list[tuple[_Running, int]] = []
+        for r in waiting:
+            n = r.req.prefill_rows(budget) if r.req is not None else r.prefill_rows()  # a loop's chunk is whole
+            if chosen and n > budget:
+                break
+            chosen.append((r, budget))
+            budget -= n
+            if budget <= 0:
+                break
+        return decode_ms, chosen
 
     @property
     def step_cost(self) -> StepCost:

@@ -442,3 +442,50 @@ def test_where_the_worker_keeps_its_acceptance_evidence(tm32, setting, expected)
     assert (got is None) if expected is None else expected in str(got)
     with pytest.raises(ValueError, match="acceptance_state"):
         GenerationConfig(acceptance_state=" ")
+
+
+def test_a_long_prompt_shares_passes_with_decoding_requests(tm32, monkeypatch):
+    """While a request decodes, a long prompt is prefilled in pieces the prefill share allows (here the smallest:
+    slowdown 1), not a whole chunk per pass; without decoding rows it goes a whole chunk at a time. Both outputs
+    equal their solo runs (up to a near-tie)."""
+    from generation_service.engine import scheduler
+
+    chunk = 256
+    long_prompt = (encode(tm32, humaneval_prompts(4)[3]) * 8)[:700]
+    short_prompt = encode(tm32, "def add(a, b):")
+    long_params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    short_params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    mt = ModelThread("test-solo")
+    want = [mt.call(lambda p=p, q=q: [t for out, _ in decode(tm32, p, q, prefill_chunk=chunk) for t in out])
+            for p, q in ((short_prompt, short_params), (long_prompt, long_params))]
+    mt.stop(wait=True)
+    passes: list[tuple[int, int]] = []  # per pass: (decoding segments, prompt rows)
+    real = scheduler.forward_batch
+
+    def recording(tm, segments):
+        prompt = [s for s in segments if s.logits_rows > 0]
+        passes.append((len(segments) - len(prompt), sum(int(s.ids.shape[0]) for s in prompt)))
+        return real(tm, segments)
+
+    monkeypatch.setattr(scheduler, "forward_batch", recording)
+    engine = _engine(tm32, {}, prefill_chunk=chunk, prefill_slowdown=1.0)
+    try:
+        short = _job(short_prompt, short_params)
+        engine.submit(short)
+        first = short.chunks.get(timeout=120)  # decoding now
+        assert first is not None and not isinstance(first, BaseException)
+        long = _job(long_prompt, long_params)
+        engine.submit(long)
+        got_long = _collect(long)[0]
+        got_short = first.token_ids + _collect(short)[0]
+    finally:
+        engine.stop()
+    mixed = [rows for dec, rows in passes if dec and rows]
+    alone = [rows for dec, rows in passes if not dec and rows]
+    assert alone[0] == len(short_prompt)
+    assert mixed and max(mixed) <= 2 * 32, mixed  # pieces of ~MIN_ROWS; Not 256-row chunks
+    assert sum(mixed) + sum(alone) == len(long_prompt) + len(short_prompt)  # every prompt row once
+    for prompt, w, g in zip((short_prompt, long_prompt), want, (got_short, got_long)):
+        if g != w:
+            div = first_divergence(tm32, prompt, w, g)
+            assert div is not None and div.near_tie, div

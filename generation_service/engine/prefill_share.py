@@ -1,0 +1,69 @@
+"""How many prompt rows a pass may carry while other requests decode: a time budget per pass.
+
+Every pass gives each decoding request its next token (or a tree's few), so every prompt row added to a pass
+delays all of them. With a fixed chunk a long prompt made every pass of its prefill a full chunk deep into the
+prompt (attention over thousands of rows), and the streams beside it slowed to that chunk's pace. vLLM's chunked
+prefill bounds the rows a step may add by a token budget that decode rows spend first. A prompt row's cost here
+grows with its depth (its attention reads every row before it), so the budget is kept in ms instead:
+
+    a pass with decoding rows may take up to `slowdown` x their decode-only pass;
+    the prompt rows fill the rest:  rows = (slowdown - 1) x decode_ms / row_ms,  within [min_rows, chunk]
+
+decode_ms is the decoding rows' pass on the calibrated curve, scaled by how decode-only passes measured against
+it; row_ms is what a prompt row added to measured mixed passes (both running means, so row_ms follows the prompt's
+depth). Without decoding rows a pass carries a whole chunk. The prompt's own pace stays near its solo one: the
+decoding rows' share of a mixed pass is at most about 1 / slowdown of it.
+
+Rows are cut inside the chunk grid (piece_rows): a prompt's chunk boundaries stay at multiples of `chunk`, where
+the prefix cache takes prompts' rows (engine/prefix_cache.py), and no piece is smaller than min_rows unless the
+grid chunk's rest is: chunks from 32 rows run the prefill linears' precision (calibrate.py), smaller ones not.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+MIN_ROWS = 32  # the smallest piece of a prompt chunk (the prefill linears' precision starts there)
+ALPHA = 0.25  # weight of the newest measurement in the running means
+
+
+@dataclass
+class PrefillShare:
+    chunk: int  # the most prompt rows a pass carries (prefill_chunk), and the prefix cache's grid
+    slowdown: float  # a mixed pass may take this many times the decoding rows' own pass (<= 1: min_rows only)
+    min_rows: int = MIN_ROWS
+    decode_factor: float = 1.0  # measured / calibrated ms of decode-only passes (running mean)
+    row_ms: float | None = None  # ms a prompt row adds to a pass with decoding rows (running mean; None: unknown)
+
+    def rows(self, decode_ms: float, row_ms_guess: float) -> int:
+        """Prompt rows the next pass may carry. decode_ms: the calibrated ms of its decoding rows alone (0 = none
+        decode: a whole chunk); row_ms_guess: a prompt row's ms on the calibrated curve, until one was measured."""
+        if decode_ms <= 0:
+            return self.chunk
+        row = self.row_ms if self.row_ms is not None else row_ms_guess * self.decode_factor
+        spare = (self.slowdown - 1.0) * decode_ms * self.decode_factor
+        n = int(spare / row) if row > 0 and spare > 0 else 0
+        return max(min(self.min_rows, self.chunk), min(self.chunk, n))
+
+    def record_decode(self, measured_ms: float, calibrated_ms: float) -> None:
+        """A pass of decoding rows only took measured_ms; the calibrated curve said calibrated_ms."""
+        if measured_ms > 0 and calibrated_ms > 0:
+            self.decode_factor += ALPHA * (measured_ms / calibrated_ms - self.decode_factor)
+
+    def record_mixed(self, measured_ms: float, decode_ms: float, rows: int) -> None:
+        """A pass of decoding rows (calibrated decode_ms) and `rows` prompt rows took measured_ms."""
+        if rows <= 0 or decode_ms <= 0:
+            return
+        per_row = max(measured_ms - decode_ms * self.decode_factor, 0.0) / rows
+        self.row_ms = per_row if self.row_ms is None else self.row_ms + ALPHA * (per_row - self.row_ms)
+
+
+def piece_rows(done: int, remaining: int, chunk: int, allowed: int, min_rows: int = MIN_ROWS) -> int:
+    """Rows of a prompt's next prefill piece: `done` rows of it prefilled, `remaining` to go, about `allowed` in
+    this pass. The piece ends inside the current grid chunk [k*chunk, (k+1)*chunk), and that chunk's rest is cut
+    into equal pieces (no ragged last one: 256 rows at 100 a pass go as 86, 85, 85, Not 100, 100, 56) of at least
+    min_rows each where the rest has that many (40 rows at 32 a pass go as one piece, Not 20 + 20)."""
+    left = min(remaining, chunk - done % chunk)
+    pieces = max(1, min(math.ceil(left / max(1, allowed)), left // max(1, min_rows)))
+    return math.ceil(left / pieces)

@@ -1,0 +1,68 @@
+"""The prefill share: how many prompt rows a pass may carry beside decoding rows, and how a chunk is cut."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, strategies as st
+
+from generation_service.engine.prefill_share import MIN_ROWS, PrefillShare, piece_rows
+
+
+@pytest.mark.parametrize("decode_ms, row_ms, slowdown, expected", [
+    (0.0, 1.0, 2.5, 256),    # nothing decodes: a whole chunk; Not a share of nothing
+    (10.0, 0.1, 2.5, 150),   # 15 spare ms at 0.1 ms a row; Not 256 (the chunk a pass used to carry)
+    (10.0, 0.01, 2.5, 256),  # cheap rows: capped at the chunk; Not 1500
+    (10.0, 1.0, 2.5, 32),    # dear rows (deep in a long prompt): at least MIN_ROWS; Not 15
+    (10.0, 0.1, 1.0, 32),    # no slowdown allowed: MIN_ROWS only; Not 0 (the prompt would never start)
+])
+def test_rows_beside_decoding(decode_ms, row_ms, slowdown, expected):
+    share = PrefillShare(256, slowdown, row_ms=row_ms)
+    assert share.rows(decode_ms, row_ms_guess=99.0) == expected  # a measured row cost wins over the guess
+
+
+def test_the_guess_serves_until_a_mixed_pass_was_measured():
+    share = PrefillShare(256, 3.0)
+    assert share.rows(10.0, row_ms_guess=0.2) == 100  # 20 spare ms / 0.2
+    share.record_decode(20.0, 10.0)  # decode passes run 2x the curve here: so do the guessed rows
+    factor = share.decode_factor
+    assert factor == pytest.approx(1.25)  # a running mean, Not the last ratio alone
+    assert share.rows(10.0, row_ms_guess=0.2) == 100  # both scale: the share of the pass is the same
+    share.record_mixed(12.5 + 50 * 0.5, 10.0, 50)  # decode part 12.5 ms (10 x 1.25), 50 rows at 0.5 ms
+    assert share.row_ms == pytest.approx(0.5)
+    assert share.rows(10.0, row_ms_guess=0.2) == 50  # 25 spare ms / 0.5; Not 100 from the guess
+
+
+def test_row_cost_follows_a_deepening_prompt():
+    share = PrefillShare(256, 3.0, row_ms=0.2)
+    for _ in range(20):  # rows cost 0.4 ms now (attention over a longer prompt)
+        share.record_mixed(10.0 + 40 * 0.4, 10.0, 40)
+    assert share.row_ms == pytest.approx(0.4, rel=0.01)
+    assert share.rows(10.0, 0.2) == 50  # Not 100
+
+
+@pytest.mark.parametrize("done, remaining, allowed, expected", [
+    (0, 1000, 256, 256),   # a whole grid chunk
+    (0, 1000, 100, 86),    # 256 in three equal pieces; Not 100, 100, 56
+    (86, 914, 100, 85),
+    (171, 829, 100, 85),   # ends on the grid at 256; Not 100 (it would cross into the next chunk)
+    (0, 40, 32, 40),       # a 40-row rest stays one piece; Not 20 + 20 (below the precision threshold)
+    (0, 10, 32, 10),       # a short prompt: all of it
+    (512, 44, 8, 44),      # the prompt's tail is smaller than MIN_ROWS: one piece
+])
+def test_piece_rows(done, remaining, allowed, expected):
+    assert piece_rows(done, remaining, 256, allowed) == expected
+
+
+@given(st.integers(1, 3000), st.integers(1, 512), st.sampled_from([64, 256, 1024]))
+def test_pieces_cover_the_prompt_on_the_grid(n, allowed, chunk):
+    """Brute force: cutting a prompt piece by piece covers it exactly, never crosses a multiple of the chunk, and
+    no piece is smaller than MIN_ROWS unless its grid chunk's rest was."""
+    done = 0
+    while done < n:
+        left = min(n - done, chunk - done % chunk)
+        k = piece_rows(done, n - done, chunk, allowed)
+        assert 1 <= k <= left
+        assert k >= min(MIN_ROWS, left) or k == left
+        assert (done // chunk) == ((done + k - 1) // chunk)  # inside one grid chunk
+        done += k
+    assert done == n

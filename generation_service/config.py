@@ -48,6 +48,8 @@ FLAG_HELP = {
     "limit_stop_sequences": "most stop sequences per request",
     "max_batch": "requests decoded together in every forward pass (continuous batching)",
     "prefill_chunk": "prompt tokens a new request prefills per pass beside the running ones",
+    "prefill_slowdown": "while others decode, a pass carrying prompt rows may take up to this many times their own "
+                        "pass (fewer prompt rows per pass: their inter-token latency stays bounded)",
     "kv_cache_mb": "memory for the running requests' KV caches, MB; a request that does not fit waits",
     "kv_cache_dtype": "how KV caches store keys/values: auto (fp16 where the fused forward runs, else the dtype's) | "
                       "fp16 | fp32",
@@ -58,8 +60,9 @@ FLAG_HELP = {
     "follow_wait_ms": "ms the pass after a finished request waits for the client's next one while clients run "
                       "closed loops; 0 = never",
     "queue_size": "requests that may wait for a batch slot; more get RESOURCE_EXHAUSTED",
-    "max_concurrent_rpcs": "RPCs in flight before gRPC answers RESOURCE_EXHAUSTED (0 = unlimited)",
-    "workers": "gRPC handler threads",
+    "max_concurrent_rpcs": "RPCs in flight (health checks aside) before the server answers RESOURCE_EXHAUSTED "
+                           "(0 = unlimited)",
+    "workers": "gRPC handler threads (at least max_concurrent_rpcs, plus 4 kept for health checks)",
     "grace_s": "seconds in-flight requests get to finish after SIGTERM (health answers NOT_SERVING meanwhile)",
     "max_message_bytes": "largest request and reply message, bytes",
     **config_util.SHELL_FLAG_HELP,
@@ -139,6 +142,9 @@ class GenerationConfig(config_util.ShellConfig):
     # wake its gRPC thread (engine/scheduler.py Engine._send).
     max_batch: int = 16
     prefill_chunk: int = 256
+    # While others decode, a pass carrying prompt rows may take up to prefill_slowdown x their decode-only pass
+    # (engine/prefill_share.py): their tokens keep coming during a long prefill, the prompt keeps most of each pass.
+    prefill_slowdown: float = 2.5
     kv_cache_mb: int = 2048
     # fp16 halves what every decode row's attention reads (lean_llama.LeanLlama.set_kv_dtype); fp32 = exact fp32.
     kv_cache_dtype: str = "auto"
@@ -147,7 +153,9 @@ class GenerationConfig(config_util.ShellConfig):
     # A closed-loop client's next request lands just after the next pass started and would wait all of it for its
     # first token; follow_wait_ms holds that pass for it (engine/admission.py).
     follow_wait_ms: float = 8.0
-    queue_size: int = 64
+    # Running + waiting requests stay below max_concurrent_rpcs, so a full queue is refused as such (with the
+    # queue's size in the message), not by the RPC limit.
+    queue_size: int = 32
     max_concurrent_rpcs: int = 64
     workers: int = 32
     grace_s: float = 30.0
@@ -206,5 +214,7 @@ class GenerationConfig(config_util.ShellConfig):
             raise ValueError(f"stream_interval_ms: {self.stream_interval_ms} must be >= 0 (0 = every step)")
         if self.follow_wait_ms < 0:
             raise ValueError(f"follow_wait_ms: {self.follow_wait_ms} must be >= 0 (0 = never)")
+        if not 1.0 <= self.prefill_slowdown <= 100.0:
+            raise ValueError(f"prefill_slowdown: {self.prefill_slowdown} is outside [1, 100]")
         if self.prefix_cache_mb < 0:
             raise ValueError(f"prefix_cache_mb: {self.prefix_cache_mb} must be >= 0 (0 = off)")

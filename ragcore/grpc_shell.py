@@ -3,7 +3,10 @@
 - grpc.health.v1: every service starts NOT_SERVING and is switched to SERVING only once its indexes or
   model are loaded and warmed up (the caller decides when).
 - Reflection, v1 and v1alpha, so grpcurl, Postman and friends (old or new) can discover the API.
-- Backpressure: `maximum_concurrent_rpcs` makes gRPC itself answer RESOURCE_EXHAUSTED beyond the limit.
+- Backpressure: beyond `max_concurrent_rpcs` calls in flight the shell answers RESOURCE_EXHAUSTED (counted by the
+  observers like any status). Health checks are outside the limit and have handler threads of their own
+  (HEALTH_THREADS), so a busy server still answers its orchestrator; gRPC's own limit stays as a backstop at
+  twice the shell's.
 - Draining stop on SIGTERM/SIGINT: health goes NOT_SERVING at once and keeps answering while in-flight calls get
   up to `grace_s` seconds to finish (new calls are refused with UNAVAILABLE); only then does the listener close.
   A probe therefore sees NOT_SERVING, not "connection refused", for the whole drain.
@@ -55,6 +58,8 @@ _UNAVAILABLE_CODES = frozenset({Code.UNAVAILABLE, Code.ABORTED})
 # A client whose deadline fires cancels the call a little before the server's copy of that deadline runs out (the
 # timeout travels as a duration and starts later here): a cancel this close to the deadline is the deadline.
 _DEADLINE_SLACK_S = 0.05
+# Handler threads beyond the call limit: health checks (outside the limit) and quick refusals always find one.
+HEALTH_THREADS = 4
 
 
 def bound_details(details: str | bytes | None) -> str:
@@ -163,9 +168,11 @@ def _log_failed(call: Call) -> None:
 class ShellInterceptor(grpc.ServerInterceptor):
     """Outermost interceptor: true status codes, bounded details, one-line logs, observers, drain refusal."""
 
-    def __init__(self, observers: Sequence[CallObserver] = (), max_message_bytes: int | None = None):
+    def __init__(self, observers: Sequence[CallObserver] = (), max_message_bytes: int | None = None,
+                 max_in_flight: int | None = None):
         self._observers = list(observers)
         self._max_reply = max_message_bytes
+        self._max_in_flight = max_in_flight or None  # counted calls at once (None: no limit)
         self._lock = threading.Condition()
         self._in_flight = 0
         self.draining = False
@@ -227,19 +234,23 @@ class ShellInterceptor(grpc.ServerInterceptor):
             if remaining is not None and remaining < 1e9:
                 call.deadline = call.started + remaining
             context = _Context(raw_context)
-            refused = False
+            refused = busy = False
             if counted:
                 with self._lock:
                     refused = self.draining
-                    if not refused:
+                    busy = not refused and self._max_in_flight is not None and self._in_flight >= self._max_in_flight
+                    if not refused and not busy:
                         self._in_flight += 1
             for obs in observers:
                 try:
                     obs.call_started(call)
                 except Exception:
                     log.debug("call observer failed", exc_info=True)
-            if refused:
-                call.code, call.details = Code.UNAVAILABLE, "server is shutting down; retry on another replica"
+            if refused or busy:
+                call.code, call.details = ((Code.UNAVAILABLE, "server is shutting down; retry on another replica")
+                                           if refused else
+                                           (Code.RESOURCE_EXHAUSTED, f"server busy: {self._max_in_flight} calls in "
+                                            "flight (--max-concurrent-rpcs); retry later"))
                 finish(call, False)
                 raw_context.abort(call.code, call.details)
             # A unary reply that is never serialized (the client left first) is finished when gRPC ends the RPC.
@@ -448,10 +459,13 @@ def start_server(
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
-    shell = ShellInterceptor(observers, max_message_bytes=max_message_bytes)
+    shell = ShellInterceptor(observers, max_message_bytes=max_message_bytes, max_in_flight=max_concurrent_rpcs)
+    # Every admitted call holds a handler thread while it runs (a Generate for its whole generation): with fewer
+    # threads than the limit, a health check would wait in the pool's queue behind calls nobody answers yet.
+    threads = max(workers, max_concurrent_rpcs or 0) + HEALTH_THREADS
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rpc", initializer=thread_initializer),
-        maximum_concurrent_rpcs=max_concurrent_rpcs or None,
+        futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rpc", initializer=thread_initializer),
+        maximum_concurrent_rpcs=2 * max_concurrent_rpcs + HEALTH_THREADS if max_concurrent_rpcs else None,
         options=options,
         interceptors=[shell, *interceptors, DecodeErrorInterceptor()],
     )

@@ -43,8 +43,9 @@ FLAG_HELP = {
     "learn_dir": "directory keeping compacted learned shards across restarts (\"\" = memory only)",
     "learn_max_tokens": "tokens the learned shards may hold; the oldest are evicted first",
     "learn_compact_tokens": "learned tokens buffered in memory before they are compacted into a shard",
-    "max_concurrent_rpcs": "RPCs in flight before gRPC answers RESOURCE_EXHAUSTED (0 = unlimited)",
-    "workers": "gRPC handler threads",
+    "max_concurrent_rpcs": "RPCs in flight (health checks aside) before the server answers RESOURCE_EXHAUSTED "
+                           "(0 = unlimited)",
+    "workers": "gRPC handler threads (at least max_concurrent_rpcs, plus 4 kept for health checks)",
     "grace_s": "seconds in-flight calls get to finish after SIGTERM (health answers NOT_SERVING meanwhile)",
     "max_message_bytes": "largest request and reply message, bytes",
     "kb_retrievers": "KB retrievers to load: comma list of edr,adr,sr (\"\" = every one the KB was built with)",

@@ -70,3 +70,49 @@ def test_calls_beyond_max_concurrent_rpcs_get_resource_exhausted():
         running.stop(0)
     assert refused == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 3  # Not queued behind the blocked calls
     assert codes.count(grpc.StatusCode.OK) == 2  # the two in flight finish normally
+
+
+def _handled(code: str) -> float:
+    from ragcore import metrics as core_metrics
+
+    m = core_metrics.get("retrieval")
+    return m.handled.labels("ragserve.v1.DraftService", "Draft", "unary", code)._value.get()
+
+
+def test_health_answers_and_refusals_are_counted_while_every_call_slot_is_taken():
+    """Every handler thread the configuration asks for is held by a call: health checks still answer SERVING at
+    once (they are outside the call limit and have threads of their own), and each refused call is counted with its
+    code (Not refused by gRPC where no metric sees it)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    ds = BlockingDatastore()
+    running = build_server(RetrievalConfig(port=0, workers=2, max_concurrent_rpcs=2), datastore=ds)
+    codes: list[grpc.StatusCode] = []
+    lock = threading.Lock()
+    before = _handled("RESOURCE_EXHAUSTED")
+    health: list[int] = []
+    try:
+        with grpc.insecure_channel(running.address) as ch:
+            stub = draft_pb2_grpc.DraftServiceStub(ch)
+            held = [threading.Thread(target=_draft, args=(stub, codes, lock)) for _ in range(2)]
+            for t in held:
+                t.start()
+            for _ in held:
+                assert ds.entered.acquire(timeout=30)
+            extra = [threading.Thread(target=_draft, args=(stub, codes, lock)) for _ in range(4)]
+            for t in extra:
+                t.start()
+            for t in extra:
+                t.join(30)
+            checker = health_pb2_grpc.HealthStub(ch)
+            for _ in range(10):  # a generous deadline for a loaded CI box; a starved check never answers at all
+                health.append(checker.Check(health_pb2.HealthCheckRequest(), timeout=5).status)
+            ds.release.set()
+            for t in held:
+                t.join(30)
+    finally:
+        ds.release.set()
+        running.stop(0)
+    assert health == [health_pb2.HealthCheckResponse.SERVING] * 10  # Not DEADLINE_EXCEEDED / RESOURCE_EXHAUSTED
+    assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 4
+    assert _handled("RESOURCE_EXHAUSTED") - before == 4  # Not 0: every refusal is in the metrics

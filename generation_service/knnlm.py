@@ -86,7 +86,7 @@ from generation_service.speculative import (
     stream_tokenizer,
     text_chunks,
 )
-from ragcore.errors import InvalidArgument, Unavailable
+from ragcore.errors import FailedPrecondition, InvalidArgument, Unavailable
 from ragcore.knn_store import KnnDatastore, open_datastore
 from ragcore.model_files import tokenizer_identity
 from ragcore.wire import clip
@@ -1109,7 +1109,7 @@ def request_options(msg, params: SamplingParams, backend: KnnBackend | None) -> 
     """A Generate request's kNN-LM options, checked against the sampling settings and the datastore
     (ValueError whose message starts with the field)."""
     if backend is None:
-        raise InvalidArgument("knnlm", "this server has no kNN-LM datastore (start it with --knnlm-datastore DIR)")
+        raise FailedPrecondition("this server has no kNN-LM datastore (start it with --knnlm-datastore DIR)")
     if not params.greedy:
         raise InvalidArgument("temperature", "kNN-LM decoding is greedy only (leave temperature unset or 0)")
     opts = options_from_proto(msg)

@@ -58,7 +58,14 @@ from generation_service.speculative import StreamChunk
 from proto import generation_pb2, generation_pb2_grpc
 from ragcore import metrics as core_metrics, security
 from ragcore.draft_tree import warmup_context_draft
-from ragcore.errors import Cancelled, DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
+from ragcore.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+)
 from ragcore.grpc_shell import STOP_JOIN_S, RunningServer, install_signal_handlers, start_server
 from ragcore.machine import cpu_info
 from ragcore.model_files import tokenizer_identity
@@ -70,6 +77,9 @@ log = logging.getLogger("generation_service")
 _SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 _ROLES = ("system", "user", "assistant")
 _MAX_STOP_CHARS = 512
+# gRPC ends a call whose deadline passed (and runs its callbacks) about when our copy of that deadline runs out,
+# a little before or after: an end this close to the deadline is the deadline, not a cancel.
+_DEADLINE_SLACK_S = 0.05
 _LEARN_PROMPT_TAIL = 16  # prompt tokens sent with a learned output (the longest suffix drafting matches)
 
 
@@ -186,7 +196,7 @@ class Worker:
                              loop=self._loop_request, learn=link.learn, model_thread=model_thread, threads=threads,
                              acceptance_path=acceptance_path(cfg, tm), prefix_cache_mb=cfg.prefix_cache_mb,
                              stream_interval_ms=cfg.stream_interval_ms, follow_wait_ms=cfg.follow_wait_ms,
-                             live_pass_costs=cfg.live_pass_costs)
+                             live_pass_costs=cfg.live_pass_costs, prefill_slowdown=cfg.prefill_slowdown)
 
     @property
     def model_thread(self) -> ModelThread:
@@ -197,6 +207,9 @@ class Worker:
 
     def depth(self) -> int:
         return self.engine.depth()
+
+    def withdraw(self, job: Job) -> bool:
+        return self.engine.withdraw(job)
 
     def stop(self) -> None:
         self.engine.stop()
@@ -318,7 +331,8 @@ def parse_rag(request: generation_pb2.GenerateRequest, prompt_ids: np.ndarray, p
     if not request.HasField("rag"):
         return None
     if backend is None:
-        raise InvalidArgument("rag", "this server has no knowledge service (start it with --kb-target HOST:PORT)")
+        raise FailedPrecondition("this server has no knowledge service for RAG (start it with --kb-target "
+                                 "HOST:PORT)")
     return ralm_service.request_params(request, len(prompt_ids), params, tm.max_positions)
 
 
@@ -367,15 +381,35 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         except queue.Full:
             raise ResourceExhausted(f"generation queue is full ({self.cfg.queue_size} requests waiting); "
                                     "retry later") from None
-        # Client cancellation or disconnect stops the decode loop at its next step.
-        context.add_callback(job.cancelled.set)
+        # Client cancellation or disconnect stops the decode loop at its next step, and a job still queued leaves
+        # the queue at once.
+        context.add_callback(lambda: self._left(job))
         return job
 
-    @staticmethod
-    def _chunks(job: Job, context):
+    def _left(self, job: Job) -> None:
+        job.cancelled.set()
+        if self.worker.withdraw(job):
+            job.chunks.put(None)  # wakes its handler, which answers CANCELLED
+
+    def _next(self, job: Job):
+        """The job's next chunk (None: no more). A queued job whose deadline passes is taken out of the queue and
+        its handler returns at once (a running one is stopped by the engine at its next step)."""
         while True:
-            item = job.chunks.get()
+            if job.deadline is None:
+                return job.chunks.get()
+            try:
+                return job.chunks.get(timeout=max(0.0, job.deadline - time.monotonic()) + 0.01)
+            except queue.Empty:
+                if self.worker.withdraw(job):
+                    raise DeadlineExceeded("the request deadline passed while it waited for a batch slot") from None
+                return job.chunks.get()  # running: the engine ends it at its next step
+
+    def _chunks(self, job: Job, context):
+        while True:
+            item = self._next(job)
             if item is None:
+                if job.deadline is not None and time.monotonic() > job.deadline - _DEADLINE_SLACK_S:
+                    raise DeadlineExceeded("the request deadline passed before it started")
                 return
             if isinstance(item, BaseException):  # the shell answers with its status (ragcore/errors.py)
                 raise item
@@ -400,7 +434,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     def GenerateStream(self, request, context):
         job = self._start(request, context)
+        finished = False
         for chunk in self._chunks(job, context):
+            finished = chunk.finish_reason is not None
             msg = generation_pb2.GenerateStreamResponse(text_delta=chunk.text, token_ids=chunk.token_ids)
             if chunk.finish_reason is not None:
                 usage, stats = stats_proto(chunk)
@@ -408,6 +444,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 msg.usage.CopyFrom(usage)
                 msg.stats.CopyFrom(stats)
             yield msg
+        if not finished:  # never started: Not an OK stream without a final message
+            raise Cancelled("request was cancelled before it started")
 
 
 def _open_knnlm(cfg: GenerationConfig, tm):

@@ -52,6 +52,7 @@ class Replica:
     channel: grpc.Channel
     stub: Any
     down_until: float = 0.0
+    reconnecting: Any = None  # the channel's connectivity callback while the replica is down
 
 
 class ReplicatedClient:
@@ -99,6 +100,8 @@ class ReplicatedClient:
 
     def close(self) -> None:
         for r in self.replicas:
+            if r.reconnecting is not None:
+                r.channel.unsubscribe(r.reconnecting)
             r.channel.close()
 
     def healthy(self) -> list[Replica]:
@@ -130,9 +133,33 @@ class ReplicatedClient:
         if code in _REQUEST_CODES:
             return self._failure("request", msg)
         if replica is not None and code not in _CALLER_CODES and code != _BUSY:
-            replica.down_until = time.monotonic() + self.retry_after_s
+            self._mark_down(replica)
             self.last_error = msg
         return self._failure("unavailable", msg)
+
+    def _mark_down(self, replica: Replica) -> None:
+        """Skip the replica for retry_after_s, or until its channel has lost its connection and made a new one,
+        whichever comes first: a restarted service is back in rotation the moment the channel reconnects (within
+        the reconnect backoff), so the first requests after a restart draft again instead of running degraded for
+        the whole interval. A replica that refuses on a live connection (draining) waits out the interval."""
+        with self._lock:
+            replica.down_until = time.monotonic() + self.retry_after_s
+            if replica.reconnecting is not None:
+                return
+            lost = [False]
+
+            def watch(state: grpc.ChannelConnectivity) -> None:
+                if state != grpc.ChannelConnectivity.READY:
+                    lost[0] = True
+                    return
+                if lost[0]:
+                    with self._lock:
+                        replica.down_until = 0.0
+                        replica.reconnecting = None
+                    replica.channel.unsubscribe(watch)
+
+            replica.reconnecting = watch
+        replica.channel.subscribe(watch, try_to_connect=True)
 
     def call(self, method: str, request, *, deadline: float | None = None, timeout_s: float | None = None):
         """`method` on the first healthy replica, failing over to the next within the deadline; while every replica

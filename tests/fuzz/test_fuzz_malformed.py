@@ -23,7 +23,9 @@ from tests.fuzz.conftest import GEN_LIMITS
 from tests.fuzz.wire import BAD_UTF8, FIELD, ldelim, varint
 
 SEED = int(os.environ.get("RAGSERVE_FUZZ_SEED", "18"))
-ALLOWED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+# FAILED_PRECONDITION: a well-formed kNN-LM or RAG request to a worker without that backend.
+ALLOWED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+           grpc.StatusCode.FAILED_PRECONDITION}
 VOCAB = 49152
 U32 = 2**32 - 1
 D = "/ragserve.v1.DraftService/"

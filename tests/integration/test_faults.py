@@ -98,3 +98,99 @@ def test_deadline_exceeded_is_reported_and_work_stops(client):
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     reply = client.generate(PROMPTS[1], max_new_tokens=4, decoding="ar", timeout=120)
     assert reply.usage.completion_tokens >= 1
+
+
+def _handled(method: str, code: str) -> float:
+    from generation_service import metrics
+
+    return metrics.get().handled.labels("ragserve.v1.GenerationService", method, "unary" if method == "Generate"
+                                        else "server_stream", code)._value.get()
+
+
+def _until(predicate, timeout_s: float = 10.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+@pytest.mark.parametrize("how, code", [
+    ("deadline", "DEADLINE_EXCEEDED"),  # Not CANCELLED: the deadline passed while it was queued
+    ("cancel", "CANCELLED"),
+])
+def test_queued_work_leaves_the_queue_when_its_caller_does(tm, retrieval, how, code):
+    """One request runs (max_batch 1) and another waits in the queue. When the waiting one's deadline passes or its
+    caller cancels, it leaves the queue at once (Not when the batch slot frees) and is counted with its code."""
+    running, servicer = start_generation(tm, retrieval.address, queue_size=2, max_batch=1)
+    engine = servicer.worker.engine
+    method = "Generate" if how == "deadline" else "GenerateStream"
+    before = _handled(method, code)
+    try:
+        with GenerationClient(running.address) as c:
+            long = c.stream(PROMPTS[0], max_new_tokens=2000, decoding="ar", ignore_eos=True, timeout=600)
+            assert next(long).token_ids  # running
+            if how == "deadline":
+                with pytest.raises(grpc.RpcError) as err:
+                    c.generate(PROMPTS[1], max_new_tokens=4, decoding="ar", timeout=1.0)
+                assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            else:
+                queued = c.stream(PROMPTS[1], max_new_tokens=4, decoding="ar", timeout=600)
+                assert _until(lambda: engine.jobs.qsize() == 1)
+                queued.cancel()
+            assert _until(lambda: engine.jobs.qsize() == 0, 5.0)  # out of the queue; Not held behind `long`
+            assert _until(lambda: _handled(method, code) - before == 1, 5.0), code
+            assert len(engine.running) == 1  # the long request still runs: the slot never freed
+            long.cancel()
+    finally:
+        running.stop(0)
+        servicer.worker.stop()
+
+
+def test_a_restarted_retrieval_service_drafts_again_once_the_channel_reconnects(tm, datastore):
+    """A failed draft skips the retrieval service for retry_after_s (here a minute); once the restarted service's
+    channel has reconnected it is back at once (Not after the minute: requests meanwhile ran fully degraded)."""
+    port = free_port()
+    cfg = RetrievalConfig(port=port, workers=2)
+    retrieval = build_retrieval(cfg, datastore=datastore)
+    running, servicer = start_generation(tm, retrieval.address, retry_after_s=60.0, draft_timeout_ms=5000)
+    replica = servicer.worker.link.client.replicas[0]
+    try:
+        with GenerationClient(running.address) as c:
+            assert not c.generate(PROMPTS[0], max_new_tokens=8, decoding="rest", timeout=300).stats.degraded
+            retrieval.stop(0)
+            assert c.generate(PROMPTS[0], max_new_tokens=8, decoding="rest", timeout=300).stats.degraded
+            assert replica.down_until > time.monotonic() + 30  # skipped for the interval
+            retrieval = build_retrieval(cfg, datastore=datastore)  # back on the same port
+            end = time.monotonic() + 20  # the channel's reconnect backoff is at most 1 s; a loaded box is slow
+            while replica.down_until and time.monotonic() < end:
+                time.sleep(0.05)
+            assert replica.down_until == 0.0  # Not skipped for the rest of the minute
+            back = c.generate(PROMPTS[0], max_new_tokens=8, decoding="rest", timeout=300)
+            assert not back.stats.degraded, back.stats.degraded_reason
+    finally:
+        running.stop(0)
+        servicer.worker.stop()
+        retrieval.stop(0)
+
+
+@pytest.mark.parametrize("field", ["knnlm", "rag"])
+def test_a_mode_this_worker_has_no_backend_for_is_a_failed_precondition(tm, retrieval, field):
+    from proto import generation_pb2
+
+    running, servicer = start_generation(tm, retrieval.address, kb_target="")
+    try:
+        with GenerationClient(running.address) as c:
+            request = generation_pb2.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=4)
+            if field == "knnlm":
+                request.knnlm.k = 8
+            else:
+                request.rag.retriever = "edr"
+            with pytest.raises(grpc.RpcError) as err:
+                c.stub.Generate(request, timeout=60)
+    finally:
+        running.stop(0)
+        servicer.worker.stop()
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # Not INVALID_ARGUMENT: the request is fine
+    assert "no " in err.value.details()

@@ -94,6 +94,7 @@ SHELL_FLAG_HELP = {
     "metrics_host": "address /metrics binds to; loopback by default (0.0.0.0 exposes it: add TLS and basic auth)",
     "metrics_tls_cert": "PEM certificate to serve /metrics over HTTPS (with --metrics-tls-key; \"\" = plain HTTP)",
     "metrics_tls_key": "PEM private key of --metrics-tls-cert",
+    "metrics_tls_client_ca": "PEM CA whose client certificates /metrics requires (mutual TLS; \"\" = none)",
     "metrics_auth_file": "file holding user:password that scrapes must send as HTTP basic auth (\"\" = none)",
     "auth_token": "bearer token every RPC must carry, health excepted (\"\" = no auth)",
     "auth_token_file": "file holding the bearer token (wins over --auth-token)",
@@ -122,6 +123,7 @@ class ShellConfig:
     metrics_host: str = "127.0.0.1"
     metrics_tls_cert: str = ""
     metrics_tls_key: str = ""
+    metrics_tls_client_ca: str = ""
     metrics_auth_file: str = ""
     # Bearer token every RPC must carry (`authorization: Bearer <token>`; health is exempt); "" = off.
     # auth_token_file (e.g. /run/secrets/ragserve_token) wins over auth_token (ragcore/security.py).

@@ -12,7 +12,11 @@ leave out the `_created` series prometheus_client adds.
 - Client call timing (instrument_channel), for a service's own calls to another.
 
 The endpoint binds to 127.0.0.1 unless `metrics_host` says otherwise; with `metrics_tls_cert/key` it serves
-HTTPS and with `metrics_auth_file` ("user:password") it requires HTTP basic auth.
+HTTPS (with `metrics_tls_client_ca` it requires a client certificate that CA signed) and with `metrics_auth_file`
+("user:password") it requires HTTP basic auth. It serves `/metrics` only (any other path: 404). It is
+prometheus_client's threaded WSGI server, except that the TLS handshake runs in each connection's own thread with a
+timeout: prometheus_client's start_wsgi_server wraps the listening socket, so accept() itself shakes hands and one
+idle TCP client blocks every scrape behind it.
 
     running.closers.append(serve_http(cfg.metrics_port, "retrieval", host=cfg.metrics_host))   # in build_server
     curl -s 127.0.0.1:9100/metrics | grep ragserve_
@@ -111,9 +115,43 @@ def exposition(service: str) -> str:
 
 # ------------------------------------------------------------------------------------------------ /metrics
 
+METRICS_PATH = "/metrics"
+CONNECTION_TIMEOUT_S = 10.0  # a scrape connection that sends nothing this long (or stalls its handshake) is closed
+
+
 class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format, *args) -> None:  # scrapes are not news
         pass
+
+
+class _MetricsServer(ThreadingWSGIServer):
+    """Every connection in its own thread from accept on: its TLS handshake included, with a timeout."""
+
+    tls: ssl.SSLContext | None = None
+
+    def get_request(self):
+        sock, addr = self.socket.accept()  # plain TCP: nothing here waits on the client
+        sock.settimeout(CONNECTION_TIMEOUT_S)
+        return sock, addr
+
+    def process_request_thread(self, request, client_address) -> None:
+        if self.tls is not None:
+            try:
+                request = self.tls.wrap_socket(request, server_side=True)  # the handshake, in this thread
+            except (OSError, ValueError):  # an idle, plain-HTTP or untrusted client: its connection only
+                self.shutdown_request(request)
+                return
+        super().process_request_thread(request, client_address)
+
+
+def _only_metrics_path(app):
+    def routed(environ, start_response):
+        if environ.get("PATH_INFO", "") != METRICS_PATH:
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"not found: metrics are at /metrics\n"]
+        return app(environ, start_response)
+
+    return routed
 
 
 def _basic_auth(app, credentials: bytes):
@@ -131,10 +169,11 @@ def _basic_auth(app, credentials: bytes):
 
 
 def serve_http(port: int, service: str, *, host: str = "127.0.0.1", tls_cert: str = "", tls_key: str = "",
-               auth_file: str = "") -> Callable[[], None]:
+               auth_file: str = "", tls_client_ca: str = "") -> Callable[[], None]:
     """Start `service`'s /metrics endpoint on host:port (0 = off); returns a function that stops it.
 
-    tls_cert + tls_key: HTTPS. auth_file: a file holding "user:password"; scrapes must send it as HTTP basic auth.
+    tls_cert + tls_key: HTTPS; tls_client_ca: also require a client certificate this CA signed. auth_file: a file
+    holding "user:password"; scrapes must send it as HTTP basic auth.
     """
     if not port:
         return lambda: None
@@ -144,13 +183,17 @@ def serve_http(port: int, service: str, *, host: str = "127.0.0.1", tls_cert: st
         if ":" not in creds:
             raise ValueError(f"metrics_auth_file: {auth_file} must hold 'user:password'")
         app = _basic_auth(app, creds.encode())
-    httpd = make_server(host, port, app, ThreadingWSGIServer, handler_class=_QuietHandler)
-    if tls_cert or tls_key:
+    tls = None
+    if tls_cert or tls_key or tls_client_ca:
         if not (tls_cert and tls_key):
             raise ValueError("metrics_tls_cert/metrics_tls_key: give both the certificate and its private key")
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.load_cert_chain(tls_cert, tls_key)
-        httpd.socket = ctx.wrap_socket(httpd.socket, server_side=True)
+        tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        tls.load_cert_chain(tls_cert, tls_key)
+        if tls_client_ca:
+            tls.load_verify_locations(tls_client_ca)
+            tls.verify_mode = ssl.CERT_REQUIRED
+    httpd = make_server(host, port, _only_metrics_path(app), _MetricsServer, handler_class=_QuietHandler)
+    httpd.tls = tls
     thread = threading.Thread(target=httpd.serve_forever, name=f"metrics-{service}", daemon=True)
     thread.start()
 
@@ -190,7 +233,8 @@ def serve_config(cfg: Any, service: str) -> Callable[[], None]:
     metrics_auth_file fields."""
     return serve_http(cfg.metrics_port, service, host=getattr(cfg, "metrics_host", "127.0.0.1"),
                       tls_cert=getattr(cfg, "metrics_tls_cert", ""), tls_key=getattr(cfg, "metrics_tls_key", ""),
-                      auth_file=getattr(cfg, "metrics_auth_file", ""))
+                      auth_file=getattr(cfg, "metrics_auth_file", ""),
+                      tls_client_ca=getattr(cfg, "metrics_tls_client_ca", ""))
 
 
 # ----------------------------------------------------------------------------------------------- gRPC client

@@ -255,3 +255,35 @@ def test_metrics_basic_auth_and_tls(tmp_path):
             urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)  # Not plain HTTP
     finally:
         close()
+
+
+def test_an_idle_client_does_not_block_https_metrics_and_only_metrics_is_served(tmp_path):
+    """A TCP client that connects and sends nothing (no TLS handshake) holds its own connection only: scrapes go
+    on. Any path but /metrics is 404 (Not the metrics under every URL). A client CA makes client certs required."""
+    import socket
+    import ssl
+
+    from ragcore.security import make_certs
+
+    certs = make_certs(tmp_path / "certs", ["127.0.0.1"])
+    port = free_port()
+    close = metrics.serve_http(port, "retrieval", tls_cert=str(certs["cert"]), tls_key=str(certs["key"]),
+                               tls_client_ca=str(certs["ca"]))
+    ctx = ssl.create_default_context(cafile=str(certs["ca"]))
+    ctx.load_cert_chain(str(certs["client_cert"]), str(certs["client_key"]))
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+    try:
+        time.sleep(0.2)  # the server accepted them and waits for their handshakes
+        body = urllib.request.urlopen(f"https://127.0.0.1:{port}/metrics", context=ctx, timeout=5).read().decode()
+        assert "grpc_server_handled_total" in body  # Not a timeout behind the idle clients
+        for path in ("/", "/other", "/metrics/x"):
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(f"https://127.0.0.1:{port}{path}", context=ctx, timeout=5)
+            assert err.value.code == 404, path
+        no_cert = ssl.create_default_context(cafile=str(certs["ca"]))
+        with pytest.raises((urllib.error.URLError, ConnectionError, ssl.SSLError)):
+            urllib.request.urlopen(f"https://127.0.0.1:{port}/metrics", context=no_cert, timeout=5).read()
+    finally:
+        for s in idle:
+            s.close()
+        close()

@@ -107,6 +107,8 @@ class LocalPostgres:
     def start(self, timeout_s: float = 30.0) -> "LocalPostgres":
         """Start the server (initdb first if needed) and wait until it accepts connections."""
         self.init()
+        if self._user:  # again at every start: pytest makes its base tmp dir 0700 again at each session start
+            _open_to(self._user, self.data)
         args = [str(self._bin / "postgres"), "-D", str(self.data), "-h", self.host, "-p", str(self.port),
                 "-k", str(self.data)]
         for k, v in self.settings.items():

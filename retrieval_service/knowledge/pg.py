@@ -4,16 +4,16 @@
     load_kb("~/.cache/ragserve/kb/docs", "postgresql://user@host:5432/db")   # the build command's --to URL
 
 Table (name from config kb_pg_table / build --table):
-    id bigint PRIMARY KEY, key text, title text, text text, emb vector(D),
+    id bigint PRIMARY KEY, emb vector(D) (stored inline), key text, title text, text text,
     tsv tsvector GENERATED ALWAYS AS (to_tsvector('english', title || ' ' || text)) STORED
 plus `<table>_hnsw` (HNSW, vector_ip_ops) and `<table>_tsv` (GIN) indexes and a `<table>_meta` table holding the
 manifest (fingerprint, encoder, dimension, which retrievers were built).
 
 Retrievers: edr = exact inner product (`ORDER BY emb <#> q, id LIMIT k` with index scans off for the statement, so
-PostgreSQL scans every row), adr = the HNSW index (`hnsw.ef_search` from the request or kb_ef_search), sr =
+PostgreSQL scans every row; a batch scans the table once per 8 queries, see exact_sql), adr = the HNSW index (`hnsw.ef_search` from the request or kb_ef_search), sr =
 PostgreSQL full-text search: any of the query's lexemes matches, ranked by ts_rank_cd (cover density) -- not
-Lucene's BM25 (serve the KB directory for that). A batch is one statement and one round trip: a LATERAL join
-over `unnest` of the query vectors (or texts). Scores are pgvector's float32 inner products: equal to the
+Lucene's BM25 (serve the KB directory for that). A batch is one statement and one round trip (adr and sr: a
+LATERAL join over `unnest` of the query vectors or texts). Scores are pgvector's float32 inner products: equal to the
 in-process exact search up to float32 summation order, so ranks agree except between near-ties.
 
 Every call runs in one transaction on a pooled connection (psycopg_pool, kb_pg_pool connections) with
@@ -94,9 +94,28 @@ def _sql(template: str, table: str):
     return sql.SQL(template).format(**_names(table))
 
 
-# Ties: smaller id first, as the in-process search ranks them.
-_EXACT = """SELECT q.ord, h.id, h.score FROM unnest(%(q)s::vector[]) WITH ORDINALITY AS q(v, ord)
-CROSS JOIN LATERAL (SELECT id, -(emb <#> q.v) AS score FROM {t} ORDER BY emb <#> q.v, id LIMIT %(k)s) h"""
+SCAN_GROUP = 8  # queries whose distances one scan of the table computes (exact search)
+
+
+def exact_sql(batch: int, group: int = SCAN_GROUP) -> str:
+    """Exact top-k of `batch` queries (%(q0)s ...) in one statement: per group of queries one scan of the table
+    materializes every row's distance to each of them, then a top-k sort per query reads that. Ties: smaller id
+    first, as the in-process search ranks them.
+
+    Why not a LATERAL join of one `ORDER BY emb <#> q LIMIT k` per query: each query then scans the table again,
+    and reading the rows (not the 384-d dot products) is most of a scan's cost.
+    """
+    ctes, parts = [], []
+    for g, lo in enumerate(range(0, batch, group)):
+        cols = range(lo, min(batch, lo + group))
+        ctes.append(f"d{g} AS MATERIALIZED (SELECT id, " + ", ".join(f"emb <#> %(q{i})s::vector AS x{i}" for i in cols)
+                    + " FROM {t})")
+        parts += [f"(SELECT {i + 1} AS ord, id, -x{i} AS score FROM d{g} ORDER BY x{i}, id LIMIT %(k)s)" for i in cols]
+    return "WITH " + ", ".join(ctes) + " " + " UNION ALL ".join(parts)
+
+
+_EXACT_ONE = "SELECT 1 AS ord, id, -(emb <#> %(q0)s::vector) AS score FROM {t} ORDER BY emb <#> %(q0)s::vector, id " \
+    "LIMIT %(k)s"
 # The HNSW index serves ORDER BY <distance> alone; its candidates are re-ordered (score, then id) in Python.
 _APPROX = """SELECT q.ord, h.id, h.score FROM unnest(%(q)s::vector[]) WITH ORDINALITY AS q(v, ord)
 CROSS JOIN LATERAL (SELECT id, -(emb <#> q.v) AS score FROM {t} ORDER BY emb <#> q.v LIMIT %(k)s) h"""
@@ -232,12 +251,15 @@ class PgVectorIndex:
         if approx:
             # pgvector's HNSW returns at most ef_search rows per query.
             settings = {"hnsw.ef_search": str(max(ef_search or self.default_ef_search, k))}
-            sql_text = _APPROX
+            sql_text, params = _APPROX, {"q": q, "k": k}
         else:
-            settings = {"enable_indexscan": "off", "enable_bitmapscan": "off"}  # exact: scan every row
-            sql_text = _EXACT
+            # Exact: scan every row; the materialized distances (8 + 8 x group bytes a row) stay in memory.
+            need_mb = 1 + self.size * (8 + 8 * min(len(q), SCAN_GROUP)) * 2 // (1 << 20)
+            settings = {"enable_indexscan": "off", "enable_bitmapscan": "off", "work_mem": f"{max(4, need_mb)}MB"}
+            sql_text = _EXACT_ONE if len(q) == 1 else exact_sql(len(q))
+            params = {"k": k, **{f"q{i}": v for i, v in enumerate(q)}}
         with self.backend.transaction(settings) as conn:
-            rows = conn.execute(_sql(sql_text, self.backend.table), {"q": q, "k": k}).fetchall()
+            rows = conn.execute(_sql(sql_text, self.backend.table), params).fetchall()
         return _group(rows, len(q), k, rerank=approx)
 
     def score(self, query: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -442,7 +464,7 @@ def open_kb(url: str, cfg: RetrievalConfig, *, warmup: bool = True, encoder=None
 # ------------------------------------------------------------------------------------------------ load (build)
 
 def _copy_rows(ids: np.ndarray, recs: Sequence[dict], emb: np.ndarray) -> bytes:
-    """COPY ... (FORMAT BINARY) rows of (id, key, title, text, emb); emb [n, D] float32."""
+    """COPY ... (FORMAT BINARY) rows of (id, emb, key, title, text); emb [n, D] float32."""
     n, dim = emb.shape
     be = np.ascontiguousarray(emb, dtype=">f4")
     vec_head = struct.pack("!ihh", 4 + 4 * dim, dim, 0)
@@ -451,11 +473,11 @@ def _copy_rows(ids: np.ndarray, recs: Sequence[dict], emb: np.ndarray) -> bytes:
         r = recs[j]
         texts = [str(r[name]).replace("\x00", "").encode("utf-8") for name in ("key", "title", "text")]
         parts.append(struct.pack("!hiq", 5, 8, int(ids[j])))
+        parts.append(vec_head)
+        parts.append(be[j].tobytes())
         for t in texts:
             parts.append(struct.pack("!i", len(t)))
             parts.append(t)
-        parts.append(vec_head)
-        parts.append(be[j].tobytes())
     parts.append(_COPY_TRAILER)
     return b"".join(parts)
 
@@ -497,16 +519,19 @@ def load_kb(kb_dir: str | Path, url: str, *, table: str = "ragserve_kb", retriev
                     raise ValueError(f"table {table} exists but was not loaded by this command; use --force to "
                                      "replace it or pick another --table")
                 conn.execute(_sql("INSERT INTO {meta} VALUES ('loading', %s)", table), (Jsonb(want),))
+            # emb right after id and stored inline (PLAIN): an exact scan reads it without walking the text
+            # columns, and never from the TOAST table, where a row over ~2 KB would otherwise move it.
             conn.execute(_sql(
-                "CREATE TABLE IF NOT EXISTS {t} (id bigint PRIMARY KEY, key text NOT NULL, title text NOT NULL, "
-                "text text NOT NULL, emb vector(" + str(dim) + ") NOT NULL, tsv tsvector GENERATED ALWAYS AS "
+                "CREATE TABLE IF NOT EXISTS {t} (id bigint PRIMARY KEY, emb vector(" + str(dim) + ") NOT NULL, "
+                "key text NOT NULL, title text NOT NULL, text text NOT NULL, tsv tsvector GENERATED ALWAYS AS "
                 "(to_tsvector('" + TS_CONFIG + "', title || ' ' || text)) STORED)", table))
+            conn.execute(_sql("ALTER TABLE {t} ALTER COLUMN emb SET STORAGE PLAIN", table))
             top = conn.execute(_sql("SELECT max(id) FROM {t}", table)).fetchone()[0]
             start = 0 if top is None else int(top) + 1
             if progress is not None and start:
                 progress(start)
             t0 = time.perf_counter()
-            copy_sql = _sql("COPY {t} (id, key, title, text, emb) FROM STDIN (FORMAT BINARY)", table)
+            copy_sql = _sql("COPY {t} (id, emb, key, title, text) FROM STDIN (FORMAT BINARY)", table)
             for lo in range(start, n, batch):
                 hi = min(n, lo + batch)
                 recs = list(store.iter_range(lo, hi))

@@ -120,7 +120,7 @@ def test_score_candidates_and_documents_match_search(pg_kb, kb):
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(n=st.integers(1, 200), k=st.integers(1, 12), batch=st.integers(1, 6), seed=st.integers(0, 2**16),
+@given(n=st.integers(1, 200), k=st.integers(1, 12), batch=st.integers(1, 19), seed=st.integers(0, 2**16),
        dupes=st.booleans())
 def test_exact_search_brute_force(pg_server, tmp_path_factory, n, k, batch, seed, dupes):
     """Random vectors (with duplicated rows: exact ties, which go to the smaller id): PostgreSQL's edr == a

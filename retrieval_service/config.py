@@ -68,7 +68,7 @@ FLAG_HELP = {
     "kb_coalesce": "exact (edr) Searches waiting for the KB executor together run as one batched search",
     "kb_nice": "nice increment of the KB executor threads, so Draft calls win the CPU (0 = same priority)",
     "kb_warmup_s": "seconds of Lucene JIT warm-up before SERVING",
-    "kb_verify": "re-hash passages.jsonl at open and compare it with the KB manifest",
+    "kb_verify": "verify every KB file against the checksums in its manifest (and finite embeddings) before SERVING",
     "kb_knn_datastores": "comma-separated kNN-LM datastore directories served as named vector indexes",
     "kb_pg_table": "table of the knowledge base when --kb is a postgresql:// URL",
     "kb_pg_pool": "connections of the PostgreSQL knowledge base's pool (keep >= kb_workers)",
@@ -179,7 +179,7 @@ class RetrievalConfig(config_util.ShellConfig):
     kb_nice: int = 10
     # Seconds of JIT warm-up for the Lucene search/scoring paths before SERVING (cold calls are ~5x slower).
     kb_warmup_s: float = 10.0
-    # Re-hash passages.jsonl at open and compare with the manifest (catches a swapped or edited file).
+    # Verify every KB file against kb.json's checksums before SERVING (remembered by identity in verify_cache).
     kb_verify: bool = True
     # kNN-LM datastores (tools/knn_build.py), comma-separated directories: each is served
     # as a named vector index (its knn.json name, default "knnlm"; edr = exact L2, adr = its HNSW), with or

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from ragcore.encoder import ENCODER_DTYPES, Encoder
 from ragcore.process import offline_process
-from retrieval_service.knowledge import dense, passages as P, pg, sparse
+from retrieval_service.knowledge import dense, kb_files, passages as P, pg, sparse
 from retrieval_service.knowledge.encode_pool import EncodeWork, auto_workers
 from retrieval_service.knowledge.kb import DENSE_DIR, MANIFEST, RETRIEVERS, SPARSE_DIR
 
@@ -254,6 +254,8 @@ def build_kb(out: str | Path, passages: Iterable[P.Passage] | None = None, *,
         if name not in manifest["retrievers"] and old.get("fingerprint") == fp:
             manifest["retrievers"].append(name)
             carry(name)
+    # Last: every file is final now. KnowledgeBase.open verifies them all before the KB serves.
+    manifest[kb_files.MANIFEST_KEY] = kb_files.checksums(out)
     _write_json(manifest_path, manifest)
     store.close()
     return manifest

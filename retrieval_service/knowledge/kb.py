@@ -31,7 +31,8 @@ import numpy as np
 from ragcore.errors import Cancelled, InvalidArgument, Unavailable
 from ragcore.wire import clip
 from retrieval_service.config import RetrievalConfig
-from retrieval_service.knowledge import dense, sparse
+from retrieval_service.datastore import container
+from retrieval_service.knowledge import dense, kb_files, sparse
 from retrieval_service.knowledge.passages import PassageStore, fingerprint
 
 log = logging.getLogger(__name__)
@@ -158,6 +159,15 @@ class KnowledgeBase:
                               f"`python -m retrieval_service.knowledge.build --out {path}`)")
         try:
             manifest = json.loads(manifest_path.read_text())
+            files = manifest.get(kb_files.MANIFEST_KEY)
+            if cfg.kb_verify and files:  # every file before any is read: checksums, finite embeddings
+                t0 = time.perf_counter()
+                states = [state for _, state in kb_files.verify(path, files, container.cache_path(cfg.verify_cache))]
+                log.info("knowledge base %s: %d file(s) verified, %d unchanged since verified (%.2f s)", path,
+                         states.count("verified"), states.count("cached"), time.perf_counter() - t0)
+            elif cfg.kb_verify:
+                log.warning("knowledge base %s has no file checksums (built by an older version): only "
+                            "passages.jsonl is checked; rerun its build command to add them", path)
             store = PassageStore(path)
         except (OSError, ValueError) as e:
             raise KBOpenError(f"knowledge base {path}: {e}") from None
@@ -166,7 +176,7 @@ class KnowledgeBase:
             raise KBOpenError(f"knowledge base {path}: manifest says {manifest.get('passages')} passages, "
                               f"passages file has {n}; rebuild")
         fp = manifest.get("fingerprint", "")
-        if cfg.kb_verify and fingerprint(path / "passages.jsonl") != fp:
+        if cfg.kb_verify and not files and fingerprint(path / "passages.jsonl") != fp:
             raise KBOpenError(f"knowledge base {path}: passages.jsonl does not match the manifest fingerprint")
         kb = cls(path=path, passages=store, manifest=manifest, limits=KBLimits.from_config(cfg),
                  warmup_s=cfg.kb_warmup_s)
@@ -480,13 +490,18 @@ class KnowledgeBase:
         return vi.get_vectors(ids)
 
     def info(self) -> dict:
+        """What GetInfo tells clients: names relative to the KB, never a server path."""
+        corpus = self.manifest.get("corpus")
+        if isinstance(corpus, dict):  # the build's source files, named by their base name only
+            corpus = {k: Path(v).name if k in ("path", "embeddings_from") and isinstance(v, str) else v
+                      for k, v in corpus.items()}
         return {
-            "path": str(self.path),
+            "path": self.path.name,
             "passages": len(self.passages),
             "retrievers": self.retrievers,
             "encoder": self.encoder.name if self.encoder else "",
             "indexes": [{"name": vi.name, "dim": vi.dim, "metric": vi.metric, "size": vi.size,
                          "retrievers": vi.retrievers, "ef_search": vi.default_ef_search}
                         for vi in self.vector_indexes.values()],
-            "manifest": self.manifest,
+            "manifest": {**self.manifest, "corpus": corpus} if corpus is not None else self.manifest,
         }

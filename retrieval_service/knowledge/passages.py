@@ -36,6 +36,8 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
+from ragcore.errors import DataLoss
+
 PASSAGES_FILE = "passages.jsonl"
 OFFSETS_FILE = "passages.offsets.npy"
 RST_ROOT = Path("/usr/share/doc/python3.11/html/_sources")
@@ -425,6 +427,10 @@ def fingerprint(path: Path) -> str:
     return sha.hexdigest()
 
 
+class PassagesCorrupted(DataLoss):
+    """The passages or their offsets changed or were damaged behind the open-time checks (-> DATA_LOSS)."""
+
+
 class PassageStore:
     """Read-only passages: random access by id through a memory-mapped jsonl and its offsets."""
 
@@ -434,9 +440,10 @@ class PassageStore:
         off_path = self.directory / OFFSETS_FILE
         if not path.is_file() or not off_path.is_file():
             raise FileNotFoundError(f"{self.directory}: no {PASSAGES_FILE}/{OFFSETS_FILE} (build the KB first)")
-        self.offsets = np.load(off_path, mmap_mode="r")  # int64 [N+1]
+        # int64 [N+1], read into memory (8 bytes a passage): a file changed under the server cannot fault here.
+        self.offsets = np.load(off_path)
         self._file = open(path, "rb")
-        size = os.fstat(self._file.fileno()).st_size
+        size = self._size = os.fstat(self._file.fileno()).st_size
         if self.offsets.ndim != 1 or len(self.offsets) < 1 or int(self.offsets[-1]) != size:
             raise ValueError(f"{off_path}: offsets do not match {path} ({size} bytes); rebuild the KB")
         self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size else None
@@ -450,8 +457,19 @@ class PassageStore:
         return int(np.diff(self.offsets).max()) if len(self) else 0
 
     def record(self, i: int) -> dict:
+        """Passage i's JSON record; PassagesCorrupted (DATA_LOSS, naming the file) when the files disagree."""
         start, end = int(self.offsets[i]), int(self.offsets[i + 1])
-        return json.loads(self._mm[start:end])
+        if not 0 <= start < end <= self._size:
+            raise PassagesCorrupted(f"knowledge base file {OFFSETS_FILE} is corrupted: passage {i} spans bytes "
+                                    f"[{start}, {end}) of the {self._size}-byte {PASSAGES_FILE}; rebuild the KB")
+        try:
+            rec = json.loads(self._mm[start:end])
+        except ValueError:
+            rec = None
+        if not isinstance(rec, dict) or not isinstance(rec.get("title"), str) or not isinstance(rec.get("text"), str):
+            raise PassagesCorrupted(f"knowledge base file {PASSAGES_FILE} (or {OFFSETS_FILE}) is corrupted: passage "
+                                    f"{i} is not a JSON record with a title and a text; rebuild the KB")
+        return rec
 
     def get(self, ids: Sequence[int]) -> list[tuple[str, str]]:
         """ids -> [(title, text)]; ids are trusted (validated at the service boundary)."""

@@ -121,10 +121,12 @@ def test_open_refuses_missing_and_corrupted_kbs(tmp_path, kb_dir, kb_config, enc
     (bad / "dense" / "hnsw.faiss").write_bytes(b"not a faiss index")
     with pytest.raises(KBOpenError, match="hnsw.faiss"):
         KnowledgeBase.open(bad, RetrievalConfig(kb_retrievers="adr"), encoder=encoder, warmup=False)
+    shutil.rmtree(bad)
+    shutil.copytree(kb_dir, bad)
     with open(bad / "passages.jsonl", "r+b") as f:  # same length, different bytes
         f.seek(10)
         f.write(b"X")
-    with pytest.raises(KBOpenError, match="fingerprint"):
+    with pytest.raises(KBOpenError, match="passages.jsonl is corrupted: checksum"):
         KnowledgeBase.open(bad, RetrievalConfig(kb_retrievers="edr"), encoder=encoder, warmup=False)
 
 

@@ -14,7 +14,7 @@ STUBS := $(PROTOS:.proto=_pb2.py)
 
 .PHONY: run test lint install stubs model datastore system-packages clean-stubs bench-speculative up down loadtest kb kb-large \
 	calibrate bench-datastores bench-serving bench-concurrency loadtest-8 compose-test docker-engine kernels bench-step \
-	kb-large-prefixes bench-ralm-curve k8s-secrets
+	kb-large-prefixes bench-ralm-curve k8s-secrets loadtest-failover
 
 # Debian packages the project uses (redis-server for the CREST Redis backend, redis-tools' redis-cli to create the
 # local Redis Clusters of the tests and the failover check, python3.11-doc for the docs corpus,
@@ -129,6 +129,12 @@ loadtest: datastore
 LOAD8_ARGS ?= --users 12 --generation-users 8 --spawn-rate 6 --duration 60
 loadtest-8: datastore
 	$(PYTHON) -m loadtests.run --datastore $(DATASTORE) --name load-8 $(LOAD8_ARGS)
+
+# CREST on a local 6-node Redis Cluster under Generate load, a primary SIGKILLed mid-run (docs/crest.md): fails on
+# an error to a caller, a wrong draft, or drafts not back within 10 s. Record in bench/results/cluster-failover-*.
+FAILOVER_ARGS ?= --duration 60 --kill-at 20 --clients 2
+loadtest-failover: datastore
+	$(PYTHON) -m loadtests.cluster_failover --datastore $(DATASTORE) $(FAILOVER_ARGS)
 
 # Knowledge base for RaLMSpec / kNN-LM (>= 100 K passages from docstrings + python3.11-doc; ~1 h of encoding on
 # 2 cores, resumable). Small test KBs are built by the tests themselves.

@@ -22,6 +22,7 @@ from generation_service import q4_kernel
 from ragcore.errors import InvalidArgument
 
 _MAX_SEED = 2**64
+MAX_TOP_LOGPROBS = 5
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,8 @@ class SamplingParams:
     seed: int | None = None  # None with temperature > 0 = fresh entropy (the chosen seed is kept in `seed_used`)
     stop: tuple[str, ...] = ()  # text-level stop sequences, not included in the output
     ignore_eos: bool = False
+    # Return each output token's log-probability and this many alternatives (None = off; 0 = the token's alone).
+    logprobs: int | None = None
     seed_used: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -52,6 +55,9 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))
                                       or not 0 <= self.seed < _MAX_SEED):
             raise InvalidArgument("seed", f"must be an integer in [0, 2**64), got {self.seed!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(
+                self.logprobs, (int, np.integer)) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise InvalidArgument("top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         for s in stop:
             if not isinstance(s, str) or s == "":
@@ -124,6 +130,32 @@ def argmax_each(logits: list[torch.Tensor]) -> list[list[int]]:
 def _loaded_kernel():
     """The CPU kernels if this process has loaded them already (never builds them: sampling alone must not)."""
     return q4_kernel.kernel() if q4_kernel.kernel.cache_info().currsize else None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An output token's log-probability under the model's distribution at its position, and the `top` most
+    likely tokens there (most likely first)."""
+
+    token: int
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+def token_logprobs(rows: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """rows: [n, V] logits, tokens: the n tokens emitted from them -> their log-probabilities (log-softmax of the
+    raw logits: before temperature, top-k and top-p) with the `top` best alternatives of each row.
+
+    Worked example: logits [2.0, 0.0] and token 1 -> logprob 0 - log(e^2 + 1) = -2.127; top 1 -> [(0, -0.127)].
+    """
+    lp = torch.log_softmax(rows.float(), dim=-1)  # [n, V]
+    chosen = lp[torch.arange(len(tokens)), torch.as_tensor(tokens, dtype=torch.int64)].tolist()
+    if top:
+        values, ids = torch.topk(lp, top, dim=-1)  # [n, top], sorted
+        vs, ix = values.tolist(), ids.tolist()
+        return [TokenLogprob(t, c, tuple(i), tuple(v)) for t, c, i, v in zip(tokens, chosen, ix, vs)]
+    return [TokenLogprob(t, c) for t, c in zip(tokens, chosen)]
 
 
 class Sampler:

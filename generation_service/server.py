@@ -297,7 +297,12 @@ def parse_request(request: generation_pb2.GenerateRequest, tm, cfg: GenerationCo
     for i, s in enumerate(request.stop):
         if not s or len(s) > _MAX_STOP_CHARS:
             raise InvalidArgument(f"stop[{i}]", f"must be 1..{_MAX_STOP_CHARS} characters, got {len(s)}")
+    if request.top_logprobs and not request.logprobs:
+        raise InvalidArgument("top_logprobs", "needs logprobs set")
+    if request.logprobs and (request.HasField("rag") or request.HasField("knnlm") or request.decoding == "knnlm"):
+        raise InvalidArgument("logprobs", "not available with rag or knnlm decoding")
     params = SamplingParams(
+        logprobs=request.top_logprobs if request.logprobs else None,
         max_new_tokens=max_new,
         temperature=temperature if temperature is not None else 0.0,
         top_p=top_p if top_p is not None else 1.0,
@@ -348,15 +353,63 @@ def stats_proto(chunk: StreamChunk) -> tuple[generation_pb2.Usage, generation_pb
     return usage, stats
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> byte: printable bytes stand for themselves, the other 68 are
+    shifted to code points from 256 on, in byte order (so ' ' is 'Ġ', '\\n' is 'Ċ')."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out = {chr(b): b for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in printable:
+            out[chr(256 + shifted)] = b
+            shifted += 1
+    return out
+
+
+class TokenText:
+    """Token id -> (text, bytes) for logprobs replies, cached. Bytes are exact for byte-level BPE vocabularies (the
+    token's characters mapped back through GPT-2's byte alphabet); otherwise the UTF-8 of the token decoded alone."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, bytes]] = {}
+        self._byte_of = _byte_level_alphabet()
+
+    def __call__(self, token: int) -> tuple[str, bytes]:
+        got = self._cache.get(token)
+        if got is None:
+            text = self.tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            piece = self.tokenizer.convert_ids_to_tokens(token) or ""
+            if piece and all(c in self._byte_of for c in piece):
+                raw = bytes(self._byte_of[c] for c in piece)
+            else:
+                raw = text.encode("utf-8")
+            got = self._cache[token] = (text, raw)
+        return got
+
+    def entries(self, logprobs) -> list[generation_pb2.TokenLogprob]:
+        out = []
+        for e in logprobs:
+            text, raw = self(e.token)
+            entry = generation_pb2.TokenLogprob(token_id=e.token, logprob=e.logprob, token=text, token_bytes=raw)
+            for t, lp in zip(e.top_ids, e.top_logprobs):
+                ttext, traw = self(t)
+                entry.top.add(token_id=t, logprob=lp, token=ttext, token_bytes=traw)
+            out.append(entry)
+        return out
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     def __init__(self, cfg: GenerationConfig):
         self.cfg = cfg
         self.tm = None
         self.worker: Worker | None = None
         self.info: generation_pb2.WorkerInfo | None = None
+        self.token_text: TokenText | None = None
 
     def attach(self, tm, worker: Worker, info: generation_pb2.WorkerInfo) -> None:
         self.tm, self.worker, self.info = tm, worker, info
+        self.token_text = TokenText(tm.tokenizer)
 
     def GetInfo(self, request, context):
         if self.info is None:
@@ -423,13 +476,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         job = self._start(request, context, stream=False)
         tokens: list[int] = []
         text: list[str] = []
+        logprobs: list = []
         for chunk in self._chunks(job, context):
             tokens += chunk.token_ids
             text.append(chunk.text)
+            logprobs += chunk.logprobs or ()
             if chunk.finish_reason is not None:
                 usage, stats = stats_proto(chunk)
                 return generation_pb2.GenerateResponse(text="".join(text), token_ids=tokens,
-                                                       finish_reason=chunk.finish_reason, usage=usage, stats=stats)
+                                                       finish_reason=chunk.finish_reason, usage=usage, stats=stats,
+                                                       logprobs=self.token_text.entries(logprobs))
         raise Cancelled("request was cancelled before it started")
 
     def GenerateStream(self, request, context):
@@ -438,6 +494,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         for chunk in self._chunks(job, context):
             finished = chunk.finish_reason is not None
             msg = generation_pb2.GenerateStreamResponse(text_delta=chunk.text, token_ids=chunk.token_ids)
+            if chunk.logprobs:
+                msg.logprobs.extend(self.token_text.entries(chunk.logprobs))
             if chunk.finish_reason is not None:
                 usage, stats = stats_proto(chunk)
                 msg.finish_reason = chunk.finish_reason

@@ -53,6 +53,7 @@ class StreamChunk:
     stats: SpeculationStats | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    logprobs: list | None = None  # sampling.TokenLogprob per token_ids entry (when the request asked)
 
 
 @dataclass

@@ -43,7 +43,7 @@ from generation_service.engine.steps import (
 )
 from generation_service.lean_llama import Segment, capacity_for
 from generation_service.model import TargetModel, cache_length, new_cache
-from generation_service.sampling import Sampler, SamplingParams
+from generation_service.sampling import Sampler, SamplingParams, TokenLogprob, token_logprobs
 from generation_service.tree_attention import dfs_order, gather_kv, prune_depth, tree_children
 from ragcore.draft_tree import DraftTree
 
@@ -111,6 +111,8 @@ class TreeRequest:
                                                                                  self.budget))
         self.finish: str | None = None
         self.last = -1  # the last emitted token (not yet in the cache)
+        # Each output token's log-probability (params.logprobs set), from the rows it was picked from.
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self._t_prefill = 0.0
         self._prefix_cache = prefix_cache
         if first is not None:
@@ -131,9 +133,9 @@ class TreeRequest:
         # The first output step when the whole prompt came from the prefix cache (the engine sends it at once).
         self.first_step = None
         if first is not None:
-            self.first_step = self._first(first.token)
+            self.first_step = self._first(first.token, hit.logits)
         elif hit is not None and hit.logits is not None:
-            self.first_step = self._first(self.sampler.pick(hit.logits))
+            self.first_step = self._first(self.sampler.pick(hit.logits), hit.logits)
         # The current step's draft: the full checked tree, then the chosen part in verifier order.
         self._tree: tuple | None = None
         self.tokens, self.parents = _EMPTY, _EMPTY
@@ -182,12 +184,12 @@ class TreeRequest:
         self.stats.prefill_ms = (time.perf_counter() - self._t_prefill) * 1e3
         if self._prefix_cache is not None:
             self._prefix_cache.store(self.prompt, self.cache.k, self.cache.v, logits[-1])
-        return self._first(self.sampler.pick(logits[-1]))
+        return self._first(self.sampler.pick(logits[-1]), logits[-1])
 
-    def _first(self, token: int) -> tuple[list[int], str | None]:
-        """The first output step: the token picked from the last prompt row's logits."""
+    def _first(self, token: int, row: torch.Tensor) -> tuple[list[int], str | None]:
+        """The first output step: the token picked from the last prompt row's logits (row [V])."""
         self.last = token
-        return self._emit([token], self.params.max_new_tokens)
+        return self._emit([token], self.params.max_new_tokens, row.view(1, -1))
 
     @torch.inference_mode()
     def _restore(self, hit: PrefixHit) -> None:
@@ -319,16 +321,22 @@ class TreeRequest:
         if self.sizer is not None:
             self.sizer.observe(path)
         self.last = emitted[-1]
-        return self._emit(emitted, remaining)
+        # Emitted token i was picked from row 0 (the root) or from the row of the i-th accepted node.
+        rows = logits[[0] + [c + 1 for c in path]] if self.logprobs is not None else None
+        return self._emit(emitted, remaining, rows)
 
     def cancel(self) -> tuple[list[int], str]:
         self.finish = FINISH_CANCELLED
         return [], FINISH_CANCELLED
 
-    def _emit(self, emitted: list[int], remaining: int) -> tuple[list[int], str | None]:
+    def _emit(self, emitted: list[int], remaining: int, rows: torch.Tensor | None = None
+              ) -> tuple[list[int], str | None]:
+        """rows: [len(emitted), V] the logits each token was picked from (needed when logprobs are asked for)."""
         self.context[self.n_ctx:self.n_ctx + len(emitted)] = emitted
         self.n_ctx += len(emitted)
         out, finish = cut_emitted(emitted, remaining, self.eos)
+        if self.logprobs is not None and out:
+            self.logprobs += token_logprobs(rows[:len(out)], out, self.params.logprobs)
         self.n_out += len(out)
         self.finish = finish
         return out, finish

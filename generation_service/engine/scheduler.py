@@ -64,7 +64,7 @@ from generation_service.engine.threads import IdleMeter, ThreadGovernor
 from generation_service.lean_llama import KVSlab, capacity_for
 from generation_service.model import TargetModel, forward_batch, forward_batch_hidden, new_cache
 from generation_service.ralm import passage_budget
-from generation_service.sampling import argmax_each
+from generation_service.sampling import argmax_each, token_logprobs
 from generation_service.speculative import FINISH_CANCELLED, StreamChunk, TextOutput
 from ragcore.errors import ResourceExhausted, ServiceError
 from ragcore.files import write_json_atomic
@@ -668,10 +668,20 @@ class Engine:
         thread that sends one message, and on a few cores those wake-ups take the model's cores: at 8 streams on 2
         cores, one message per step cost ~20 % of the throughput unary calls got."""
         run.observer.chunk(chunk)
+        if run.job.params.logprobs is not None and chunk.token_ids:
+            chunk.logprobs = self._logprobs(run, len(run.tokens), len(chunk.token_ids))
         run.tokens += chunk.token_ids
         run.held.append(chunk)
         if chunk.finish_reason is not None or (run.job.stream and self._due(run)):
             self._flush(run)
+
+    def _logprobs(self, run: _Running, start: int, n: int) -> list:
+        """The log-probabilities of output tokens start..start+n (a tree request's; a first token sent at submit,
+        before its request exists: from the cached logits it was picked from)."""
+        if run.req is not None:
+            return run.req.logprobs[start:start + n]
+        first = run.first
+        return token_logprobs(first.hit.logits.view(1, -1), [first.token], run.job.params.logprobs)[start:start + n]
 
     def _due(self, run: _Running) -> bool:
         return run.last_put is None or time.perf_counter() - run.last_put >= self.stream_interval_s
@@ -680,7 +690,8 @@ class Engine:
         held, run.held = run.held, []
         last = held[-1]
         run.job.chunks.put(last if len(held) == 1 else replace(
-            last, token_ids=[t for c in held for t in c.token_ids], text="".join(c.text for c in held)))
+            last, token_ids=[t for c in held for t in c.token_ids], text="".join(c.text for c in held),
+            logprobs=[e for c in held for e in (c.logprobs or ())] if any(c.logprobs for c in held) else None))
         run.last_put = time.perf_counter()
 
     def _close(self, run: _Running, finish: str) -> None:

@@ -14,7 +14,7 @@ STUBS := $(PROTOS:.proto=_pb2.py)
 
 .PHONY: run test lint install stubs model datastore system-packages clean-stubs bench-speculative up down loadtest kb kb-large \
 	calibrate bench-datastores bench-serving bench-concurrency loadtest-8 compose-test docker-engine kernels bench-step \
-	kb-large-prefixes bench-ralm-curve k8s-secrets loadtest-failover
+	kb-large-prefixes bench-ralm-curve k8s-secrets loadtest-failover soak
 
 # Debian packages the project uses (redis-server for the CREST Redis backend, redis-tools' redis-cli to create the
 # local Redis Clusters of the tests and the failover check, python3.11-doc for the docs corpus,
@@ -135,6 +135,12 @@ loadtest-8: datastore
 FAILOVER_ARGS ?= --duration 60 --kill-at 20 --clients 2
 loadtest-failover: datastore
 	$(PYTHON) -m loadtests.cluster_failover --datastore $(DATASTORE) $(FAILOVER_ARGS)
+
+# Soak: 10 minutes of mixed load from 6 clients on loopback; prints errors by code, RSS drift, latency drift and
+# whether greedy outputs stayed identical; fails on any of them (loadtests/soak.py). Shorter: SOAK_ARGS="--minutes 3".
+SOAK_ARGS ?= --minutes 10
+soak: datastore
+	$(PYTHON) -m loadtests.soak --datastore $(DATASTORE) $(SOAK_ARGS)
 
 # Knowledge base for RaLMSpec / kNN-LM (>= 100 K passages from docstrings + python3.11-doc; ~1 h of encoding on
 # 2 cores, resumable). Small test KBs are built by the tests themselves.

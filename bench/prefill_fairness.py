@@ -222,6 +222,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--datastore", default=str(ragserve_home() / "datastores" / "stdlib"),
                     help="datastore the retrieval service serves (default: the stdlib datastore)")
     ap.add_argument("--worker-args", default="", help="extra flags for the generation worker (default: none)")
+    ap.add_argument("--start-timeout-s", type=float, default=900.0,
+                    help="how long the services may take to report SERVING; a worker's first start on a machine "
+                         "calibrates, minutes on a busy one (default 900)")
     ap.add_argument("--target", default="",
                     help="measure a worker already running here (host:port) instead of starting the services")
     ap.add_argument("--json", default="",
@@ -253,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     state = Path(tempfile.mkdtemp(prefix="bench-prefill-")) / "launcher.json"
     topo = None
     if not args.target:
-        topo = launcher.up(datastore=args.datastore, state=state, extra_generation=shlex.split(args.worker_args))
+        topo = launcher.up(datastore=args.datastore, state=state, extra_generation=shlex.split(args.worker_args),
+                           timeout_s=args.start_timeout_s)
     try:
         target = args.target or topo.get("generation").address
         with GenerationClient(target) as client:

@@ -216,6 +216,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-rss-drift-pct", type=float, default=5.0, help="RSS drift that fails the run (default 5)")
     ap.add_argument("--datastore", default=str(ragserve_home() / "datastores" / "stdlib"),
                     help="datastore the retrieval service serves (default: the stdlib datastore)")
+    ap.add_argument("--start-timeout-s", type=float, default=900.0,
+                    help="how long the services may take to report SERVING (a first start calibrates; default 900)")
     ap.add_argument("--generation", default="", help="a running worker on loopback (host:port) instead of starting")
     ap.add_argument("--retrieval", default="", help="a running retrieval service on loopback (with --generation)")
     ap.add_argument("--pids", default="", help="with --generation: the services' process ids whose RSS is sampled "
@@ -244,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         result = run(args.generation, args.retrieval, pids, args)
     else:
         state = Path(tempfile.mkdtemp(prefix="soak-")) / "launcher.json"
-        topo = launcher.up(datastore=args.datastore, state=state)
+        topo = launcher.up(datastore=args.datastore, state=state, timeout_s=args.start_timeout_s)
         try:
             pids = [p.pid for p in topo.procs]
             result = run(topo.get("generation").address, topo.get("retrieval").address, pids, args)

@@ -28,6 +28,7 @@ import os
 import secrets
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -233,9 +234,23 @@ def time_to_healthy(info: dict) -> float | None:
     return None
 
 
-def scrape(addr: str) -> dict[tuple[str, tuple], float]:
-    """GET http://addr/metrics -> {(sample name, sorted labels): value}."""
-    with urllib.request.urlopen(f"http://{addr}/metrics", timeout=10) as r:
+def metrics_tls(stack: "Stack") -> ssl.SSLContext:
+    """The scraper's TLS: trusts init's CA and presents init's client certificate (compose serves /metrics over
+    HTTPS and requires a certificate that CA signed)."""
+    files = {}
+    for name in ("ca.pem", "client.pem", "client.key"):
+        files[name] = stack.workdir / f"metrics-{name}"
+        stack("cp", f"generation:/certs/{name}", str(files[name]), timeout=60)
+    ctx = ssl.create_default_context(cafile=str(files["ca.pem"]))
+    ctx.load_cert_chain(str(files["client.pem"]), str(files["client.key"]))
+    return ctx
+
+
+def scrape(addr: str, tls: ssl.SSLContext) -> dict[tuple[str, tuple], float]:
+    """GET https://addr/metrics (as localhost: the name in init's certificate) -> {(sample name, sorted labels):
+    value}."""
+    url = f"https://{addr.replace('127.0.0.1:', 'localhost:')}/metrics"
+    with urllib.request.urlopen(url, context=tls, timeout=10) as r:
         text = r.read().decode()
     out = {}
     for fam in text_string_to_metric_families(text):
@@ -337,15 +352,23 @@ def check_stack(stack: Stack, report: Report) -> dict:
                          f"{seq.stats.rag.retrievals} retrievals, KB calls seq {seq.stats.rag.kb_calls} / spec "
                          f"{spec.stats.rag.kb_calls}, {seq_s:.1f} s / {spec_s:.1f} s")
 
-        gen_metrics = scrape(stack.port("generation", 9100))
-        ret_metrics = scrape(stack.port("retrieval", 9100))
+        tls = metrics_tls(stack)
+        gen_metrics = scrape(stack.port("generation", 9100), tls)
+        ret_metrics = scrape(stack.port("retrieval", 9100), tls)
+        no_cert = ssl.create_default_context(cafile=str(stack.workdir / "metrics-ca.pem"))
+        try:
+            scrape(stack.port("generation", 9100), no_cert)
+            refused = False
+        except (OSError, ssl.SSLError):
+            refused = True
+        report.check("metrics refused without a client certificate", refused)
         report.check("metrics scraped",
                      handled(gen_metrics, "Generate") >= 2 and drafts(ret_metrics) >= 1
                      and any(n == "ragserve_generation_tokens_total" for n, _ in gen_metrics),
                      f"generation Generate={handled(gen_metrics, 'Generate'):.0f} "
                      f"GenerateStream={handled(gen_metrics, 'GenerateStream'):.0f}; "
                      f"retrieval Draft={handled(ret_metrics, 'Draft'):.0f}")
-        return {"client": client}
+        return {"client": client, "metrics_tls": tls}
     finally:
         for ch in chans.values():
             ch.close()
@@ -378,7 +401,8 @@ def check_kill_mid_stream(stack: Stack, report: Report, conn: dict) -> None:
     n = 192
     reference = client.generate(LONG_PROMPT, decoding="ar", max_new_tokens=n, ignore_eos=True,
                                 timeout=RPC_TIMEOUT_S * 2)
-    drafts0 = {c: drafts(scrape(a)) for c, a in metrics_addr.items()}
+    tls = conn["metrics_tls"]
+    drafts0 = {c: drafts(scrape(a, tls)) for c, a in metrics_addr.items()}
     got: list[int] = []
     last: list = []
     err: list = []
@@ -400,13 +424,13 @@ def check_kill_mid_stream(stack: Stack, report: Report, conn: dict) -> None:
     t = threading.Thread(target=consume, daemon=True)
     t.start()
     first_tokens.wait(timeout=RPC_TIMEOUT_S)
-    drafts1 = {c: drafts(scrape(a)) for c, a in metrics_addr.items()}
+    drafts1 = {c: drafts(scrape(a, tls)) for c, a in metrics_addr.items()}
     serving = max(replicas, key=lambda c: drafts1[c] - drafts0[c])  # the replica the worker is drafting from
     other = next(c for c in replicas if c != serving)
     at = len(got)
     run(["docker", "kill", serving])
     t.join(timeout=RPC_TIMEOUT_S * 2)
-    drafts_other = drafts(scrape(metrics_addr[other])) - drafts1[other]
+    drafts_other = drafts(scrape(metrics_addr[other], tls)) - drafts1[other]
     stats = last[0].stats if last else None
     identical = got == list(reference.token_ids)
     report.check("kill the drafting retrieval replica mid-stream: stream completes, output identical",

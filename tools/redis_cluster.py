@@ -116,7 +116,7 @@ class LocalCluster:
             subprocess.run([self.cli_bin, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
                             "--cluster-replicas", str(self.replicas), "--cluster-yes"],
                            check=True, capture_output=True, timeout=timeout_s)
-            self.wait_until_ok(timeout_s, replicas=True)
+            self.wait_until_ok(timeout_s, replicas=self.replicas > 0)
         except BaseException:
             self.stop()
             raise

@@ -319,3 +319,22 @@ def test_primary_killed_mid_load_degrades_to_empty_drafts_and_recovers(redis_clu
     assert any(k in on_victim and not full for k, full in during)  # the victim's slots went empty for a while
     assert set(on_victim) <= {k for t, k, full in log if t > promoted_at and full}  # ...and came back
     assert metrics.get().crest_degraded.labels("unavailable")._value.get() > degraded0  # counted in the metrics
+
+
+def test_a_service_started_while_the_cluster_is_down_serves_once_it_is_up(stores, tmp_path):
+    from tools.redis_cluster import LocalCluster, binaries
+
+    if binaries() is None:
+        pytest.skip("redis-server / redis-cli not found")
+    embedded, _ = stores
+    cluster = LocalCluster(tmp_path / "late", primaries=3, replicas=0)  # ports chosen, nothing started yet
+    svc = Service(RetrievalConfig(port=0, crest=cluster.url, crest_namespace="crest:late", crest_timeout_ms=200))
+    try:
+        ctxs = [c for c in contexts(100) if embedded.lookup(c).matched_suffix > 0][:10]
+        assert all(len(draft(svc.stub, c)) == 0 for c in ctxs)  # SERVING, empty drafts, Not UNAVAILABLE
+        cluster.start()
+        push_to_cluster(embedded, cluster.url, "crest:late", progress=False)
+        assert all(same_tree(draft(svc.stub, c), embedded.lookup(c)) for c in ctxs)  # back without a restart
+    finally:
+        svc.close()
+        cluster.stop()

@@ -6,6 +6,7 @@
         cluster.kill(port)               # SIGKILL; its replica is promoted after ~node timeout
         cluster.wait_until_ok()          # every slot served by a live primary, cluster_state:ok
         cluster.restart(port)            # comes back (same nodes.conf) as a replica of the promoted node
+        cluster.reshard(from_port, to_port, 1000)   # move slots and their keys between primaries
 
 No persistence (--save "", --appendonly no); each node has its own directory for its nodes.conf. Ports are free
 loopback ports whose cluster bus port (+10000) is free too. Needs Debian's redis-server and redis-cli
@@ -132,6 +133,19 @@ class LocalCluster:
         """Start a killed node again on its port and nodes.conf: it rejoins (as a replica if it was failed over)."""
         self._start_node(port)
         self._wait_ping(port, timeout_s)
+
+    def reshard(self, from_port: int, to_port: int, slots: int, timeout_s: float = 120.0) -> None:
+        """Move `slots` hash slots (with their keys) from one primary to another, as an operator would
+        (redis-cli --cluster reshard): clients see MOVED, ASK and TRYAGAIN while it runs."""
+        ids = {}
+        for port in (from_port, to_port):
+            with self._client(port) as c:
+                ids[port] = c.execute_command("CLUSTER", "MYID")
+        done = subprocess.run([self.cli_bin, "--cluster", "reshard", f"127.0.0.1:{to_port}", "--cluster-from",
+                        ids[from_port], "--cluster-to", ids[to_port], "--cluster-slots", str(slots),
+                        "--cluster-yes"], capture_output=True, text=True, timeout=timeout_s)
+        if done.returncode:
+            raise RuntimeError(f"redis-cli --cluster reshard failed: {(done.stdout + done.stderr)[-1500:]}")
 
     def stop(self) -> None:
         for port in list(self.procs):

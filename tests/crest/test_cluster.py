@@ -338,3 +338,47 @@ def test_a_service_started_while_the_cluster_is_down_serves_once_it_is_up(stores
     finally:
         svc.close()
         cluster.stop()
+
+
+def test_slots_resharded_under_load_keep_answers_right(redis_cluster, stores):
+    embedded, _ = stores
+    ns = "crest:reshard"
+    push_to_cluster(embedded, redis_cluster.url, ns, progress=False)
+    remote = ClusterNgramStore(redis_cluster.url, ns, timeout_ms=TIMEOUT_MS)
+    ctxs = [c for c in contexts(200) if embedded.lookup(c).matched_suffix > 0][:40]
+    expected = [embedded.lookup(c) for c in ctxs]
+    build = build_id(embedded.header)
+    ranges = {}  # slot -> (first slot of its primary's range, last)
+    for node in redis_cluster.nodes():
+        for r in node["slots"] if node["role"] == "primary" else []:
+            lo, _, hi = r.partition("-")
+            for s_ in range(int(lo), int(hi or lo) + 1):
+                ranges[s_] = (int(lo), int(hi or lo))
+    # A slot of ours that is not the last of its range: moving [first .. it] leaves its primary some slots
+    # (an emptied primary would turn into a replica).
+    slot = next(s_ for c in ctxs if (s_ := key_slot(tag_prefix(ns, build, int(c[-1])) + b"ok")) < ranges[s_][1])
+    source = redis_cluster.primary_of_slot(slot)
+    target = next(p for p in redis_cluster.primary_ports() if p != source)
+    moved = slot - ranges[slot][0] + 1
+    wrong, errors, rounds, stop = [], [], [0], threading.Event()
+
+    def reader() -> None:
+        while not stop.is_set():
+            rounds[0] += 1
+            try:
+                for got, want in zip(remote.lookup_batch(ctxs), expected):
+                    if len(got) and not same_tree(got, want):
+                        wrong.append(got)
+            except Exception as e:  # noqa: BLE001 - any exception is a failure of the test
+                errors.append(e)
+
+    th = threading.Thread(target=reader)
+    th.start()
+    try:
+        redis_cluster.reshard(source, target, moved)  # our slot among them: MOVED, ASK, TRYAGAIN meanwhile
+    finally:
+        stop.set()
+        th.join(30)
+    assert errors == [] and wrong == [] and rounds[0] > 1  # Not an exception, Not a wrong draft while slots move
+    assert redis_cluster.primary_of_slot(slot) == target
+    assert all(same_tree(remote.lookup(c), e) for c, e in zip(ctxs, expected))  # all answers full afterwards

@@ -65,6 +65,7 @@ from retrieval_service.datastore.ngram_store import (
     build_id,
     check_lookup_args,
 )
+from retrieval_service.datastore.shards import DatastoreError
 
 log = logging.getLogger(__name__)
 
@@ -284,13 +285,13 @@ class ClusterNgramStore:
         """One pipeline for the whole batch: one round trip per primary involved, in parallel."""
         try:
             b = self._ready()
-        except (StoreUnavailable, NgramStoreError) as e:
+        except (StoreUnavailable, DatastoreError) as e:  # a re-push for another tokenizer too
             b = self._build
+            reason = "unavailable" if isinstance(e, StoreUnavailable) else "missing"
             if b is None:  # never connected and no fallback to take the header from
                 for c in contexts:
                     check_lookup_args(c, max_nodes, 0)
-                return self._degrade(contexts, max_nodes, "unavailable", e)
-            reason = "unavailable" if isinstance(e, StoreUnavailable) else "missing"
+                return self._degrade(contexts, max_nodes, reason, e)
             ctxs = [check_lookup_args(c, max_nodes, b.decoder.max_n) for c in contexts]
             return self._degrade(ctxs, max_nodes, reason, e)
         ctxs = [check_lookup_args(c, max_nodes, b.decoder.max_n) for c in contexts]
@@ -327,7 +328,7 @@ class ClusterNgramStore:
             try:
                 self.connect()
                 b = self._build
-            except (StoreUnavailable, NgramStoreError) as e:
+            except (StoreUnavailable, DatastoreError) as e:  # a re-push for another tokenizer too
                 for i, tree in zip(lost, self._degrade([ctxs[i] for i in lost], max_nodes, "missing", e)):
                     out[i] = tree
                 break

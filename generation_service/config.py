@@ -14,7 +14,7 @@ PREFILL_PRECISIONS = ("auto", "fp32", "bf16")
 
 
 # --dtype values (model.DTYPES and model.WEIGHT_FORMATS, named here without importing torch).
-DTYPE_CHOICES = ("auto", "bf16", "fp32", "q4_1", "q4_1_bf16")
+DTYPE_CHOICES = ("auto", "bf16", "fp32", "q4_1", "q4_1_bf16", "q4_1_i8")
 KV_CACHE_DTYPES = ("auto", "fp16", "fp32")  # lean_llama.KV_DTYPES
 
 # One line per flag for `--help` (ragcore/config_util.py adds the default and the environment variable). Kept
@@ -24,7 +24,8 @@ FLAG_HELP = {
     "port": "gRPC port (0 = a free port)",
     "model": "local Hugging Face model directory (\"\" = SmolLM2-135M-Instruct, prepared on first use)",
     "dtype": "auto (the fastest measured here) | bf16 | fp32 | q4_1 (the model's Q4_1 GGUF weights, exactly) | "
-             "q4_1_bf16 (the same, bf16 activations: AMX or AVX512-BF16)",
+             "q4_1_bf16 (the same, bf16 activations: AMX or AVX512-BF16) | q4_1_i8 (the same, int8 activations per "
+             "row and block of 32: integer dot products, VNNI where the CPU has it)",
     "forward": "auto (lean for Llama-family models, else transformers) | lean | hf",
     "prefill_precision": "linears of prompt chunks: auto (bf16 where calibration measures it faster) | fp32 | bf16; "
                          "decode rows keep the serving dtype, so speculation stays lossless",
@@ -99,7 +100,9 @@ class GenerationConfig(config_util.ShellConfig):
     # q4_1 (the GGUF's 4-bit weights, exactly; fp32 activations; a candidate of auto only for a model whose directory
     # has its Q4_1 GGUF, the default model's included: calibrate.auto_formats) | q4_1_bf16 (the same weights, bf16
     # activations: on AMX tiles a pass over 16-96 rows costs what one row does, with AVX512-BF16 about half of q4_1's
-    # arithmetic; a candidate of auto where the CPU has either)
+    # arithmetic; a candidate of auto where the CPU has either) | q4_1_i8 (the same weights, int8 activations
+    # quantized per row and block of 32: exact integer dot products, rows bit-identical in any pass; a candidate of
+    # auto wherever q4_1 is)
     dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     threads: int = 0  # torch intra-op threads; 0 = the fastest measured count

@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <functional>
+#include <string>
+#include <vector>
 
 // Passes of at least this many rows read a decoded copy (block_linear's wide) unless told otherwise: the first count
 // past one tile of blocks decoded on the fly (q4_kernel.cpp's kOneTileBf16). Where the copy pays from fewer rows
@@ -31,6 +33,21 @@ std::string bf16_kernel();
 // Whether the bf16 path here takes decoded copies of the weights (block_linear's wide): AVX512-BF16 dot products,
 // not AMX tiles (whose sums run in another order).
 bool wide_bf16();
+
+// int8-activation linears (int8_linear.cpp, the q4_1_i8 format): x [M, K] float32 @ W^T -> [M, N], W given as
+// i8_layout(GGUF Q4_1 or Q8_0 blocks [N, K / 32 * block bytes], K); each row's activations quantized per block of 32
+// from that row alone, exact integer dot products, a fixed order for the rest: a row gets the same bits in any pass
+// and on every path.
+torch::Tensor i8_linear(const torch::Tensor& x, const torch::Tensor& layout, int64_t N);
+torch::Tensor i8_layout(const torch::Tensor& w, int64_t K);
+// x -> (codes int8 [M, K], scales float32 [M, K / 32], scale * code sums float32 [M, K / 32]): what i8_linear
+// multiplies (for tests against a reference).
+std::vector<torch::Tensor> i8_quantize(const torch::Tensor& x);
+// The path i8_linear takes ("avx512_vnni", "avx_vnni", "avx2", "scalar"), those this CPU runs (best first), and a
+// choice among them ("" = the best): every path gives the same bits, so this is for tests and benchmarks.
+std::string i8_path();
+std::vector<std::string> i8_paths();
+void set_i8_path(const std::string& name);
 
 // Registers LeanForward (lean_forward.cpp) in the module.
 void bind_lean_forward(pybind11::module_& m);

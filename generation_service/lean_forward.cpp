@@ -355,10 +355,11 @@ class LeanForward {
   LeanForward(torch::Tensor embed, std::vector<torch::Tensor> ln1, std::vector<torch::Tensor> wqkv,
               std::vector<torch::Tensor> wo, std::vector<torch::Tensor> ln2, std::vector<torch::Tensor> wgu,
               std::vector<torch::Tensor> wd, torch::Tensor norm, torch::Tensor head, int64_t heads, int64_t kv_heads,
-              int64_t head_dim, double eps, bool bf16)
+              int64_t head_dim, double eps, bool bf16, bool i8)
       : embed_(embed.contiguous()), ln1_(ln1), wqkv_(wqkv), wo_(wo), ln2_(ln2), wgu_(wgu), wd_(wd),
         norm_(norm.contiguous()), head_(head.contiguous()), H_(heads), Hkv_(kv_heads), D_(head_dim),
-        eps_((float)eps), scale_(1.0f / std::sqrt((float)head_dim)), bf16_(bf16) {
+        eps_((float)eps), scale_(1.0f / std::sqrt((float)head_dim)), bf16_(bf16), i8_(i8) {
+    TORCH_CHECK(!(bf16_ && i8_), "bf16 and int8 activations are two formats: one at a time");
     TORCH_CHECK(!bf16_ || bf16_available(), "bf16: bf16-activation linears (AMX or AVX512-BF16) are not available here");
     TORCH_CHECK(embed_.scalar_type() == torch::kFloat32 && embed_.dim() == 2, "embed must be float32 [V, hidden]");
     const size_t L = ln1.size();
@@ -372,17 +373,19 @@ class LeanForward {
     }
   }
 
-  // The weights prepared for this CPU's bf16 linears (in the order of the constructor's lists), block_linear's wide:
+  // The weights prepared for this CPU's bf16 linears, or with int8 activations every linear's i8_layout (the head's
+  // included), in the order of the constructor's lists; for bf16, block_linear's wide:
   // decoded bf16 copies (decode_bf16) where wide_bf16(), which passes of at least wide_from rows read instead of decoding
   // every block; or the weights' AMX group layout (amx_layout) where bf16() is "amx", which every pass decodes (the
   // head may then be an empty tensor: it decodes its GGUF blocks). Empty lists drop them.
   void set_wide(std::vector<torch::Tensor> wqkv, std::vector<torch::Tensor> wo, std::vector<torch::Tensor> wgu,
                 std::vector<torch::Tensor> wd, torch::Tensor head) {
     const size_t L = wqkv_.size();
-    TORCH_CHECK(bf16_ && !bf16_kernel().empty() || wqkv.empty(), "prepared weights need a path of bf16 linears");
-    TORCH_CHECK(wqkv.empty() ? wo.empty() && wgu.empty() && wd.empty()
+    TORCH_CHECK((bf16_ && !bf16_kernel().empty()) || i8_ || wqkv.empty(),
+                "prepared weights need a path of bf16 linears, or int8 activations");
+    TORCH_CHECK(wqkv.empty() ? wo.empty() && wgu.empty() && wd.empty() && !i8_
                              : wqkv.size() == L && wo.size() == L && wgu.size() == L && wd.size() == L &&
-                                   (head.numel() > 0 || !wide_bf16()),
+                                   (head.numel() > 0 || !(wide_bf16() || i8_)),
                 "prepared weights: one per linear of every layer, and the head where they are decoded copies");
     wide_qkv_ = wqkv, wide_o_ = wo, wide_gu_ = wgu, wide_d_ = wd;
     wide_head_ = wqkv.empty() || head.numel() == 0 ? torch::Tensor() : head;
@@ -439,7 +442,7 @@ class LeanForward {
     const AttentionPlan plan = attention_plan(segs);
     for (size_t i = 0; i < ln1_.size(); ++i) {
       rms_norm(xp, ln1_[i].data_ptr<float>(), h.data_ptr<float>(), N, Hd, eps_);
-      torch::Tensor qkv = block_linear(h, wqkv_[i], bf16_, wide(wide_qkv_, i), wide_from_);  // [N, (H + 2 Hkv) D]
+      torch::Tensor qkv = linear(h, wqkv_[i], wide(wide_qkv_, i));  // [N, (H + 2 Hkv) D]
       float* qp = qkv.data_ptr<float>();
       for (int64_t n = 0; n < N; ++n)
         rope(qp + n * wq, H + Hkv, D, cp + pos[n] * D, sp + pos[n] * D);  // q and k heads are adjacent
@@ -447,15 +450,15 @@ class LeanForward {
         attend_all<c10::Half>(i, segs, keys, plan, qp, wq, o.data_ptr<float>());
       else
         attend_all<float>(i, segs, keys, plan, qp, wq, o.data_ptr<float>());
-      add_into(x, block_linear(o, wo_[i], bf16_, wide(wide_o_, i), wide_from_));
+      add_into(x, linear(o, wo_[i], wide(wide_o_, i)));
       rms_norm(xp, ln2_[i].data_ptr<float>(), h.data_ptr<float>(), N, Hd, eps_);
-      torch::Tensor gu = block_linear(h, wgu_[i], bf16_, wide(wide_gu_, i), wide_from_);  // [N, 2 I]
+      torch::Tensor gu = linear(h, wgu_[i], wide(wide_gu_, i));  // [N, 2 I]
       const int64_t I = gu.size(1) / 2;
       torch::Tensor act = torch::empty({N, I}, x.options());
       const float* g = gu.data_ptr<float>();
       float* a = act.data_ptr<float>();
       for (int64_t n = 0; n < N; ++n) silu_mul(g + n * 2 * I, g + n * 2 * I + I, a + n * I, I);
-      add_into(x, block_linear(act, wd_[i], bf16_, wide(wide_d_, i), wide_from_));
+      add_into(x, linear(act, wd_[i], wide(wide_d_, i)));
     }
     // The rows whose logits are asked for, normed.
     std::vector<int64_t> keep;
@@ -466,10 +469,19 @@ class LeanForward {
     torch::Tensor sel = (int64_t)keep.size() == N ? x : x.index_select(0, torch::tensor(keep, ids.options()));
     torch::Tensor fin = torch::empty_like(sel);
     rms_norm(sel.data_ptr<float>(), norm_.data_ptr<float>(), fin.data_ptr<float>(), sel.size(0), Hd, eps_);
-    return {block_linear(fin, head_, bf16_, wide_head_, wide_from_), fin};
+    return {linear(fin, head_, wide_head_), fin};
   }
 
  private:
+  // x @ w^T by the pass's format: int8 activations over w's i8_layout (`prepared`), else the block kernel.
+  torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& prepared) const {
+    if (i8_) {
+      TORCH_CHECK(prepared.defined(), "int8 activations need every linear's i8_layout (set_wide)");
+      return i8_linear(x, prepared, w.size(0));
+    }
+    return block_linear(x, w, bf16_, prepared, wide_from_);
+  }
+
   static void add_into(torch::Tensor& x, const torch::Tensor& y) {
     float* a = x.data_ptr<float>();
     const float* b = y.data_ptr<float>();
@@ -783,6 +795,7 @@ class LeanForward {
   int64_t H_, Hkv_, D_, hidden_ = 0;
   float eps_, scale_;
   bool bf16_;  // linears with bf16 activations (the q4_1_bf16 format)
+  bool i8_;    // linears with int8 activations (the q4_1_i8 format; set_wide holds their layouts)
 };
 
 }  // namespace
@@ -792,11 +805,11 @@ void bind_lean_forward(pybind11::module_& m) {
       .def(pybind11::init<torch::Tensor, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t,
-                          double, bool>(),
+                          double, bool, bool>(),
            pybind11::arg("embed"), pybind11::arg("ln1"), pybind11::arg("wqkv"), pybind11::arg("wo"),
            pybind11::arg("ln2"), pybind11::arg("wgu"), pybind11::arg("wd"), pybind11::arg("norm"),
            pybind11::arg("head"), pybind11::arg("heads"), pybind11::arg("kv_heads"), pybind11::arg("head_dim"),
-           pybind11::arg("eps"), pybind11::arg("bf16") = false)
+           pybind11::arg("eps"), pybind11::arg("bf16") = false, pybind11::arg("i8") = false)
       .def("set_wide", &LeanForward::set_wide, pybind11::arg("wqkv"), pybind11::arg("wo"), pybind11::arg("wgu"),
            pybind11::arg("wd"), pybind11::arg("head"))
       .def("set_wide_from", &LeanForward::set_wide_from, pybind11::arg("rows"),

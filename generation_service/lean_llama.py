@@ -177,6 +177,7 @@ class _Layer:
 class LeanLlama:
     _prepack = True  # keep oneDNN-packed fp32 copies for multi-row passes (subclasses with other weights: False)
     bf16 = False  # the fused forward's linears take bf16 activations (LeanLlamaQ4 in q4_1_bf16)
+    i8 = False  # the fused forward's linears take int8 activations (LeanLlamaQ4 in q4_1_i8)
 
     def __init__(self, model, dtype: torch.dtype):
         cfg = model.config
@@ -288,7 +289,7 @@ class LeanLlama:
         w, head = self._fused_weights()
         self.fused = k.LeanForward(self.embed.contiguous(), [ly.ln1 for ly in self.layers], w["wqkv"], w["wo"],
                                    [ly.ln2 for ly in self.layers], w["wgu"], w["wd"], self.norm, head, self.heads,
-                                   self.kv_heads, self.head_dim, self.eps, self.bf16)
+                                   self.kv_heads, self.head_dim, self.eps, self.bf16, self.i8)
         self.set_kv_dtype("auto")
 
     def has_decoded_copies(self) -> bool:

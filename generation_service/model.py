@@ -41,7 +41,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 # Weight formats the lean forward serves from GGUF blocks (q4_weights.py) -> their activation dtype. They change
 # the outputs relative to fp32 of a model that was not quantized, so nothing picks them unless a user asks.
 # q4_1_bf16: the same blocks with bf16 activations on AMX tiles (q4_kernel.cpp), where the CPU has them.
-WEIGHT_FORMATS = {"q4_1": torch.float32, "q4_1_bf16": torch.float32}
+# q4_1_i8: the same blocks with int8 activations per row and block of 32 (int8_linear.cpp), on any CPU.
+WEIGHT_FORMATS = {"q4_1": torch.float32, "q4_1_bf16": torch.float32, "q4_1_i8": torch.float32}
 ATTENTION = "ragserve_decode"
 
 

@@ -1177,6 +1177,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "block_linear's wide takes where bf16() is 'amx'; the same values, decoded with fewer instructions");
   m.def("q4_1_dequantize", &dequantize<Q41>, "Q4_1 weight -> float32 [N, K]");
   m.def("q8_0_dequantize", &dequantize<Q80>, "Q8_0 weight -> float32 [N, K]");
+  m.def("i8_layout", &i8_layout, pybind11::arg("w"), pybind11::arg("in_features"),
+        "Q4_1 / Q8_0 weight [N, in_features / 32 * block bytes] -> the int8-activation kernel's layout (uint8 "
+        "[ceil(N / 16), in_features / 32 * 320 or 544]): 16 columns per group, the same values");
+  m.def("i8_linear", &i8_linear, pybind11::arg("x"), pybind11::arg("layout"), pybind11::arg("out_features"),
+        "x[M, K] float32 @ W^T with int8 activations (per row, per block of 32), W as i8_layout -> [M, N]");
+  m.def("i8_quantize", &i8_quantize, pybind11::arg("x"),
+        "x[M, K] float32 -> (int8 codes [M, K], block scales [M, K / 32], scale * code sum [M, K / 32])");
+  m.def("i8_path", &i8_path, "the path of the int8-activation linears: avx512_vnni, avx_vnni, avx2 or scalar");
+  m.def("i8_paths", &i8_paths, "the int8-activation paths this CPU runs, best first");
+  m.def("set_i8_path", &set_i8_path, pybind11::arg("name"),
+        "run the int8-activation linears on this path ('' = the best here); every path gives the same bits");
   bind_lean_forward(m);
   m.def("isa", []() {
 #if defined(RAGSERVE_AMX)

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 # One extension: the block-quantized linears and the fused lean forward built on them.
 _SOURCES = tuple(Path(__file__).with_name(n) for n in ("q4_kernel.cpp", "lean_forward.cpp", "claim_pool.cpp",
-                                                         "cpu_kernels.h"))
+                                                         "int8_linear.cpp", "cpu_kernels.h"))
 # -fopenmp: at::parallel_for (the load-time conversions; the passes' loops use claim_pool.cpp's threads) is a header
 # template whose `omp parallel` needs it; the library then needs libgomp.so.1, which resolves to the copy torch already
 # loaded: one OpenMP pool.

@@ -45,7 +45,13 @@ FORMAT = "q4_1"  # the --dtype value
 # The same weights with bf16 activations (q4_kernel.cpp: AMX tiles, or AVX512-BF16 dot products): every pass, prefill
 # included, runs the block kernel, whose rows do not depend on the pass size. Only where kernel().bf16() names one.
 FORMAT_BF16 = "q4_1_bf16"
-FORMATS = (FORMAT, FORMAT_BF16)
+# The same weights with int8 activations (int8_linear.cpp): each row's activations quantized per block of 32 from that
+# row alone, integer dot products with the 4-bit codes, one fixed order for the scales: a row's logits are the same
+# bits in any pass, on every CPU path (scalar, AVX2, AVX-VNNI, AVX512-VNNI). Every pass, prefill included, runs it;
+# the output layer's Q8_0 blocks too. The weights are held once more in the kernel's layout (the same bytes
+# reordered, 16 columns per group).
+FORMAT_I8 = "q4_1_i8"
+FORMATS = (FORMAT, FORMAT_BF16, FORMAT_I8)
 # In q4_1_bf16 on AVX512-BF16 (not AMX) the fused pass also holds the weights decoded to bf16 (2 bytes per
 # weight: 256 MiB for the default model) and passes of many rows read those instead of decoding every block:
 # the same values in the same sums, so the same bits (q4_kernel.cpp, linear_dense_bf16dp: ~4 ms less per pass of 12
@@ -212,13 +218,19 @@ class LeanLlamaQ4(LeanLlama):
 
     _prepack = False  # packed below, from the GGUF's values rather than the checkpoint's
 
-    def __init__(self, model, layers: list[dict[str, BlockWeight]], embed: BlockWeight, bf16: bool = False):
+    def __init__(self, model, layers: list[dict[str, BlockWeight]], embed: BlockWeight, bf16: bool = False,
+                 i8: bool = False):
         k = kernel()
+        if i8 and (k is None or not hasattr(k, "i8_linear")):
+            raise ValueError(f"{FORMAT_I8} needs the CPU kernels (python -m generation_service.q4_kernel)")
+        if bf16 and i8:
+            raise ValueError("bf16 and int8 activations are two formats: one at a time")
         if bf16 and (k is None or not k.bf16()):
             raise ValueError(f"{FORMAT_BF16} needs AMX tiles or AVX512-BF16 (Sapphire Rapids, Cooper Lake, Zen 4 or "
                              "later) and the CPU kernels built for them; this machine has not")
         super().__init__(model, torch.float32)
         self.bf16 = bf16
+        self.i8 = i8
         if len(layers) != len(self.layers):
             raise ValueError(f"GGUF has {len(layers)} layers, the model {len(self.layers)}")
         if model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
@@ -227,11 +239,11 @@ class LeanLlamaQ4(LeanLlama):
             raise ValueError(f"GGUF embedding is {(embed.out_features, embed.in_features)}, the model's "
                              f"{tuple(self.embed.shape)}")
         have_kernel = k is not None
-        self.pack = _onednn_linear_available() and not bf16
+        self.pack = _onednn_linear_available() and not (bf16 or i8)
         # Without the kernel every pass runs dense (the fp32 lean forward's split: GEMV for 1 row, oneDNN for more);
-        # with bf16 activations every pass runs the kernel (rows stay pass-invariant).
-        self.dense_min_rows = (1 << 62) if bf16 else DENSE_MIN_ROWS if have_kernel else _PACK_MIN_ROWS
-        if bf16:  # every pass runs fused, whose attention gives decode rows the same bits in any pass
+        # with bf16 or int8 activations every pass runs the kernel (rows stay pass-invariant).
+        self.dense_min_rows = (1 << 62) if bf16 or i8 else DENSE_MIN_ROWS if have_kernel else _PACK_MIN_ROWS
+        if bf16 or i8:  # every pass runs fused, whose attention gives decode rows the same bits in any pass
             self.fused_max_rows = 1 << 62
         self.differs_from_checkpoint = 0  # weight matrices whose GGUF values are not the safetensors' (logged)
         with torch.no_grad():
@@ -259,7 +271,7 @@ class LeanLlamaQ4(LeanLlama):
         embed.bf16 = bf16
         self.embed_blocks = embed
         self._build_fused()
-        self.wide_bytes = self._prepare_weights(k) if bf16 and self.fused is not None else 0
+        self.wide_bytes = self._prepare_weights(k) if (bf16 or i8) and self.fused is not None else 0
         self.wide_from = WIDE_FROM_DEFAULT  # set_wide_from
         if self.differs_from_checkpoint:
             log.warning("q4_1: %d weight matrices of the GGUF differ from the model's safetensors; serving the GGUF's "
@@ -267,14 +279,14 @@ class LeanLlamaQ4(LeanLlama):
 
 
     @classmethod
-    def from_gguf(cls, model, path: str | os.PathLike, bf16: bool = False) -> "LeanLlamaQ4":
+    def from_gguf(cls, model, path: str | os.PathLike, bf16: bool = False, i8: bool = False) -> "LeanLlamaQ4":
         why = cls.supports(model)
         if why:
             raise ValueError(f"the q4_1 format runs on the lean forward, which does not support this model: {why}")
         if kernel() is None:
             log.warning("q4_1: block kernel unavailable; serving the dequantized weights in fp32")
         layers, embed = read_gguf(path, model.config)
-        return cls(model, layers, embed, bf16=bf16)
+        return cls(model, layers, embed, bf16=bf16, i8=i8)
 
     def _fused_weights(self) -> tuple[dict[str, list[torch.Tensor]], torch.Tensor]:
         return ({n: [ly.quant[n].packed if ly.quant[n].dense is None else ly.quant[n].dense for ly in self.layers]
@@ -282,9 +294,12 @@ class LeanLlamaQ4(LeanLlama):
                 self.embed_blocks.packed if self.embed_blocks.dense is None else self.embed_blocks.dense)
 
     def _prepare_weights(self, k) -> int:
-        """Give the fused pass the weights prepared for this CPU's bf16 linears (the comment at FORMATS): decoded
-        bf16 copies where k.wide_bf16(), the AMX group layout where k.bf16() is "amx", else nothing -> their bytes."""
-        if k.wide_bf16():
+        """Give the fused pass the weights prepared for its linears (the comments at FORMATS): with int8 activations
+        the int8 kernel's layout; for bf16, decoded copies where k.wide_bf16(), the AMX group layout where k.bf16()
+        is "amx", else nothing -> their bytes."""
+        if self.i8:
+            prepare, what = k.i8_layout, f"the linears run on int8 activations ({k.i8_path()})"
+        elif k.wide_bf16():
             prepare, what = k.decode_bf16, "passes of many rows read the weights decoded to bf16"
         elif k.bf16() == "amx":
             prepare, what = k.amx_layout, "the linears decode the weights from the AMX group layout"
@@ -295,13 +310,13 @@ class LeanLlamaQ4(LeanLlama):
         head = prepare(self.embed_blocks.packed, self.embed_blocks.in_features)
         self.fused.set_wide(*(prepared[n] for n in names), head)
         size = sum(t.nbytes for ts in prepared.values() for t in ts) + head.nbytes
-        log.info("q4_1_bf16: %s (%.0f MB)", what, size / 2**20)
+        log.info("%s: %s (%.0f MB)", FORMAT_I8 if self.i8 else FORMAT_BF16, what, size / 2**20)
         return size
 
     def has_decoded_copies(self) -> bool:
         """Whether the fused pass holds the weights decoded to bf16, which set_wide_from decides the use of."""
         k = kernel()
-        return self.wide_bytes > 0 and k is not None and k.wide_bf16()
+        return self.wide_bytes > 0 and k is not None and k.wide_bf16() and self.bf16
 
     def set_wide_from(self, rows: int) -> None:
         """Passes of at least `rows` rows read the decoded bf16 copies, smaller ones decode the blocks: the same bits
@@ -329,4 +344,4 @@ def lean_for_format(model, model_dir: str | os.PathLike, weights: str, forward: 
         raise ValueError(f"forward hf cannot serve {weights}: block-quantized weights run on the lean forward only")
     if next(model.parameters()).device.type != "cpu":
         raise ValueError(f"{weights} runs on the CPU only (the block kernel is a CPU kernel)")
-    return LeanLlamaQ4.from_gguf(model, find_gguf(model_dir), bf16=weights == FORMAT_BF16)
+    return LeanLlamaQ4.from_gguf(model, find_gguf(model_dir), bf16=weights == FORMAT_BF16, i8=weights == FORMAT_I8)

@@ -32,3 +32,13 @@ def tmq4bf16():
     if kernel() is None or not kernel().bf16():
         pytest.skip("no AMX tiles or AVX512-BF16 on this CPU")
     return real_model("q4_1_bf16")
+
+
+@pytest.fixture(scope="session")
+def tmq4i8():
+    """q4_1's blocks with int8 activations (int8_linear.cpp; every CPU the kernels build on)."""
+    from generation_service.q4_kernel import kernel
+
+    if kernel() is None or not hasattr(kernel(), "i8_linear"):
+        pytest.skip("the CPU kernels are not built here")
+    return real_model("q4_1_i8")

@@ -292,3 +292,21 @@ def test_q4_1_identical(tmq4):
 def test_q4_1_bf16_identical_or_near_tie(tmq4bf16):
     """Within q4_1_bf16 exactly: a row gets the same bits in an AR step and in a tree."""
     assert_identical_or_near_tie(tmq4bf16, n_prompts=2, max_new=32, exact=True)
+
+
+def test_q4_1_i8_identical(tmq4i8):
+    """Within q4_1_i8 exactly, no near-tie allowance: each row's activations are quantized from that row alone and
+    its dot products summed in one fixed order, so a tree row gets the AR step's bits."""
+    assert_identical_or_near_tie(tmq4i8, n_prompts=2, max_new=32, exact=True)
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.8, top_p=0.9, seed=11)])
+def test_q4_1_i8_seeded_sampling_identical(tmq4i8, sampling):
+    params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True, **sampling)
+    for text in humaneval_prompts(1):
+        prompt = encode(tmq4i8, text)
+        ar = tokens_of(tmq4i8, prompt, params)
+        assert ar != tokens_of(tmq4i8, prompt, SamplingParams(max_new_tokens=N_NEW, ignore_eos=True))  # it samples
+        adv = AdversarialDrafter(list(prompt) + ar, depth=10, seed=1)
+        assert tokens_of(tmq4i8, prompt, params, drafter=adv) == ar
+        assert tokens_of(tmq4i8, prompt, params, drafter=PromptLookupDrafter()) == ar

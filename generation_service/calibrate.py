@@ -326,8 +326,9 @@ def candidate_threads(cores: int) -> list[int]:
 
 
 def auto_formats(model_dir: Path, device: torch.device) -> tuple[str, ...]:
-    """The block-quantized formats auto may serve this model in: q4_1 on the CPU when the model's Q4_1 GGUF is there
-    and the CPU kernels load (without them q4_1 would run its dequantized fp32 weights: fp32 under another name)."""
+    """The block-quantized formats auto may serve this model in: q4_1 and q4_1_i8 on the CPU when the model's Q4_1
+    GGUF is there and the CPU kernels load (without them q4_1 would run its dequantized fp32 weights: fp32 under
+    another name), q4_1_bf16 too where they have bf16 linears."""
     if device.type != "cpu":
         return ()
     try:
@@ -337,7 +338,8 @@ def auto_formats(model_dir: Path, device: torch.device) -> tuple[str, ...]:
     k = kernel()
     if k is None:
         return ()
-    return ("q4_1", "q4_1_bf16") if k.bf16() else ("q4_1",)
+    formats = ("q4_1", "q4_1_bf16") if k.bf16() else ("q4_1",)
+    return formats + (("q4_1_i8",) if hasattr(k, "i8_linear") else ())
 
 
 def candidate_dtypes(device: torch.device) -> list[str]:

@@ -105,7 +105,7 @@ def test_auto_formats_need_the_gguf_and_the_cpu(tmp_path):
 
     assert auto_formats(tmp_path, torch.device("cpu")) == ()  # no GGUF in a plain HF directory: Not q4_1
     assert auto_formats(default_model_dir(), torch.device("cuda")) == ()  # a CPU kernel
-    want = () if kernel() is None else ("q4_1", "q4_1_bf16") if kernel().bf16() else ("q4_1",)
+    want = () if kernel() is None else (("q4_1", "q4_1_bf16") if kernel().bf16() else ("q4_1",)) + ("q4_1_i8",)
     assert auto_formats(default_model_dir(), torch.device("cpu")) == want  # the default model ships as Q4_1
 
 

@@ -102,6 +102,20 @@ class Encoder:
         out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
         return np.ascontiguousarray(out, dtype=np.float32)
 
+    @property
+    def max_tokens(self) -> int:
+        """Tokens the encoder reads of one text (special tokens included); longer texts are truncated."""
+        return int(self.model.max_seq_length)
+
+    def count_tokens(self, texts: Sequence[str]) -> np.ndarray:
+        """texts: n strings -> int64 [n], the tokens encode() runs for each (truncated at max_tokens)."""
+        if not texts:
+            return np.zeros(0, np.int64)
+        with self._lock:  # the same tokenizer: one caller at a time
+            ids = self.model.tokenizer([str(t).strip() for t in texts], truncation=True,
+                                       max_length=self.max_tokens)["input_ids"]
+        return np.fromiter((len(i) for i in ids), np.int64, len(ids))
+
     def encode_queries(self, texts: Sequence[str]) -> np.ndarray:
         """Like encode, through the LRU cache; one batched forward pass for the misses."""
         out = np.empty((len(texts), self.dim), np.float32)

@@ -62,6 +62,9 @@ FLAG_HELP = {
     "kb_limit_k": "largest k (hits per query) a Search may ask for",
     "kb_limit_ids": "most doc ids one ScoreCandidates/GetDocuments request may carry",
     "kb_limit_query_chars": "longest text query, characters",
+    "kb_limit_search_chars": "most characters of all text queries of one Search (tokenizing costs per character)",
+    "kb_limit_encode_tokens": "most tokens the encoder may run for one Search (its texts, each truncated at the "
+                              "encoder's length); more is refused before any encoding",
     "kb_limit_results": "most queries x k in one Search (checked before any work, like the reply size)",
     "kb_workers": "threads of the knowledge-base executor (Search/ScoreCandidates/GetDocuments run there)",
     "kb_queue": "KB calls that may wait for the executor (capped at workers - 2); more get RESOURCE_EXHAUSTED",
@@ -164,6 +167,12 @@ class RetrievalConfig(config_util.ShellConfig):
     kb_limit_k: int = 1024  # kNN-LM asks for up to 1024 neighbours (Khandelwal et al.'s k)
     kb_limit_ids: int = 10_000
     kb_limit_query_chars: int = 10_000
+    # The work of one Search's text queries, refused before it starts (INVALID_ARGUMENT naming the limit): all
+    # their characters (the tokenizer reads every one, even past the encoder's length), then the tokens the
+    # encoder would run (each text truncated at its 256). Sized so the largest Search allowed encodes within a few
+    # seconds on one core; raise them on faster machines.
+    kb_limit_search_chars: int = 262_144
+    kb_limit_encode_tokens: int = 8_192
     # Queries x k of one Search (kNN-LM verifies up to ~16 queries x k 1024 at once); the reply must also fit
     # max_message_bytes. Both are checked before any work.
     kb_limit_results: int = 65_536

@@ -43,6 +43,12 @@ SPARSE_DIR = "sparse"
 RETRIEVERS = ("edr", "adr", "sr")
 KB_INDEX = "kb"
 SEARCH_CHUNK = 64  # queries per encode + index search step (the re-scoring gathers chunk x (k + 16) x dim floats)
+# Encoder tokens per step of a text batch (two full-length queries): the deadline is checked and the encoder's lock
+# released this often, so a batch of long texts stops soon after its caller left.
+CHUNK_TOKENS = 512
+# Text Searches of at most this many encoder tokens (by the characters-based bound, see express_tokens) take the
+# express lane: the service runs them on a thread and an encoder of their own, never behind a large batch.
+EXPRESS_TOKENS = 256
 
 
 class KBInputError(InvalidArgument):
@@ -92,13 +98,32 @@ class KBLimits:
     max_ids: int = 10_000
     max_query_chars: int = 10_000
     max_results: int = 65_536  # queries x k per Search
+    max_search_chars: int = 262_144  # characters of all text queries of one Search
+    max_encode_tokens: int = 8_192  # tokens the encoder runs for one Search
     max_reply_bytes: int = 64 << 20  # the gRPC message limit replies must fit
 
     @classmethod
     def from_config(cls, cfg: RetrievalConfig) -> "KBLimits":
         return cls(max_batch=cfg.limit_batch, max_k=cfg.kb_limit_k, max_ids=cfg.kb_limit_ids,
                    max_query_chars=cfg.kb_limit_query_chars, max_results=cfg.kb_limit_results,
+                   max_search_chars=cfg.kb_limit_search_chars, max_encode_tokens=cfg.kb_limit_encode_tokens,
                    max_reply_bytes=cfg.max_message_bytes)
+
+
+def _token_steps(tokens: np.ndarray | None, lo: int, hi: int) -> list[tuple[int, int]]:
+    """Split queries [lo, hi) into consecutive steps of at most CHUNK_TOKENS encoder tokens (one query alone may
+    exceed it). tokens None: one step."""
+    if tokens is None:
+        return [(lo, hi)]
+    steps, start, used = [], lo, 0
+    for i in range(lo, hi):
+        t = int(tokens[i])
+        if i > start and used + t > CHUNK_TOKENS:
+            steps.append((start, i))
+            start, used = i, 0
+        used += t
+    steps.append((start, hi))
+    return steps
 
 
 def _mib(n: int) -> str:
@@ -135,6 +160,9 @@ class KnowledgeBase:
     vector_indexes: dict[str, dense.VectorIndex] = field(default_factory=dict)
     bm25: sparse.BM25Index | None = None
     encoder: dense.Encoder | None = None
+    # A second copy of the encoder for the express lane (small Searches; see express_tokens), so they never wait
+    # for a large batch's encode. Loaded by add_express_encoder (the service does it before SERVING).
+    express_encoder: dense.Encoder | None = None
     open_s: dict = field(default_factory=dict)
     warmup_s: float = 10.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -372,13 +400,46 @@ class KnowledgeBase:
                                f"need a {_mib(need)} reply, over the {_mib(self.limits.max_reply_bytes)} message "
                                f"limit (max_message_bytes); ask for fewer queries or hits")
 
+    def add_express_encoder(self, threads: int, cache_size: int) -> None:
+        """Load the express lane's own encoder (same model and dtype; ~90 MB), once."""
+        with self._lock:
+            if self.encoder is not None and self.express_encoder is None:
+                self.express_encoder = dense.Encoder(threads=threads, cache_size=cache_size, dtype=self.encoder.dtype)
+                self.express_encoder.encode(["warm up the encoder"])
+
+    def express_tokens(self, texts: Sequence[str]) -> int:
+        """An upper bound of the encoder tokens of `texts` from their lengths alone (a token spans at least one
+        character; each text is cut at the encoder's length): no tokenizing, so the service can pick a lane."""
+        cap = self.encoder.max_tokens if self.encoder is not None else 512
+        return sum(min(len(t) + 2, cap) for t in texts)
+
+    def _check_text_work(self, texts: Sequence[str], encoder: dense.Encoder | None) -> np.ndarray | None:
+        """Refuse a text batch whose work exceeds the per-Search bounds, before any encoding (KBInputError naming
+        the limit). -> the encoder tokens of each text (None without an encoder)."""
+        chars = sum(len(t) for t in texts)
+        if chars > self.limits.max_search_chars:
+            raise KBInputError("texts", f"{len(texts)} texts of {chars} characters in all exceed the limit of "
+                               f"{self.limits.max_search_chars} characters per Search (kb_limit_search_chars); "
+                               f"split the batch")
+        if encoder is None:
+            return None
+        tokens = encoder.count_tokens(texts)
+        total = int(tokens.sum())
+        if total > self.limits.max_encode_tokens:
+            raise KBInputError("texts", f"{len(texts)} texts need {total} encoder tokens, over the limit of "
+                               f"{self.limits.max_encode_tokens} per Search (kb_limit_encode_tokens); split the "
+                               f"batch or shorten the texts")
+        return tokens
+
     def search(self, retriever: str, k: int, *, texts: Sequence[str] | None = None,
                vectors: np.ndarray | None = None, index: str = "", ef_search: int = 0,
-               should_stop: Callable[[], bool] | None = None) -> SearchResult:
+               should_stop: Callable[[], bool] | None = None, express: bool = False) -> SearchResult:
         """One batched search: B text queries (encoded together for edr/adr) or B query vectors [B, D].
 
-        Batches above SEARCH_CHUNK queries run chunk by chunk; should_stop() is asked between chunks and ends
-        the search with SearchStopped (the caller left or its deadline passed: the rest would be wasted).
+        Text batches are bounded in characters and encoder tokens (refused before any work, see KBLimits).
+        Batches above SEARCH_CHUNK queries run chunk by chunk, texts are encoded CHUNK_TOKENS at a time;
+        should_stop() is asked between those steps and ends the search with SearchStopped (the caller left or
+        its deadline passed: the rest would be wasted). express: encode with the express lane's encoder.
         """
         self._check_retriever(retriever, index)
         texts = list(texts or [])
@@ -399,6 +460,11 @@ class KnowledgeBase:
             raise KBInputError("ef_search", f"{ef_search} is outside [0, 65536]")
         if texts:
             self._check_texts(texts, "texts")
+        encoder = (self.express_encoder if express else None) or self.encoder
+        tokens = None
+        if texts:
+            dense_texts = retriever != "sr" and (index or KB_INDEX) == KB_INDEX
+            tokens = self._check_text_work(texts, encoder if dense_texts else None)
         # Even chunks (not 64 + a remainder of 1): every chunk stays on faiss's BLAS path.
         n_chunks = -(-batch // SEARCH_CHUNK)
         bounds = [batch * i // n_chunks for i in range(n_chunks + 1)]
@@ -426,9 +492,10 @@ class KnowledgeBase:
             stop_check()
             if texts:
                 t0 = time.perf_counter()
-                queries[lo:hi] = self.encoder.encode_queries(texts[lo:hi])
+                for a, b in _token_steps(tokens, lo, hi):
+                    queries[a:b] = encoder.encode_queries(texts[a:b])
+                    stop_check()
                 encode_ms += (time.perf_counter() - t0) * 1e3
-                stop_check()
             else:
                 queries[lo:hi] = given[lo:hi]
             t0 = time.perf_counter()

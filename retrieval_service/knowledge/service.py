@@ -16,6 +16,10 @@ thread, so at most `kb_workers + kb_queue` KB calls are admitted, and never more
 threads always remain for Draft (measured with 8 clients searching flat out and 8 handler threads: Draft p50
 ~300 ms when KB calls could take every handler thread, sub-millisecond with the cap). Beyond the cap a KB call
 gets RESOURCE_EXHAUSTED at once.
+
+Express lane: a text Search small enough (kb.EXPRESS_TOKENS encoder tokens at most, bounded from its length) runs
+on a thread of its own with an encoder of its own, so it never queues behind a large batch on the KB executor nor
+waits for the batch's encoder (a batch of long texts holds the executor for seconds).
 """
 
 from __future__ import annotations
@@ -37,7 +41,14 @@ from retrieval_service.config import RetrievalConfig
 from retrieval_service.knowledge import dense
 from retrieval_service.knowledge.coalesce import SearchCall, SearchCoalescer
 from retrieval_service.knowledge.deadline import call_deadline
-from retrieval_service.knowledge.kb import KB_INDEX, SEARCH_CHUNK, KBInputError, KnowledgeBase, SearchStopped
+from retrieval_service.knowledge.kb import (
+    EXPRESS_TOKENS,
+    KB_INDEX,
+    SEARCH_CHUNK,
+    KBInputError,
+    KnowledgeBase,
+    SearchStopped,
+)
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = knowledge_pb2.DESCRIPTOR.services_by_name["KnowledgeService"].full_name
@@ -58,6 +69,7 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
         self._cfg = config or RetrievalConfig()
         self._kb = kb
         self._pool: ThreadPoolExecutor | None = None
+        self._express: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._admitted = 0  # calls running or queued on the KB executor
         self._coalescers: dict[int, SearchCoalescer] = {}  # per KnowledgeBase (id), when kb_coalesce
@@ -66,8 +78,9 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
         self._kb = kb
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._pool, self._express):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------------------------------ executor
 
@@ -80,14 +93,19 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
             except OSError:
                 pass
 
-    def _executor(self) -> ThreadPoolExecutor:
+    def _executor(self, express: bool = False) -> ThreadPoolExecutor:
         with self._lock:
+            if express:
+                if self._express is None:
+                    self._express = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kb-express",
+                                                       initializer=self._init_kb_thread)
+                return self._express
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=max(1, self._cfg.kb_workers), thread_name_prefix="kb",
                                                 initializer=self._init_kb_thread)
             return self._pool
 
-    def _offload(self, context, work: Callable[[Callable[[], bool]], T]) -> T:
+    def _offload(self, context, work: Callable[[Callable[[], bool]], T], express: bool = False) -> T:
         """Run work(should_stop) on the KB executor and wait for it. should_stop() is true once the client
         cancelled or the deadline passed; KB code checks it between stages and chunks (SearchStopped)."""
         limit = max(1, min(max(1, self._cfg.kb_workers) + self._cfg.kb_queue, self._cfg.workers - DRAFT_HANDLERS))
@@ -117,7 +135,7 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
                 return work(should_stop)
 
         try:
-            return self._executor().submit(run).result()
+            return self._executor(express).submit(run).result()
         finally:
             with self._lock:
                 self._admitted -= 1
@@ -131,6 +149,8 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
         kb = self._kb
         if kb is None:
             return
+        if kb.encoder is not None:
+            kb.add_express_encoder(self._cfg.kb_omp_threads, self._cfg.kb_query_cache)
         ctx = _NoContext()
         for r in kb.retrievers:
             res = self.Search(knowledge_pb2.SearchRequest(retriever=r, k=5, texts=["warm up", "the handlers"],
@@ -189,14 +209,16 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
             return vectors, vec_dim
 
         vectors, vec_dim = self._run(context, check)
-        call = self._search_call(kb, request, vectors, context)
+        express = self._express_lane(kb, request)
+        call = None if express else self._search_call(kb, request, vectors, context)
 
         def work(should_stop):
             if call is not None:
                 result = self._coalescer(kb).run(call)
             else:
                 result = kb.search(request.retriever, request.k, texts=list(request.texts), vectors=vectors,
-                                   index=request.index, ef_search=request.ef_search, should_stop=should_stop)
+                                   index=request.index, ef_search=request.ef_search, should_stop=should_stop,
+                                   express=express)
             if should_stop():
                 raise SearchStopped("the call ended during the search")
             results = []
@@ -218,12 +240,19 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
         if call is not None:
             self._coalescer(kb).add(call)
         try:
-            out = self._run(context, lambda: self._offload(context, work))
+            out = self._run(context, lambda: self._offload(context, work, express))
         finally:
             if call is not None:
                 self._coalescer(kb).discard(call)
         self._deadline(context, "after the search")
         return out
+
+    @staticmethod
+    def _express_lane(kb: KnowledgeBase, request) -> bool:
+        """A small dense text Search: it takes the express lane (its own thread and encoder)."""
+        return (kb.express_encoder is not None and bool(request.texts) and not request.vectors
+                and request.retriever in ("edr", "adr") and request.index in ("", KB_INDEX)
+                and kb.express_tokens(request.texts) <= EXPRESS_TOKENS)
 
     def _coalescer(self, kb: KnowledgeBase) -> SearchCoalescer:
         with self._lock:

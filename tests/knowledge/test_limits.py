@@ -101,7 +101,9 @@ def test_a_search_within_the_limits_is_answered(kb_dir, big_encoder):
 
 def test_search_stops_when_the_deadline_passes(kb_dir, big_encoder):
     """1024 long queries take seconds to encode; a 0.5 s deadline stops the work within one chunk."""
-    running, kb = _server(kb_dir, big_encoder, limit_batch=1024, kb_limit_k=10)
+    # The work bounds raised: this is about the deadline inside a batch the bounds would refuse up front.
+    running, kb = _server(kb_dir, big_encoder, limit_batch=1024, kb_limit_k=10, kb_limit_search_chars=10**6,
+                          kb_limit_encode_tokens=10**6)
     texts = _texts("deadline", 1024, words=60)
     try:
         with grpc.insecure_channel(running.address) as ch:

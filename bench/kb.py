@@ -2,6 +2,7 @@
 
     python -m bench.kb --kb ~/.cache/ragserve/kb/docs --retrievers edr,adr,sr --batch-sizes 1,2,4,8,16,32 \\
         --json bench/results/kb_retrieval.json
+    python -m bench.kb --kb postgresql://postgres@127.0.0.1:5432/postgres --batch-sizes 1,8   # the KB in PostgreSQL
 
 Queries are 32-word windows of random KB passages (RaLMSpec queries with the last 32 generated tokens).
 Dense retrievers are timed on query vectors; query encoding is timed separately (encode_ms_per_query).
@@ -24,9 +25,10 @@ from typing import Callable
 
 import numpy as np
 
+from bench import serving
 from ragcore.process import offline_process
 from retrieval_service.config import RetrievalConfig
-from retrieval_service.knowledge import dense, sparse
+from retrieval_service.knowledge import dense, pg, sparse
 from retrieval_service.knowledge.kb import KB_INDEX, KnowledgeBase
 
 DEFAULT_KB = Path.home() / ".cache" / "ragserve" / "kb" / "docs"
@@ -83,13 +85,14 @@ def run(args: argparse.Namespace) -> dict:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     load_before = os.getloadavg()
     cfg = RetrievalConfig(kb=str(args.kb), kb_retrievers=",".join(retrievers), kb_threads=args.threads,
-                          kb_omp_threads=args.omp_threads, kb_query_cache=0)
+                          kb_omp_threads=args.omp_threads, kb_query_cache=0,
+                          kb_pg_table=getattr(args, "kb_pg_table", "ragserve_kb"))
     t0 = time.perf_counter()
     kb = KnowledgeBase.open(args.kb, cfg)
     open_s = time.perf_counter() - t0
     n_q = max(args.queries, max(batch_sizes))
     queries = make_queries(kb, n_q)
-    out: dict = {"kb": str(args.kb), "passages": len(kb.passages), "k": args.k, "queries": n_q,
+    out: dict = {"kb": pg.masked(args.kb) if pg.is_url(args.kb) else str(args.kb), "passages": len(kb.passages), "k": args.k, "queries": n_q,
                  "threads": args.threads, "omp_threads": args.omp_threads, "open_s": open_s,
                  "open_breakdown_s": kb.open_s,
                  "build": kb.manifest.get("build", {}), "build_peak_rss_mb": kb.manifest.get("peak_rss", {}),
@@ -203,7 +206,8 @@ def run(args: argparse.Namespace) -> dict:
             out["score_candidates_ms"] <= SCORE_CANDIDATES_TARGET_MS} if "score_candidates_ms" in out else {}),
     }
     out["machine"] = {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-                      "contended": max(load_before[0], os.getloadavg()[0]) > (os.cpu_count() or 1) * 0.75}
+                      "contended": max(load_before[0], os.getloadavg()[0]) > (os.cpu_count() or 1) * 0.75,
+                      **serving.machine()}
     kb.close()
     return out
 
@@ -244,8 +248,9 @@ def main(argv: list[str] | None = None) -> None:
     sparse.prepare_process()  # BM25's JVM settings: before anything starts threads
     ap = argparse.ArgumentParser(prog="python -m bench.kb", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kb", type=Path, default=DEFAULT_KB,
-                    help="knowledge base directory (default ~/.cache/ragserve/kb/docs)")
+    ap.add_argument("--kb", default=str(DEFAULT_KB),
+                    help="knowledge base directory or postgresql:// URL (default ~/.cache/ragserve/kb/docs)")
+    ap.add_argument("--kb-pg-table", default="ragserve_kb", help="the KB's table when --kb is a postgresql:// URL")
     ap.add_argument("--retrievers", default="edr,adr,sr", help="comma list of edr, adr, sr to time (default all)")
     ap.add_argument("--batch-sizes", default="1,2,4,8,16,32",
                     help="comma list of queries per search call (default %(default)s)")

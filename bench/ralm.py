@@ -47,7 +47,8 @@ from generation_service.ralm_gate import SharedRoundCosts
 from generation_service.ralm_retrieval import KBRetriever, LocalEncoder
 from generation_service.sampling import SamplingParams
 from ragcore.process import offline_process
-from retrieval_service.knowledge import sparse
+from retrieval_service.config import RetrievalConfig
+from retrieval_service.knowledge import pg, sparse
 
 DEFAULT_KB = Path.home() / ".cache" / "ragserve" / "kb" / "docs"
 DEFAULT_MODEL = Path.home() / ".cache" / "ragserve" / "models" / "SmolLM2-135M-Instruct"
@@ -312,10 +313,17 @@ def paired_median(pairs: list[tuple[dict, dict]], key: str, invert: bool = False
     return statistics.median(ratios) if ratios else None
 
 
-def kb_facts(kb_dir: Path) -> dict:
-    """What the curve needs to know of a KB: its size and corpus (from its manifest)."""
-    manifest = json.loads((kb_dir / "kb.json").read_text())
-    return {"path": str(kb_dir), "passages": manifest["passages"], "corpus": manifest.get("corpus"),
+def kb_facts(kb: str | Path) -> dict:
+    """What the curve needs to know of a KB: its size and corpus (from its manifest, or the PostgreSQL table's)."""
+    if pg.is_url(kb):
+        import psycopg
+
+        with psycopg.connect(str(kb)) as conn:
+            manifest = pg.read_manifest(conn, RetrievalConfig().kb_pg_table) or {}
+        return {"path": pg.masked(str(kb)), "backend": "postgresql", "passages": manifest.get("passages"),
+                "retrievers": manifest.get("retrievers"), "table": manifest.get("table")}
+    manifest = json.loads((Path(kb) / "kb.json").read_text())
+    return {"path": str(kb), "passages": manifest["passages"], "corpus": manifest.get("corpus"),
             "retrievers": manifest.get("retrievers")}
 
 
@@ -340,7 +348,8 @@ def print_table(summary: dict) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.ralm", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kb", type=Path, default=DEFAULT_KB, help="knowledge base directory (default %(default)s)")
+    ap.add_argument("--kb", default=str(DEFAULT_KB),
+                    help="knowledge base directory or postgresql:// URL (table ragserve_kb; default %(default)s)")
     ap.add_argument("--kb-target", default="", help="an external retrieval service (host:port); default: in-process")
     ap.add_argument("--serve", action="store_true",
                     help="the product path: start both services with default flags (tools.launcher) and send every "
@@ -406,7 +415,6 @@ def main(argv: list[str] | None = None) -> None:
     running = None
     target = args.kb_target
     if not target:
-        from retrieval_service.config import RetrievalConfig
         from retrieval_service.server import build_server
 
         running = build_server(RetrievalConfig(port=0, kb=str(args.kb), kb_retrievers=",".join(retrievers)))

@@ -309,3 +309,22 @@ def test_load_resumes_after_an_interruption(pg_server, tmp_path):
     other = random_kb_dir(tmp_path / "other", vectors[:10])
     with pytest.raises(ValueError, match="another knowledge base"):
         pg.load_kb(other, pg_server.url, table="resume")
+
+
+# --------------------------------------------------------------------------------------- the benchmark
+
+def test_bench_kb_runs_on_postgresql(pg_kb, pg_server):
+    """bench.kb --kb postgresql://... at a tiny size: batch 1 vs 2, in-process and over gRPC, HNSW recall."""
+    import argparse
+
+    from bench import kb as bench_kb
+
+    args = argparse.Namespace(kb=pg_server.url, kb_pg_table="tiny", retrievers="edr,adr,sr", batch_sizes="1,2", k=3,
+                              queries=4, min_queries=2, budget_s=0.05, ef_search="16", score_calls=6, threads=1,
+                              omp_threads=1, target="", no_grpc=False)
+    out = bench_kb.run(args)
+    assert out["passages"] == len(pg_kb.passages) and out["kb"] == pg_server.url
+    assert set(out["retrievers"]) == {"edr", "adr", "sr"}
+    assert all(row["grpc_ms_per_query"] > 0 for rows in out["retrievers"].values() for row in rows.values())
+    assert out["hnsw_recall_at_10"] == 1.0  # 66 rows, ef_search >= 64: HNSW finds them all
+    assert out["machine"]["cpu_flags"] and "commit" in out["machine"]["code"]

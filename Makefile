@@ -43,13 +43,13 @@ $(STAMP): pyproject.toml requirements/nodeps.txt
 
 install: $(STAMP) system-packages stubs kernels
 
-# The block-quantized linear kernel of the q4_1 weight format (generation_service/q4_kernel.cpp), compiled for this
+# The block-quantized linear kernel of the q4_1 weight format (generation_service/model/kernels/q4_kernel.cpp), compiled for this
 # CPU into $(RAGSERVE_HOME)/kernels (~30 s, once per CPU + torch version). Without g++/ninja it reports
 # "unavailable" and q4_1 serves the same weights dequantized to fp32 (with a warning). Then the retrieval service's
 # float16 exact-search kernel (retrieval_service/knowledge/fp16_scan.cpp, ~2 s; without g++ exact search uses faiss),
 # and the SIGBUS guard of memory-mapped stores (retrieval_service/datastore/map_guard.c, plain C, < 1 s).
 kernels: $(STAMP)
-	$(PYTHON) -m generation_service.q4_kernel
+	$(PYTHON) -m generation_service.model.kernels.build
 	$(PYTHON) -m retrieval_service.knowledge.fp16_scan
 	$(PYTHON) -m retrieval_service.datastore.map_guard
 
@@ -81,7 +81,7 @@ lint: install
 
 # What the worker will serve with on this machine: the measured cost curves and the choice (cached).
 calibrate: model
-	$(PYTHON) -m generation_service.calibrate
+	$(PYTHON) -m generation_service.engine.calibrate
 
 # ms per forward pass (q = 1, 4, 16, 64) per weight format and forward, llama.cpp as the anchor when installed
 # (pip install -e '.[anchor]'); bench/results/step-<cpuclass>.json. ~2 min.

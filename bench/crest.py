@@ -54,8 +54,8 @@ def greedy_outputs(tm, prompts: list[list[int]], max_new: int, path: Path) -> li
     """AR greedy output of each prompt (final EOS included when the model stopped), cached as JSON per prompt."""
     from tqdm import tqdm
 
-    from generation_service.sampling import SamplingParams
-    from generation_service.speculative import generate
+    from generation_service.engine.speculative import generate
+    from generation_service.model.sampling import SamplingParams
 
     done: dict[str, list[int]] = json.loads(path.read_text()) if path.exists() else {}
     params = SamplingParams(max_new_tokens=max_new)
@@ -199,8 +199,8 @@ def lookup_latency(embedded, contexts: list[np.ndarray], workdir: Path, rounds: 
 
 
 def real_check(tm, prompts, outputs, drafters: dict, max_new: int, sims: dict) -> dict:
-    from generation_service.sampling import SamplingParams
-    from generation_service.speculative import generate
+    from generation_service.engine.speculative import generate
+    from generation_service.model.sampling import SamplingParams
 
     params = SamplingParams(max_new_tokens=max_new)
     out: dict = {name: {"real_M_per_prompt": [], "identical_to_ar": [], "seconds": 0.0, "decoded": 0, "steps": 0}
@@ -351,7 +351,7 @@ def _parse(argv):
 def _reference(args, root: Path):
     """-> (model, prompts, greedy outputs)."""
     from bench.speculative import load_prompts
-    from generation_service.model import load_model, set_threads, warmup
+    from generation_service.model.target import load_model, set_threads, warmup
 
     set_threads(args.threads)
     tm = load_model("", dtype=args.dtype, device="cpu")
@@ -363,7 +363,7 @@ def _reference(args, root: Path):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from generation_service.drafters import CrestDrafter, DatastoreDrafter
+    from generation_service.drafting.drafters import CrestDrafter, DatastoreDrafter
     from retrieval_service.datastore.suffix_array import SuffixArrayDatastore
 
     args = _parse(argv)

@@ -40,8 +40,8 @@ import numpy as np
 
 from bench.serving import closed_loop, machine
 from generation_service.config import DTYPE_CHOICES
-from generation_service.knnlm import KNN_OS3, KnnBackend, KnnLmOptions, _output_layer_input, generate_tokens
-from generation_service.sampling import SamplingParams
+from generation_service.knnlm.loop import KNN_OS3, KnnBackend, KnnLmOptions, _output_layer_input, generate_tokens
+from generation_service.model.sampling import SamplingParams
 from ragcore.knn_store import DEFAULT_DIR, load_held_out, open_datastore
 
 SPECULATIVE = ("s1", "s2", "s4", "s8", "s16", "os3")
@@ -437,7 +437,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from threadpoolctl import threadpool_info
 
-    from generation_service.calibrate import calibrated_model
+    from generation_service.engine.calibrate import calibrated_model
 
     t_start = time.time()
     ds = open_datastore(args.datastore)

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from bench.serving import machine
-from generation_service.knnlm import (
+from generation_service.knnlm.loop import (
     KnnBackend,
     KnnLmOptions,
     NeighbourCache,
@@ -52,7 +52,7 @@ def trajectories(tm, backend: KnnBackend, prompts: list[np.ndarray], new_tokens:
     LM pass and of a Search of 1 and of s queries (s in strides)."""
     from tqdm import tqdm
 
-    from generation_service.model import new_cache
+    from generation_service.model.target import new_cache
 
     out, pass_s, search_s = [], [], {s: [] for s in [1] + strides}
     bar = tqdm(total=len(prompts) * new_tokens, desc="baseline trajectories", unit="tok")
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     fill_tops = [int(m) for m in args.fill_tops.split(",") if m.strip()]
 
     from bench.knnlm import RetrievalProcess, _atomic_json
-    from generation_service.calibrate import calibrated_model
+    from generation_service.engine.calibrate import calibrated_model
 
     t_start = time.time()
     ds = open_datastore(args.datastore)

@@ -22,8 +22,8 @@ import torch
 
 from bench.serving import cpu_class, machine, write_json
 from generation_service.engine.steps import prefill, tree_segment
-from generation_service.lean_llama import KVSlab
-from generation_service.model import cache_length, forward_batch, load_model, set_threads
+from generation_service.model.lean_llama import KVSlab
+from generation_service.model.target import cache_length, forward_batch, load_model, set_threads
 
 SHAPES = ((1, 1), (8, 1), (8, 4), (16, 1))  # (sequences, rows per sequence)
 PASTS = (20, 300, 600)

@@ -29,10 +29,10 @@ from pathlib import Path
 import numpy as np
 
 from bench.speculative import load_prompts, our_runner, summarize
-from generation_service.drafters import DatastoreDrafter
-from generation_service.model import load_model, set_threads, warmup
-from generation_service.sampling import SamplingParams
-from generation_service.speculative import DEFAULT_DRAFT_BUDGET, generate
+from generation_service.drafting.drafters import DatastoreDrafter
+from generation_service.engine.speculative import DEFAULT_DRAFT_BUDGET, generate
+from generation_service.model.sampling import SamplingParams
+from generation_service.model.target import load_model, set_threads, warmup
 from retrieval_service.datastore.online import OnlineLearner
 from retrieval_service.datastore.suffix_array import SuffixArrayDatastore
 

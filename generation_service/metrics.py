@@ -113,7 +113,7 @@ class GenerationObserver:
 
 def set_serving_config(dtype: str, threads: int, device: str, rows: Iterable[int] = (),
                        step_ms: Iterable[float] = ()) -> None:
-    """What the worker serves with (calibrate.py): an info gauge and the chosen cost curve."""
+    """What the worker serves with (engine/calibrate.py): an info gauge and the chosen cost curve."""
     m = get()
     m.serving_config.labels(dtype, str(threads), device).set(1)
     for q, ms in zip(rows, step_ms):

@@ -6,9 +6,9 @@ Running requests share every forward pass (continuous batching, engine/scheduler
 queue (full queue -> RESOURCE_EXHAUSTED). Drafting failures never fail a request: the step decodes
 autoregressively and the stats say `degraded`. Health reports SERVING once the model is loaded and warm.
 
-Start-up: the dtype and thread count are chosen by measuring this machine's decode-pass cost (calibrate.py,
+Start-up: the dtype and thread count are chosen by measuring this machine's decode-pass cost (engine/calibrate.py,
 cached in RAGSERVE_HOME) unless --dtype / --threads fix them; GetInfo tells what was chosen and why. Loading,
-calibration, warm-up and every decode step run on one thread, the model thread (calibrate.ModelThread).
+calibration, warm-up and every decode step run on one thread, the model thread (engine/model_thread.py).
 """
 
 from __future__ import annotations
@@ -31,10 +31,13 @@ import grpc
 import numpy as np
 import torch
 
-from generation_service import knnlm, metrics, ralm_service
-from generation_service.calibrate import (
+from generation_service import metrics
+from generation_service.config import DECODING_MODES, GenerationConfig
+from generation_service.drafting.budget import warmup_sizer
+from generation_service.drafting.drafters import Drafter, DraftUnavailable, PromptLookupDrafter
+from generation_service.drafting.retrieval_client import RemoteDrafter, RetrievalClient
+from generation_service.engine.calibrate import (
     Choice,
-    ModelThread,
     apply_prefill_precision,
     cache_dir,
     calibrated_model,
@@ -43,18 +46,17 @@ from generation_service.calibrate import (
     served_prefill_precision,
     shown_flags,
 )
-from generation_service.config import DECODING_MODES, GenerationConfig
-from generation_service.draft_budget import warmup_sizer
-from generation_service.drafters import Drafter, DraftUnavailable, PromptLookupDrafter
+from generation_service.engine.model_thread import ModelThread
 from generation_service.engine.scheduler import Engine
+from generation_service.engine.speculative import StreamChunk
 from generation_service.engine.threads import ThreadGovernor
-from generation_service.knnlm import KnnLmOptions
-from generation_service.model import load_model, same_logits_at, set_threads, warmup
-from generation_service.q4_kernel import kernel
-from generation_service.ralm import RagParams
-from generation_service.retrieval_client import RemoteDrafter, RetrievalClient
-from generation_service.sampling import SamplingParams
-from generation_service.speculative import StreamChunk
+from generation_service.knnlm import loop as knnlm
+from generation_service.knnlm.loop import KnnLmOptions
+from generation_service.model.kernels.build import kernel
+from generation_service.model.sampling import SamplingParams
+from generation_service.model.target import load_model, same_logits_at, set_threads, warmup
+from generation_service.ralm import service as ralm_service
+from generation_service.ralm.loop import RagParams
 from proto import generation_pb2, generation_pb2_grpc
 from ragcore import metrics as core_metrics, security
 from ragcore.draft_tree import warmup_context_draft

@@ -19,7 +19,7 @@ sparse.prepare_process()
 # AVX2 build of an AVX-512 machine), or the best one for this CPU when unset.
 KERNEL_LEVEL = os.environ.get("RAGSERVE_TEST_KERNEL_LEVEL", "")
 if KERNEL_LEVEL:
-    from generation_service import q4_kernel
+    from generation_service.model.kernels import build as q4_kernel
 
     q4_kernel.load_level(KERNEL_LEVEL)
 
@@ -29,7 +29,7 @@ def real_model(dtype: str, forward: str = "auto"):
     prepared (`make model`)."""
     if not is_model_dir(default_model_dir()):
         pytest.skip(f"default model not prepared at {default_model_dir()} (make model)")
-    from generation_service.model import load_model
+    from generation_service.model.target import load_model
 
     return load_model("", dtype=dtype, device="cpu", forward=forward)
 
@@ -48,7 +48,8 @@ def calibrated_home(tmp_path_factory):
     a copy."""
     if not is_model_dir(default_model_dir()):
         pytest.skip(f"default model not prepared at {default_model_dir()} (make model)")
-    from generation_service.calibrate import ModelThread, calibrated_model
+    from generation_service.engine.calibrate import calibrated_model
+    from generation_service.engine.model_thread import ModelThread
 
     model = str(default_model_dir())  # the prepared model, not one converted again into the new home
     home = tmp_path_factory.mktemp("calibrated-home")

@@ -47,9 +47,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from generation_service.calibrate import calibrated_model
 from generation_service.config import DTYPE_CHOICES
-from generation_service.model import load_model, set_threads
+from generation_service.engine.calibrate import calibrated_model
+from generation_service.model.target import load_model, set_threads
 from ragcore.knn_store import (
     DEFAULT_DIR,
     DEFAULT_NAME,

@@ -29,9 +29,9 @@ import numpy as np
 import torch
 
 from generation_service.engine.steps import PREFILL_CHUNK, prefill_segments, tree_segment
-from generation_service.lean_llama import Segment
-from generation_service.model import TargetModel, cache_length, forward_batch, forward_batch_hidden
-from generation_service.tree_attention import gather_kv
+from generation_service.model.lean_llama import Segment
+from generation_service.model.target import TargetModel, cache_length, forward_batch, forward_batch_hidden
+from generation_service.model.tree_attention import gather_kv
 
 _EMPTY = np.zeros(0, np.int32)
 

@@ -29,7 +29,7 @@ import math
 
 import numpy as np
 
-from generation_service.draft_budget import StepCost
+from generation_service.model.step_cost import StepCost
 
 FORGET = 0.995  # lambda per pass: the fit remembers the last ~200 passes (4-10 s of serving)
 PRIOR = 1.0  # ridge weight toward the overall ratio, in passes

@@ -16,7 +16,7 @@ decoding rows' share of a mixed pass is at most about 1 / slowdown of it.
 
 Rows are cut inside the chunk grid (piece_rows): a prompt's chunk boundaries stay at multiples of `chunk`, where
 the prefix cache takes prompts' rows (engine/prefix_cache.py), and no piece is smaller than min_rows unless the
-grid chunk's rest is: chunks from 32 rows run the prefill linears' precision (calibrate.py), smaller ones not.
+grid chunk's rest is: chunks from 32 rows run the prefill linears' precision (engine/calibrate.py), smaller ones not.
 """
 
 from __future__ import annotations

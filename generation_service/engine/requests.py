@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from generation_service.draft_budget import DraftSizer, SharedCalibration, StepCost, best_size, keep_best, subtree
-from generation_service.drafters import Drafter, DraftUnavailable
+from generation_service.drafting.budget import DraftSizer, SharedCalibration, best_size, keep_best, subtree
+from generation_service.drafting.drafters import Drafter, DraftUnavailable
 from generation_service.engine.prefill_share import piece_rows
 from generation_service.engine.prefix_cache import PrefixCache, PrefixHit
 from generation_service.engine.steps import (
@@ -41,10 +41,11 @@ from generation_service.engine.steps import (
     degrade,
     tree_segment,
 )
-from generation_service.lean_llama import Segment, capacity_for
-from generation_service.model import TargetModel, cache_length, new_cache
-from generation_service.sampling import Sampler, SamplingParams, TokenLogprob, token_logprobs
-from generation_service.tree_attention import dfs_order, gather_kv, prune_depth, tree_children
+from generation_service.model.lean_llama import Segment, capacity_for
+from generation_service.model.sampling import Sampler, SamplingParams, TokenLogprob, token_logprobs
+from generation_service.model.step_cost import StepCost
+from generation_service.model.target import TargetModel, cache_length, new_cache
+from generation_service.model.tree_attention import dfs_order, gather_kv, prune_depth, tree_children
 from ragcore.draft_tree import DraftTree
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ class TreeRequest:
                  calibration: SharedCalibration | None = None, prefix_cache: PrefixCache | None = None,
                  first: FirstPick | None = None):
         """adaptive_budget: verify only the cost-effective part of each draft tree and skip useless remote drafts
-        (draft_budget.py); False = always verify up to draft_budget nodes. Either way the output is the same.
+        (drafting/budget.py); False = always verify up to draft_budget nodes. Either way the output is the same.
         cache: an empty KV cache to use (a batch's slab slot; it must hold kv_rows_needed()), else a new one.
         calibration: acceptance evidence pooled over the worker's requests (the sizer's prior), None = none.
         prefix_cache: the worker's prompt KV cache (engine/prefix_cache.py): the prompt takes what it holds of it

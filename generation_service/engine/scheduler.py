@@ -1,6 +1,6 @@
 """Continuous batching: every running request shares each forward pass.
 
-One loop on the model thread (calibrate.ModelThread). Between passes requests join (admission: at most
+One loop on the model thread (engine/model_thread.py). Between passes requests join (admission: at most
 `max_batch` running, their KV caches within `kv_cache_mb`; the rest wait in a bounded queue, beyond it
 RESOURCE_EXHAUSTED) and leave (finished, cancelled, past their deadline: the slot is free at the next pass).
 Two kinds of request share the passes:
@@ -50,22 +50,23 @@ import numpy as np
 import torch
 
 from generation_service import metrics
-from generation_service.calibrate import ModelThread
-from generation_service.draft_budget import SharedCalibration, StepCost, batch_sizes
+from generation_service.drafting.budget import SharedCalibration, batch_sizes
 from generation_service.engine.admission import FollowWait
 from generation_service.engine.draft_gate import LOCAL, NONE, REMOTE, DraftGate
 from generation_service.engine.effects import EffectRun, Emit, Pass, on_done
+from generation_service.engine.model_thread import ModelThread
 from generation_service.engine.pass_costs import PassCosts
+from generation_service.engine.passage_rows import passage_budget
 from generation_service.engine.prefill_share import PrefillShare
 from generation_service.engine.prefix_cache import PrefixCache
 from generation_service.engine.requests import FirstPick, TreeRequest, pick_first
+from generation_service.engine.speculative import FINISH_CANCELLED, StreamChunk, TextOutput
 from generation_service.engine.steps import SpeculationStats, is_prefill, prefill, tree_segment
 from generation_service.engine.threads import IdleMeter, ThreadGovernor
-from generation_service.lean_llama import KVSlab, capacity_for
-from generation_service.model import TargetModel, forward_batch, forward_batch_hidden, new_cache
-from generation_service.ralm import passage_budget
-from generation_service.sampling import argmax_each, token_logprobs
-from generation_service.speculative import FINISH_CANCELLED, StreamChunk, TextOutput
+from generation_service.model.lean_llama import KVSlab, capacity_for
+from generation_service.model.sampling import argmax_each, token_logprobs
+from generation_service.model.step_cost import StepCost
+from generation_service.model.target import TargetModel, forward_batch, forward_batch_hidden, new_cache
 from ragcore.errors import ResourceExhausted, ServiceError
 from ragcore.files import write_json_atomic
 

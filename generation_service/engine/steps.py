@@ -3,7 +3,7 @@ possibly batched forward), the acceptance walk, KV commit, output cuts, draft-tr
 
 One decode step:  draft -> tree_segment -> forward_batch -> accept -> gather_kv
     tree_segment  [last emitted token] + draft nodes with the tree's positions and 4D mask (pad rows in low
-                  precision, so every decode row comes from the same kernels, model.py)
+                  precision, so every decode row comes from the same kernels, model/target.py)
     accept        walk from the root: pick the emitted token from this row's logits (argmax, or one seeded draw),
                   descend to the child holding that token if there is one, else stop; the last pick is the bonus
     gather_kv     keep the KV rows of the root and the accepted path, drop the rest
@@ -17,17 +17,17 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from generation_service.drafters import DraftUnavailable
-from generation_service.lean_llama import Segment
-from generation_service.model import TargetModel, cache_length, forward_batch
-from generation_service.sampling import Sampler, SamplingParams, argmax_rows
-from generation_service.tree_attention import tree_ancestors, tree_depths, tree_mask, tree_position_ids
+from generation_service.drafting.drafters import DraftUnavailable
+from generation_service.model.lean_llama import Segment
+from generation_service.model.sampling import Sampler, SamplingParams, argmax_rows
+from generation_service.model.target import TargetModel, cache_length, forward_batch
+from generation_service.model.tree_attention import tree_ancestors, tree_depths, tree_mask, tree_position_ids
 from ragcore.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
 # Nodes asked of the drafter per step (REST's 64); the sizer verifies only what the measured pass cost and the
-# acceptance estimates say pays (draft_budget.py), usually far fewer.
+# acceptance estimates say pays (drafting/budget.py), usually far fewer.
 DEFAULT_DRAFT_BUDGET = 64
 PREFILL_CHUNK = 1024  # prompt tokens per prefill pass (cancellation granularity)
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED = "stop", "length", "cancelled"
@@ -47,7 +47,7 @@ class SpeculationStats:
     total_ms: float = 0.0
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0
-    skipped_drafts: int = 0  # steps that did not ask a useless remote source (draft_budget.py)
+    skipped_drafts: int = 0  # steps that did not ask a useless remote source (drafting/budget.py)
     cached_prompt_tokens: int = 0  # prompt tokens restored from the worker's prefix cache (not prefilled)
     degraded: bool = False
     degraded_steps: int = 0

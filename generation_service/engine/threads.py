@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from generation_service.draft_budget import StepCost
+from generation_service.model.step_cost import StepCost
 
 # An arm's slowdown is its measured over its calibrated ms across its passes of the last WINDOW_MS of pass time:
 # a contended team's one pass (100-1000 ms) fills the window alone, so a real change of load is seen at once, while

@@ -119,7 +119,7 @@ def test_embedded_fallback_answers_while_redis_is_down(redis_server, stores):
 
 
 def test_crest_drafter_proposes_store_trees_and_reports_outages(redis_server, stores):
-    from generation_service.drafters import CrestDrafter, DraftUnavailable
+    from generation_service.drafting.drafters import CrestDrafter, DraftUnavailable
 
     embedded, _ = stores
     push_to_redis(embedded, redis_server.url, "crest:drafter", progress=False)

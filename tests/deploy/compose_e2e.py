@@ -44,7 +44,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from generation_service.client import GenerationClient
-from generation_service.q4_kernel import cpu_level
+from generation_service.model.kernels.build import cpu_level
 from proto import draft_pb2, draft_pb2_grpc, generation_pb2
 from ragcore.machine import best_level
 from ragcore.wire import pack_tokens

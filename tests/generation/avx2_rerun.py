@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from generation_service import q4_kernel
+from generation_service.model.kernels import build as q4_kernel
 from ragcore.model_files import default_model_dir, is_model_dir
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,14 +20,14 @@ def tm16(tm):
 
 @pytest.fixture(scope="session")
 def tmq4():
-    """The q4_1 weight format (the shipped GGUF's blocks; q4_weights.py)."""
+    """The q4_1 weight format (the shipped GGUF's blocks; model/q4_weights.py)."""
     return real_model("q4_1")
 
 
 @pytest.fixture(scope="session")
 def tmq4bf16():
     """q4_1's blocks with bf16 activations (AMX tiles or AVX512-BF16; skipped where the CPU has neither)."""
-    from generation_service.q4_kernel import kernel
+    from generation_service.model.kernels.build import kernel
 
     if kernel() is None or not kernel().bf16():
         pytest.skip("no AMX tiles or AVX512-BF16 on this CPU")
@@ -37,7 +37,7 @@ def tmq4bf16():
 @pytest.fixture(scope="session")
 def tmq4i8():
     """q4_1's blocks with int8 activations (int8_linear.cpp; every CPU the kernels build on)."""
-    from generation_service.q4_kernel import kernel
+    from generation_service.model.kernels.build import kernel
 
     if kernel() is None or not hasattr(kernel(), "i8_linear"):
         pytest.skip("the CPU kernels are not built here")

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from generation_service.sampling import Sampler, SamplingParams
-from generation_service.speculative import FINISH_LENGTH, FINISH_STOP, accept, cut_emitted
-from generation_service.tree_attention import tree_children
+from generation_service.engine.speculative import FINISH_LENGTH, FINISH_STOP, accept, cut_emitted
+from generation_service.model.sampling import Sampler, SamplingParams
+from generation_service.model.tree_attention import tree_children
 
 V = 10
 

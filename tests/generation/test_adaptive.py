@@ -8,10 +8,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from generation_service.draft_budget import StepCost
-from generation_service.drafters import PromptLookupDrafter
-from generation_service.sampling import SamplingParams
-from generation_service.speculative import decode, generate
+from generation_service.drafting.drafters import PromptLookupDrafter
+from generation_service.engine.speculative import decode, generate
+from generation_service.model.sampling import SamplingParams
+from generation_service.model.step_cost import StepCost
 from ragcore.draft_tree import SOURCES, DraftTree
 
 pytestmark = pytest.mark.model
@@ -121,7 +121,7 @@ TAKE_DRAFT_SCENARIOS = {
 @pytest.mark.parametrize("name", list(TAKE_DRAFT_SCENARIOS))
 def test_take_draft_scenarios(tm32, looping_prompt, name):
     from generation_service.engine.requests import TreeRequest
-    from generation_service.model import forward_batch
+    from generation_service.model.target import forward_batch
 
     drafter, nodes, degraded = TAKE_DRAFT_SCENARIOS[name]
     req = TreeRequest(tm32, looping_prompt, SamplingParams(max_new_tokens=8, ignore_eos=True), drafter=drafter,

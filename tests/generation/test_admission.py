@@ -75,7 +75,7 @@ def test_engine_holds_a_pass_for_a_closed_loop_client(tm32, wait_ms):
     """A client sends its next request (a cached prompt) as each reply ends, beside a long request that keeps the
     engine passing. Held: once the loop is evident, every next request gets its first token before another pass
     starts. Off: no pass is ever held. Outputs are the same either way."""
-    from generation_service.sampling import SamplingParams
+    from generation_service.model.sampling import SamplingParams
     from tests.generation.test_engine import _chunks, _engine, _job
     from tests.generation.test_lossless import encode
 

@@ -15,19 +15,19 @@ import numpy as np
 import pytest
 import torch
 
-from generation_service.calibrate import (
+from generation_service.config import GenerationConfig
+from generation_service.drafting.drafters import PromptLookupDrafter
+from generation_service.engine.calibrate import (
     BF16_PREFILL_GAIN,
     CostCurve,
-    ModelThread,
     apply_prefill_precision,
     served_prefill_precision,
 )
-from generation_service.config import GenerationConfig
-from generation_service.drafters import PromptLookupDrafter
-from generation_service.lean_llama import BF16_PREFILL_MIN_ROWS, Segment
-from generation_service.sampling import SamplingParams
-from generation_service.speculative import decode, first_divergence
-from generation_service.tree_attention import tree_mask
+from generation_service.engine.model_thread import ModelThread
+from generation_service.engine.speculative import decode, first_divergence
+from generation_service.model.lean_llama import BF16_PREFILL_MIN_ROWS, Segment
+from generation_service.model.sampling import SamplingParams
+from generation_service.model.tree_attention import tree_mask
 from tests.generation.test_engine import _collect, _engine, _job
 from tests.generation.test_lossless import encode, humaneval_prompts
 
@@ -245,7 +245,7 @@ def test_bad_prefill_precision_is_refused():
 def test_calibration_measures_bf16_prompts_only_where_they_can_run(tm32):
     """The lean fp32 forward gets a bf16 prefill figure; transformers' forward (no lean forward) gets none and is
     measured without error. Neither keeps bf16 weights afterwards."""
-    from generation_service.calibrate import measure_curves
+    from generation_service.engine.calibrate import measure_curves
     from tests.conftest import real_model
 
     hf = real_model("fp32", forward="hf")

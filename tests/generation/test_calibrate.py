@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from generation_service import calibrate
-from generation_service.calibrate import (
+from generation_service.engine import calibrate
+from generation_service.engine.calibrate import (
     FORMAT_VERSION,
     Calibration,
     CostCurve,
-    ModelThread,
     auto_formats,
     cache_path,
     calibrated_model,
@@ -27,10 +26,11 @@ from generation_service.calibrate import (
     robust_curve,
     save_cache,
 )
-from generation_service.q4_kernel import kernel
+from generation_service.engine.model_thread import ModelThread
+from generation_service.model.kernels.build import kernel
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
-# Measured tables (ms per pass by rows, 2 threads, prefill of 200 tokens; docs/ARCHITECTURE.md and calibrate.py's
+# Measured tables (ms per pass by rows, 2 threads, prefill of 200 tokens; docs/ARCHITECTURE.md and engine/calibrate.py's
 # docstring). As calibration measures them: a bf16 AR step carries a pad row, so its q=1 is the q=2 pass.
 AVX2 = [CostCurve("fp32", 2, ROWS, (68, 100, 120, 136, 167, 176, 230), 555),
         CostCurve("bf16", 2, ROWS, (100, 100, 120, 157, 336, 621, 1029), 3088)]

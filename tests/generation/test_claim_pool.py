@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from generation_service.q4_kernel import kernel
-from generation_service.q4_weights import dequantize
+from generation_service.model.kernels.build import kernel
+from generation_service.model.q4_weights import dequantize
 from tests.generation.test_q4 import random_blocks
 
 needs_kernel = pytest.mark.skipif(kernel() is None, reason="block kernel not buildable here (no compiler)")
@@ -98,9 +98,9 @@ def test_claimed_pieces_give_the_bits_of_fixed_ranges_and_of_one_thread(path, m)
 def test_two_threads_in_the_fused_forward_at_once_get_their_solo_bits(tmq4):
     """LeanForward.forward releases the GIL, so two callers can be in the kernels together: the second finds the
     pool busy and runs its loops on its own thread; each caller's logits equal its solo run's."""
+    from generation_service.engine.speculative import prefill
     from generation_service.engine.steps import tree_segment
-    from generation_service.model import forward_batch, new_cache
-    from generation_service.speculative import prefill
+    from generation_service.model.target import forward_batch, new_cache
 
     rng = np.random.default_rng(5)
     prompts = [torch.from_numpy(rng.integers(0, 30000, 40)) for _ in range(2)]

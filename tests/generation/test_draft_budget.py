@@ -7,11 +7,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from generation_service.calibrate import CURVE_ROWS
-from generation_service.draft_budget import (
+from generation_service.drafting.budget import (
     DraftSizer,
     SharedCalibration,
-    StepCost,
     acceptance_estimates,
     batch_sizes,
     best_size,
@@ -20,10 +18,12 @@ from generation_service.draft_budget import (
     subtree,
     suffix_bucket,
 )
+from generation_service.engine.calibrate import CURVE_ROWS
+from generation_service.model.step_cost import StepCost
 from ragcore.draft_tree import SOURCES
 
 DS, CTX, LEARNED = (SOURCES.index(s) for s in ("datastore", "context", "learned"))
-# Cost tables (ms by rows) measured on three CPUs (calibrate.py's docstring; Zen 5 as calibrated, monotone).
+# Cost tables (ms by rows) measured on three CPUs (engine/calibrate.py's docstring; Zen 5 as calibrated, monotone).
 ZEN5_BF16 = ([1, 2, 4, 8, 16, 32, 64], [24.5, 26.0, 29.4, 29.4, 29.4, 36.2, 49.4])
 AVX2_FP32 = ([1, 2, 4, 8, 16, 32, 64], [68, 100, 120, 136, 167, 176, 230])
 AVX2_BF16 = ([1, 2, 4, 8, 16, 32, 64], [23.2, 38.0, 53.9, 78.3, 149.6, 335.0, 705.6])
@@ -337,7 +337,7 @@ def test_batch_sizes_on_the_calibration_grid_of_a_staircase_cost(grid, mean_at_l
 
 def reference_estimate(sizer: DraftSizer, parents, scores, source_p, default_source, matched, context_matched):
     """DraftSizer.estimate as numpy: -> (p, request cells, pooled cells, raw shares, pooled estimates)."""
-    from generation_service.draft_budget import source_estimates, tree_buckets
+    from generation_service.drafting.budget import source_estimates, tree_buckets
 
     raw = source_estimates(parents, scores, source_p, default_source)
     buckets = tree_buckets(matched, context_matched)

@@ -15,16 +15,17 @@ import numpy as np
 import pytest
 import torch
 
-from generation_service.calibrate import ModelThread
-from generation_service.draft_budget import StepCost, batch_sizes, best_size
-from generation_service.drafters import PromptLookupDrafter
+from generation_service.drafting.budget import batch_sizes, best_size
+from generation_service.drafting.drafters import PromptLookupDrafter
+from generation_service.engine.model_thread import ModelThread
 from generation_service.engine.pass_costs import MAX_RATIO
 from generation_service.engine.scheduler import Engine, job_kv_rows, kv_bytes_per_row
-from generation_service.lean_llama import Segment
-from generation_service.model import forward_batch, new_cache
-from generation_service.sampling import SamplingParams
+from generation_service.engine.speculative import decode, first_divergence, prefill
+from generation_service.model.lean_llama import Segment
+from generation_service.model.sampling import SamplingParams
+from generation_service.model.step_cost import StepCost
+from generation_service.model.target import forward_batch, new_cache
 from generation_service.server import Job
-from generation_service.speculative import decode, first_divergence, prefill
 from ragcore.draft_tree import SOURCES, DraftTree
 from ragcore.errors import ResourceExhausted
 from tests.generation.test_lossless import AdversarialDrafter, chat, encode, humaneval_prompts
@@ -395,7 +396,7 @@ def test_a_pass_asks_remote_sources_of_one_client_in_one_call(tm32):
     assert all(finish == "length" and not stats.degraded for _, finish, stats in outs)
     assert log and all(kind == "batch" for kind, _ in log)  # Not one call per request
     # Several requests in one call (not always all three: a source whose trees never help is skipped for a while,
-    # draft_budget.py, and the draft gate tries passes without remote drafts).
+    # drafting/budget.py, and the draft gate tries passes without remote drafts).
     assert max(n for _, n in log) >= 2
 
 

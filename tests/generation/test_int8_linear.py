@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from generation_service.lean_llama import Segment
-from generation_service.q4_kernel import kernel
-from generation_service.tree_attention import tree_mask
+from generation_service.model.kernels.build import kernel
+from generation_service.model.lean_llama import Segment
+from generation_service.model.tree_attention import tree_mask
 
 k = kernel()
 pytestmark = pytest.mark.skipif(k is None or not hasattr(k, "i8_linear"), reason="CPU kernels not built here")

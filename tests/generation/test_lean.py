@@ -1,4 +1,4 @@
-"""The lean forward (lean_llama.py) against transformers' forward on the same weights, and its KV cache."""
+"""The lean forward (model/lean_llama.py) against transformers' forward on the same weights, and its KV cache."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from generation_service.lean_llama import KVCache, LeanLlama, capacity_for
-from generation_service.model import new_cache
-from generation_service.sampling import SamplingParams
-from generation_service.speculative import generate, prefill, verify_tree
+from generation_service.engine.speculative import generate, prefill, verify_tree
+from generation_service.model.lean_llama import KVCache, LeanLlama, capacity_for
+from generation_service.model.sampling import SamplingParams
+from generation_service.model.target import new_cache
 from tests.conftest import real_model
 
 
@@ -107,7 +107,7 @@ def test_unsupported_architectures_say_why():
 
     assert "gpt2" in LeanLlama.supports(M())
     with pytest.raises(ValueError, match="lean forward does not support"):
-        from generation_service.model import TargetModel, with_forward
+        from generation_service.model.target import TargetModel, with_forward
 
         with_forward(TargetModel(M(), None, torch.device("cpu"), torch.float32, 1, frozenset(), 1, ""), "lean")
 
@@ -146,7 +146,7 @@ def test_kv_cache_dtype(tm32, kind, fused, want):
 
 @pytest.mark.parametrize("value, want", [(1.5, 1.5), (1e6, 65504.0), (-1e6, -65504.0), (float("inf"), 65504.0)])
 def test_fp16_cache_saturates_instead_of_inf(value, want):
-    from generation_service.lean_llama import _stored
+    from generation_service.model.lean_llama import _stored
 
     got = _stored(torch.tensor([value]), torch.float16)
     assert got.dtype == torch.float16 and float(got[0]) == want  # Not inf: inf - inf in a softmax is NaN

@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 import torch
 
-from generation_service.lean_llama import KVSlab, Segment
-from generation_service.q4_kernel import kernel
-from generation_service.tree_attention import tree_mask
+from generation_service.model.kernels.build import kernel
+from generation_service.model.lean_llama import KVSlab, Segment
+from generation_service.model.tree_attention import tree_mask
 
 pytestmark = pytest.mark.model
 

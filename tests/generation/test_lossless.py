@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from generation_service.drafters import DraftUnavailable, PromptLookupDrafter
-from generation_service.sampling import SamplingParams
-from generation_service.speculative import decode, first_divergence, generate, generate_stream
+from generation_service.drafting.drafters import DraftUnavailable, PromptLookupDrafter
+from generation_service.engine.speculative import decode, first_divergence, generate, generate_stream
+from generation_service.model.sampling import SamplingParams
 from ragcore.draft_tree import DraftTree
 
 pytestmark = pytest.mark.model
@@ -259,8 +259,8 @@ def test_bad_inputs_name_the_field(tm32):
 def test_chunked_prefill_and_cancellation_during_prefill(tm32, prompts):
     import torch
 
-    from generation_service.model import new_cache
-    from generation_service.speculative import prefill
+    from generation_service.engine.speculative import prefill
+    from generation_service.model.target import new_cache
 
     prompt = torch.tensor(prompts[0])  # > 100 tokens
     ar = tokens_of(tm32, prompts[0], SamplingParams(max_new_tokens=1))

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from generation_service.draft_budget import TREE_MS, StepCost, best_size
+from generation_service.drafting.budget import best_size
 from generation_service.engine.pass_costs import MAX_RATIO, PassCosts, spread
+from generation_service.model.step_cost import TREE_MS, StepCost
 
 ROWS = [1, 2, 4, 8, 16, 32, 64]
 SLOW = [6.1, 6.6, 8.4, 14.3, 24.3, 40.0, 76.9]  # ms per pass at ROWS: a start-up that measured a busy moment

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from generation_service import q4_kernel
+from generation_service.model.kernels import build as q4_kernel
 from tests.generation import avx2_rerun
 
 pytestmark = pytest.mark.model
@@ -57,7 +57,7 @@ def test_a_dead_builds_lock_is_cleared(tmp_path, lock_age_s, removed):
     import os
     import time
 
-    from generation_service.q4_kernel import clear_stale_lock
+    from generation_service.model.kernels.build import clear_stale_lock
 
     lock = tmp_path / "lock"
     if lock_age_s is not None:

@@ -14,11 +14,11 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from generation_service.calibrate import ModelThread
 from generation_service.engine import scheduler
+from generation_service.engine.model_thread import ModelThread
 from generation_service.engine.prefix_cache import PrefixCache
-from generation_service.sampling import SamplingParams
-from generation_service.speculative import decode, first_divergence
+from generation_service.engine.speculative import decode, first_divergence
+from generation_service.model.sampling import SamplingParams
 from tests.generation.test_engine import _collect, _engine, _job
 from tests.generation.test_lossless import chat, encode, humaneval_prompts
 

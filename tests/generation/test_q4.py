@@ -1,4 +1,4 @@
-"""The q4_1 weight format (q4_weights.py, q4_kernel.cpp): the kernel against a brute-force dequantize-then-matmul,
+"""The q4_1 weight format (model/q4_weights.py, q4_kernel.cpp): the kernel against a brute-force dequantize-then-matmul,
 the GGUF blocks against our fp32 safetensors, and the real model's logits and greedy tokens against fp32."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from generation_service.model import load_model, new_cache
-from generation_service.q4_kernel import kernel
-from generation_service.q4_weights import BLOCK_BYTES, DENSE_MIN_ROWS, BlockWeight, _llama_row_order, dequantize
-from generation_service.sampling import SamplingParams
-from generation_service.speculative import generate, prefill, verify_tree
+from generation_service.engine.speculative import generate, prefill, verify_tree
+from generation_service.model.kernels.build import kernel
+from generation_service.model.q4_weights import BLOCK_BYTES, DENSE_MIN_ROWS, BlockWeight, _llama_row_order, dequantize
+from generation_service.model.sampling import SamplingParams
+from generation_service.model.target import load_model, new_cache
 
 needs_kernel = pytest.mark.skipif(kernel() is None, reason="block kernel not buildable here (no compiler)")
 

@@ -12,12 +12,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from generation_service import q4_weights
+from generation_service.engine.speculative import prefill, verify_tree
 from generation_service.engine.steps import tree_segment
-from generation_service.model import forward_batch, load_model, new_cache
-from generation_service.q4_kernel import kernel
-from generation_service.q4_weights import BlockWeight, dequantize
-from generation_service.speculative import prefill, verify_tree
+from generation_service.model import q4_weights
+from generation_service.model.kernels.build import kernel
+from generation_service.model.q4_weights import BlockWeight, dequantize
+from generation_service.model.target import forward_batch, load_model, new_cache
 from tests.generation.test_q4 import random_blocks
 
 needs_bf16 = pytest.mark.skipif(kernel() is None or not kernel().bf16(), reason="no AMX tiles or AVX512-BF16 here")

@@ -7,8 +7,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from generation_service.q4_kernel import kernel
-from generation_service.sampling import (
+from generation_service.model.kernels.build import kernel
+from generation_service.model.sampling import (
     Sampler,
     SamplingParams,
     argmax_each,

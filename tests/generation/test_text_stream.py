@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from generation_service.speculative import TextStream
+from generation_service.engine.speculative import TextStream
 
 
 class ByteTokenizer:

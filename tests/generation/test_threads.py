@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 
-from generation_service.draft_budget import StepCost
 from generation_service.engine.threads import (
     EXPLORE_S,
     IDLE_RETRY_SHARE,
@@ -17,6 +16,7 @@ from generation_service.engine.threads import (
     IdleMeter,
     ThreadGovernor,
 )
+from generation_service.model.step_cost import StepCost
 
 COSTS = {1: StepCost([1, 8, 64], [11.3, 19.0, 246.7]), 2: StepCost([1, 8, 64], [7.7, 13.4, 169.6])}
 CORES = 2
@@ -193,13 +193,13 @@ def test_logits_do_not_depend_on_the_thread_count(dtype, tm32, tmq4):
     """The governor may change the count between any two passes of a request: lossless only if a pass's logits are
     bit-identical at every count (the lean kernels reduce each output element on one thread, in one order). The
     server checks this at start-up and keeps the count fixed where it does not hold."""
-    from generation_service.model import same_logits_at
+    from generation_service.model.target import same_logits_at
 
     assert same_logits_at(tm32 if dtype == "fp32" else tmq4, [2, 1])
 
 
 def _choice(threads: int):
-    from generation_service.calibrate import Calibration, Choice, CostCurve
+    from generation_service.engine.calibrate import Calibration, Choice, CostCurve
 
     curves = [CostCurve(dtype, t, (1, 8, 64), (ms, ms * 1.7, ms * 22)) for dtype, t, ms in
               (("q4_1", 2, 7.7), ("q4_1", 1, 11.3), ("fp32", 2, 19.0), ("fp32", 1, 28.5))]
@@ -229,7 +229,7 @@ def test_server_builds_a_governor_only_for_measured_counts(flags, threads, expec
     (True, 0.0, 315.0),      # bf16 not measured here: the fp32 prompt
 ])
 def test_pass_cost_predicts_prompt_passes(bf16_prefill, prefill_bf16_ms, expected_200):
-    from generation_service.calibrate import CostCurve
+    from generation_service.engine.calibrate import CostCurve
 
     c = CostCurve("q4_1", 2, (1, 32, 64), (7.7, 82.0, 169.6), prefill_ms=315.0, prefill_bf16_ms=prefill_bf16_ms)
     cost = c.pass_cost(bf16_prefill)

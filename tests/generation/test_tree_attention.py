@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from generation_service.tree_attention import (
+from generation_service.model.tree_attention import (
     dfs_layout,
     gather_kv,
     prune_depth,

@@ -50,7 +50,7 @@ def datastore(tmp_path_factory, tokenizer) -> SuffixArrayDatastore:
 
 @pytest.fixture(scope="session")
 def tm():
-    from generation_service.model import load_model
+    from generation_service.model.target import load_model
 
     return load_model("", dtype="fp32")
 

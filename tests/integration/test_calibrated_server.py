@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from generation_service import calibrate
 from generation_service.client import GenerationClient
 from generation_service.config import GenerationConfig
+from generation_service.engine import calibrate
 from ragcore.model_files import default_model_dir
 
 pytestmark = pytest.mark.model

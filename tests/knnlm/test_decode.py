@@ -15,7 +15,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from generation_service.knnlm import (
+from generation_service.augment.os3 import OS3Config
+from generation_service.augment.round_gate import ARMS, ASYNC, MAX_PROBE, SEQUENTIAL, SYNC, SharedRoundCosts
+from generation_service.knnlm.loop import (
     KNN_GATE_EXPLORE,
     KnnBackend,
     KnnLmOptions,
@@ -28,10 +30,8 @@ from generation_service.knnlm import (
     next_token,
     round_gate,
 )
-from generation_service.model import new_cache
-from generation_service.os3 import OS3Config
-from generation_service.ralm_gate import ARMS, ASYNC, MAX_PROBE, SEQUENTIAL, SYNC, SharedRoundCosts
-from generation_service.sampling import SamplingParams
+from generation_service.model.sampling import SamplingParams
+from generation_service.model.target import new_cache
 
 NEW = 10
 

@@ -9,12 +9,12 @@ import time
 import numpy as np
 import pytest
 
-from generation_service.calibrate import ModelThread
+from generation_service.engine.model_thread import ModelThread
 from generation_service.engine.scheduler import Engine
-from generation_service.knnlm import KnnLmOptions, KnnRequest, generate_tokens
-from generation_service.sampling import SamplingParams
+from generation_service.engine.speculative import decode
+from generation_service.knnlm.loop import KnnLmOptions, KnnRequest, generate_tokens
+from generation_service.model.sampling import SamplingParams
 from generation_service.server import Job
-from generation_service.speculative import decode
 
 pytestmark = pytest.mark.model
 N = 16

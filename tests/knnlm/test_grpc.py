@@ -8,10 +8,10 @@ import grpc
 import numpy as np
 import pytest
 
+from generation_service.augment.round_gate import async_by_default
 from generation_service.config import GenerationConfig
-from generation_service.knnlm import KnnLmOptions, generate_tokens
-from generation_service.ralm_gate import async_by_default
-from generation_service.sampling import SamplingParams
+from generation_service.knnlm.loop import KnnLmOptions, generate_tokens
+from generation_service.model.sampling import SamplingParams
 from proto import generation_pb2, generation_pb2_grpc
 
 NEW = 8

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from generation_service.client import GenerationClient
-from generation_service.drafters import DraftUnavailable
-from generation_service.retrieval_client import RemoteDrafter, RetrievalClient
+from generation_service.drafting.drafters import DraftUnavailable
+from generation_service.drafting.retrieval_client import RemoteDrafter, RetrievalClient
 from proto import draft_pb2, draft_pb2_grpc
 from ragcore.grpc_shell import start_server
 from tests.integration.conftest import PROMPTS, start_generation

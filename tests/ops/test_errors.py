@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 import pytest
 
-from generation_service.kb_client import KBRequestError, KBUnavailable
+from generation_service.augment.kb_client import KBRequestError, KBUnavailable
 from proto import draft_pb2, draft_pb2_grpc
 from ragcore.draft_tree import DraftTree
 from ragcore.errors import (

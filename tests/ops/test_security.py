@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from generation_service.client import GenerationClient
-from generation_service.retrieval_client import RetrievalClient
+from generation_service.drafting.retrieval_client import RetrievalClient
 from proto import draft_pb2, draft_pb2_grpc
 from ragcore.draft_tree import DraftTree
 from ragcore.grpc_shell import wait_until_serving

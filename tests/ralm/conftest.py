@@ -53,7 +53,7 @@ def kb_server(rag_kb):
 
 @pytest.fixture(scope="session")
 def kb_client(kb_server):
-    from generation_service.kb_client import KBClient
+    from generation_service.augment.kb_client import KBClient
 
     c = KBClient(kb_server.address, timeout_ms=10_000)
     yield c
@@ -70,9 +70,10 @@ def prompts(tm) -> list[np.ndarray]:
 def run_rag(tm, kb_client, prompt: np.ndarray, rag, *, n_tokens: int = N_TOKENS, wrap=None, spec_timeout_s: float = 10.0,
             encoder=None):
     """One RAG request in-process -> (committed tokens, RagStats). wrap: retriever -> retriever (fault injection)."""
-    from generation_service.ralm import RagStats, passage_budget, ralm_decode
-    from generation_service.ralm_retrieval import KBRetriever
-    from generation_service.sampling import SamplingParams
+    from generation_service.engine.passage_rows import passage_budget
+    from generation_service.model.sampling import SamplingParams
+    from generation_service.ralm.loop import RagStats, ralm_decode
+    from generation_service.ralm.retrieval import KBRetriever
 
     retr = KBRetriever(kb_client, rag.retriever, tm.tokenizer, passage_budget(len(prompt), rag), encoder=encoder,
                        spec_timeout_s=spec_timeout_s)
@@ -89,7 +90,7 @@ def run_rag(tm, kb_client, prompt: np.ndarray, rag, *, n_tokens: int = N_TOKENS,
 @pytest.fixture(scope="session")
 def reference(tm, kb_client, prompts):
     """RaLMSeq (B) outputs, computed once: {(retriever, prompt index, stride): tokens}."""
-    from generation_service.ralm import RagParams
+    from generation_service.ralm.loop import RagParams
 
     memo: dict = {}
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from generation_service.ralm_cache import PassageCache
+from generation_service.ralm.cache import PassageCache
 from tests.knowledge.conftest import KNOWN
 
 

@@ -9,13 +9,14 @@ import time
 import numpy as np
 import pytest
 
-from generation_service.calibrate import ModelThread
+from generation_service.engine.model_thread import ModelThread
+from generation_service.engine.passage_rows import passage_budget
 from generation_service.engine.scheduler import Engine
-from generation_service.ralm import RagParams, RagRequest, passage_budget
-from generation_service.ralm_retrieval import KBRetriever
-from generation_service.sampling import SamplingParams
+from generation_service.engine.speculative import decode
+from generation_service.model.sampling import SamplingParams
+from generation_service.ralm.loop import RagParams, RagRequest
+from generation_service.ralm.retrieval import KBRetriever
 from generation_service.server import Job
-from generation_service.speculative import decode
 from tests.ralm.conftest import run_rag
 
 pytestmark = pytest.mark.model

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from generation_service.ralm import RagParams
+from generation_service.ralm.loop import RagParams
 from tests.ralm.conftest import run_rag
 
 pytestmark = pytest.mark.model
@@ -43,7 +43,7 @@ def test_other_retrievers_equal_ralmseq(tm, kb_client, prompts, reference, retri
 
 
 def test_local_encoder_equals_server_encoding(tm, kb_client, prompts, reference):
-    from generation_service.ralm_retrieval import LocalEncoder
+    from generation_service.ralm.retrieval import LocalEncoder
 
     enc = LocalEncoder(LocalEncoder.dtype_of(kb_client))
     want = reference("edr", 2, STRIDE)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from generation_service.kb_client import KBClient, KBUnavailable
-from generation_service.ralm import RagParams
+from generation_service.augment.kb_client import KBClient, KBUnavailable
+from generation_service.ralm.loop import RagParams
 from tests.ralm.conftest import run_rag, start_kb_server
 from tools.launcher import free_port
 
@@ -50,9 +50,10 @@ def test_kb_down_during_speculation_fails_unavailable_never_wrong(tm, rag_kb, pr
     kb = KBClient(server.address, timeout_ms=3000)
     emitted: list[int] = []
     try:
-        from generation_service.ralm import RagStats, passage_budget, ralm_decode
-        from generation_service.ralm_retrieval import KBRetriever
-        from generation_service.sampling import SamplingParams
+        from generation_service.engine.passage_rows import passage_budget
+        from generation_service.model.sampling import SamplingParams
+        from generation_service.ralm.loop import RagStats, ralm_decode
+        from generation_service.ralm.retrieval import KBRetriever
 
         rag = RagParams(retriever="edr", stride=STRIDE, async_verify=async_verify, min_search_share=0.0)  # speculate
         retr = StopsKB(KBRetriever(kb, "edr", tm.tokenizer, passage_budget(len(prompts[0]), rag)), server, after=1)

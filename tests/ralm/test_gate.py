@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from generation_service.ralm_gate import ASYNC, MIN_SEARCH_SHARE, SEQUENTIAL, SYNC, RoundGate, SharedRoundCosts
+from generation_service.augment.round_gate import ASYNC, MIN_SEARCH_SHARE, SEQUENTIAL, SYNC, RoundGate, SharedRoundCosts
 
 
 def measured(arms, costs, probe=4, **kw):
@@ -170,7 +170,7 @@ FAR_CASES = [
 
 @pytest.mark.parametrize("ratio, far_behind, first_probe", FAR_CASES)
 def test_arms_far_behind_are_probed_only_at_the_longest_interval(ratio, far_behind, first_probe):
-    from generation_service.ralm_gate import MAX_PROBE
+    from generation_service.augment.round_gate import MAX_PROBE
 
     gate = measured((SYNC, SEQUENTIAL), {SEQUENTIAL: 0.01, SYNC: 0.01 * ratio}, probe=2, far_behind=far_behind)
     picks = [gate.choose() for _ in range(MAX_PROBE + 40)]
@@ -179,7 +179,7 @@ def test_arms_far_behind_are_probed_only_at_the_longest_interval(ratio, far_behi
 
 
 def test_probe_interval_is_capped():
-    from generation_service.ralm_gate import MAX_PROBE, ProbeSchedule
+    from generation_service.augment.round_gate import MAX_PROBE, ProbeSchedule
 
     s = ProbeSchedule(4)
     probes = [i for i in range(2000) if s.tick(SEQUENTIAL)]
@@ -206,7 +206,7 @@ def test_hold_change(hits, misses, prefill_s, verify_s, hold):
 
 def test_brute_force_change_waste():
     """change_waste is the expected prefill thrown away under Laplace's estimate, counted by hand."""
-    from generation_service.ralm_gate import change_waste
+    from generation_service.augment.round_gate import change_waste
 
     for hits in range(5):
         for n in range(hits, 8):
@@ -226,7 +226,7 @@ def test_change_guesses_are_pooled_across_a_workers_requests():
 
 
 def test_a_workers_requests_share_one_os3_scheduler():
-    from generation_service.os3 import OS3Config
+    from generation_service.augment.os3 import OS3Config
 
     shared = SharedRoundCosts()
     cfg = OS3Config(window=5, gamma_max=0.9, s_init=1, s_max=16)
@@ -253,7 +253,7 @@ def test_a_workers_requests_share_one_os3_scheduler():
     ("prefill after a miss", 1.00, 0.45, 1, 0.45, (0.0, 0.05), 1.00 / 1),
 ])
 def test_round_cost(name, wall, prefill, n, thrown, guesses, want):
-    from generation_service.ralm_gate import round_cost
+    from generation_service.augment.round_gate import round_cost
 
     assert round_cost(wall, prefill, n, thrown_prefill_s=thrown, guess_waste=guesses) == pytest.approx(want)
 
@@ -266,7 +266,7 @@ def test_round_cost(name, wall, prefill, n, thrown, guesses, want):
     (750.0, 400, 0.0, 0, 1.0),        # no sequential prefill measured yet
 ])
 def test_prefill_slowdown(round_ms, round_tokens, base_ms, base_tokens, want):
-    from generation_service.ralm_gate import prefill_slowdown
+    from generation_service.augment.round_gate import prefill_slowdown
 
     assert prefill_slowdown(round_ms, round_tokens, base_ms, base_tokens) == pytest.approx(want)
 

@@ -8,7 +8,14 @@ import math
 
 import pytest
 
-from generation_service.os3 import OS3Config, StrideScheduler, best_stride, expected_rate, expected_verified, round_time
+from generation_service.augment.os3 import (
+    OS3Config,
+    StrideScheduler,
+    best_stride,
+    expected_rate,
+    expected_verified,
+    round_time,
+)
 
 
 def brute_force(gamma: float, s: int, a: float, b: float, async_verify: bool,

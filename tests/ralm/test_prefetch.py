@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from generation_service.ralm import RagParams
-from generation_service.ralm_retrieval import KBRetriever, Query
+from generation_service.ralm.loop import RagParams
+from generation_service.ralm.retrieval import KBRetriever, Query
 from tests.ralm.conftest import run_rag
 
 pytestmark = pytest.mark.model
@@ -92,7 +92,7 @@ def test_psa_with_prefetch_equals_ralmseq_when_the_gate_goes_sequential(tm, kb_c
 
 
 def test_reply_texts_are_tokenized_only_when_prepended(tm, kb_client, prompts):
-    from generation_service.ralm import passage_budget
+    from generation_service.engine.passage_rows import passage_budget
 
     rag = RagParams(retriever="edr")
     retr = KBRetriever(kb_client, "edr", tm.tokenizer, passage_budget(len(prompts[0]), rag))

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from generation_service.engine.effects import prefill_passes, run_inline
-from generation_service.model import cache_length, new_cache
-from generation_service.ralm import RagParams, RagStats, StepRunner, passage_budget
-from generation_service.ralm_retrieval import KBRetriever
-from generation_service.sampling import SamplingParams
+from generation_service.engine.passage_rows import passage_budget
+from generation_service.model.sampling import SamplingParams
+from generation_service.model.target import cache_length, new_cache
+from generation_service.ralm.loop import RagParams, RagStats, StepRunner
+from generation_service.ralm.retrieval import KBRetriever
 
 pytestmark = pytest.mark.model
 STRIDE = 2

@@ -7,10 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from generation_service.kb_client import Hits
-from generation_service.ralm import RagParams, RagStats, StepRunner, first_mismatch, passage_budget, resolve_true
-from generation_service.ralm_retrieval import KBRetriever, Query
-from generation_service.sampling import SamplingParams
+from generation_service.augment.kb_client import Hits
+from generation_service.engine.passage_rows import passage_budget
+from generation_service.model.sampling import SamplingParams
+from generation_service.ralm.loop import RagParams, RagStats, StepRunner, first_mismatch, resolve_true
+from generation_service.ralm.retrieval import KBRetriever, Query
 from tests.ralm.conftest import N_TOKENS, run_rag
 
 STRIDE = 2

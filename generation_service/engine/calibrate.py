@@ -21,16 +21,16 @@ ms of one pass after 200 tokens, 2 threads:
 So the worker measures, at start, the curve of every candidate (dtype x torch threads) and serves with the one
 that decodes fastest; a restart reads the result from a cache file and takes seconds.
 
-    python -m generation_service.calibrate            # the table for the default model on this machine
-    python -m generation_service.calibrate --force    # measure again
+    python -m generation_service.engine.calibrate            # the table for the default model on this machine
+    python -m generation_service.engine.calibrate --force    # measure again
 
 The objective. For a candidate with curve cost(q), the expected ms per token of a moderate speculative request
 (a 200-token prompt, 128 new tokens):
     prefill_ms / 128  +  min over q of cost(q) / (1 + E(q - 1)),   E(n) = 1.5 * (1 - exp(-n / 8))
 E is a reference acceptance curve (expected accepted draft tokens of an n-node REST tree: E(8) 0.95, E(16) 1.3,
 E(64) 1.5, between the MT-Bench and HumanEval figures of bench/speculative.py). q = 1 is the AR step (in bf16 it
-carries a pad row, model.py), so a machine where trees never pay is judged by its AR speed alone. The draft budget
-of every request uses the chosen curve itself (draft_budget.StepCost), not this reference.
+carries a pad row, model/target.py), so a machine where trees never pay is judged by its AR speed alone. The draft budget
+of every request uses the chosen curve itself (model/step_cost.py), not this reference.
 A server also decodes many requests at once (engine/scheduler.py), so each candidate's pass over 8 sequences of
 one row is measured too, and the choice minimizes the geometric mean of the two ms/token (alone, and per token of
 8 requests sharing AR passes): a relative gain counts the same in either regime. It matters where the candidates
@@ -73,10 +73,7 @@ import json
 import logging
 import math
 import os
-import queue
-import threading
 import time
-from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence, TypeVar
@@ -84,10 +81,13 @@ from typing import Callable, Iterable, Sequence, TypeVar
 import numpy as np
 import torch
 
-from generation_service import lean_llama, model as model_module, q4_weights
-from generation_service.draft_budget import StepCost
+from generation_service.engine.model_thread import ModelThread
+from generation_service.engine.speculative import prefill, verify_tree
 from generation_service.engine.steps import tree_segment
-from generation_service.model import (
+from generation_service.model import lean_llama, q4_weights, target as model_module
+from generation_service.model.kernels.build import build_dir, kernel
+from generation_service.model.step_cost import StepCost
+from generation_service.model.target import (
     DTYPES as TORCH_DTYPES,
     WEIGHT_FORMATS,
     TargetModel,
@@ -100,8 +100,6 @@ from generation_service.model import (
     set_threads,
     with_forward,
 )
-from generation_service.q4_kernel import build_dir, kernel
-from generation_service.speculative import prefill, verify_tree
 from ragcore.files import write_json_atomic
 from ragcore.machine import cpu_info, usable_cores
 from ragcore.model_files import ragserve_home, resolve_model_dir
@@ -683,7 +681,7 @@ def served_prefill_precision(tm: TargetModel) -> str:
 
 def convert(tm: TargetModel, dtype: str) -> TargetModel:
     """A copy of `tm` with weights cast to `dtype` (what loading the checkpoint in that dtype gives); a
-    block-quantized format shares `tm`'s fp32 model and reads its own weights (q4_weights.py)."""
+    block-quantized format shares `tm`'s fp32 model and reads its own weights (model/q4_weights.py)."""
     if dtype in WEIGHT_FORMATS:
         out = dataclasses.replace(tm, dtype=WEIGHT_FORMATS[dtype], min_rows=min_rows_for(WEIGHT_FORMATS[dtype]),
                                   lean=None, weights=dtype)
@@ -710,62 +708,8 @@ def format_table(choice: Choice) -> str:
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The model thread
-
-
-class ModelThread:
-    """One long-lived thread that runs every forward pass of the process: loading, calibration, warm-up, decoding.
-
-    Why one thread: see the module docstring (libgomp's throttled mode once two threads own worker pools).
-        mt = ModelThread()
-        tm, choice = mt.call(calibrated_model, "", "auto", "auto", 0)   # runs on the model thread, waits
-        mt.submit(loop)                                                  # long-running work on the same thread
-    """
-
-    def __init__(self, name: str = "model"):
-        self._tasks: "queue.Queue[tuple[Callable, tuple, dict, Future] | None]" = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    @property
-    def ident(self) -> int | None:
-        return self._thread.ident
-
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def submit(self, fn: Callable[..., T], *args, **kwargs) -> "Future[T]":
-        fut: Future = Future()
-        self._tasks.put((fn, args, kwargs, fut))
-        return fut
-
-    def call(self, fn: Callable[..., T], *args, **kwargs) -> T:
-        return self.submit(fn, *args, **kwargs).result()
-
-    def stop(self, wait: bool = False, timeout_s: float | None = None) -> None:
-        """No more tasks; the thread ends after the ones queued. wait: join it, for up to timeout_s (not from
-        the thread itself)."""
-        self._tasks.put(None)
-        if wait and threading.current_thread() is not self._thread:
-            self._thread.join(timeout_s)
-
-    def _run(self) -> None:
-        while True:
-            item = self._tasks.get()
-            if item is None:
-                return
-            fn, args, kwargs, fut = item
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn(*args, **kwargs))
-            except BaseException as e:  # delivered to the caller
-                fut.set_exception(e)
-
-
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m generation_service.calibrate", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m generation_service.engine.calibrate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="", help="local HF model directory (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default: auto)")

@@ -7,27 +7,20 @@ by requests, a KBRetriever per request, RagStats -> proto.
 
 A KB that is down or too slow for a sequential retrieval ends the request with KBUnavailable, which the
 servicer turns into UNAVAILABLE; a KB failure during speculation only makes the request fall back to
-sequential retrieval (ralm.py).
+sequential retrieval (ralm/loop.py).
 """
 
 from __future__ import annotations
 
 from typing import Callable, Iterator
 
+from generation_service.augment.kb_client import KBClient
+from generation_service.augment.round_gate import SharedRoundCosts
 from generation_service.config import GenerationConfig
-from generation_service.kb_client import KBClient
-from generation_service.ralm import (
-    MAX_PREFETCH,
-    RagChunk,
-    RagParams,
-    RagRequest,
-    RagStats,
-    passage_budget,
-    ralm_stream,
-)
-from generation_service.ralm_gate import SharedRoundCosts
-from generation_service.ralm_retrieval import KBRetriever, LocalEncoder
-from generation_service.sampling import SamplingParams
+from generation_service.engine.passage_rows import passage_budget
+from generation_service.model.sampling import SamplingParams
+from generation_service.ralm.loop import MAX_PREFETCH, RagChunk, RagParams, RagRequest, RagStats, ralm_stream
+from generation_service.ralm.retrieval import KBRetriever, LocalEncoder
 from proto import generation_pb2
 from ragcore import security
 from ragcore.errors import InvalidArgument

@@ -1,7 +1,7 @@
 """The target model: load any local Hugging Face causal LM (default SmolLM2-135M-Instruct), run forward passes.
 
 Which dtype and thread count serve best depends on the machine (bf16 is fast with AMX or avx512_bf16 and 7x slower
-per tree node on AVX2-only CPUs): the server measures and chooses (calibrate.py); load_model takes what it is
+per tree node on AVX2-only CPUs): the server measures and chooses (engine/calibrate.py); load_model takes what it is
 given. Nothing here contacts a model hub.
 
 Bit-identical rows. Lossless speculation needs the verifier's row for a position to equal what the AR loop computes
@@ -14,7 +14,7 @@ causal attention for long prompts; AR and speculative runs share it, so it canno
 
     tm = load_model("", dtype="bf16")      # "" = the default model, prepared on first use
     warmup(tm)                             # before reporting SERVING: the first passes pay kernel set-up costs
-Run every forward pass of a process on one thread (calibrate.ModelThread explains why).
+Run every forward pass of a process on one thread (engine/model_thread.py explains why).
 """
 
 from __future__ import annotations
@@ -29,16 +29,16 @@ import numpy as np
 import torch
 from threadpoolctl import threadpool_limits
 
-from generation_service.draft_budget import StepCost
-from generation_service.lean_llama import LeanLlama, Segment
-from generation_service.q4_weights import lean_for_format
-from generation_service.tree_attention import tree_mask, tree_position_ids
+from generation_service.model.lean_llama import LeanLlama, Segment
+from generation_service.model.q4_weights import lean_for_format
+from generation_service.model.step_cost import StepCost
+from generation_service.model.tree_attention import tree_mask, tree_position_ids
 from ragcore.model_files import load_tokenizer, resolve_model_dir
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-# Weight formats the lean forward serves from GGUF blocks (q4_weights.py) -> their activation dtype. They change
+# Weight formats the lean forward serves from GGUF blocks (model/q4_weights.py) -> their activation dtype. They change
 # the outputs relative to fp32 of a model that was not quantized, so nothing picks them unless a user asks.
 # q4_1_bf16: the same blocks with bf16 activations on AMX tiles (q4_kernel.cpp), where the CPU has them.
 # q4_1_i8: the same blocks with int8 activations per row and block of 32 (int8_linear.cpp), on any CPU.
@@ -93,10 +93,10 @@ class TargetModel:
     max_positions: int  # positions the model supports (prompt + generated)
     model_dir: str
     min_rows: int = 2  # every decode pass carries at least this many rows (see the module docstring)
-    # Cost of a decode pass by draft-tree size, relative to an AR step (draft_budget.py): the calibrated curve
-    # when the server measured one (calibrate.py), else a linear default.
+    # Cost of a decode pass by draft-tree size, relative to an AR step (drafting/budget.py): the calibrated curve
+    # when the server measured one (engine/calibrate.py), else a linear default.
     step_cost: StepCost = field(default_factory=StepCost.linear)
-    # The lean forward (lean_llama.py) when the architecture is supported and not turned off; None = transformers.
+    # The lean forward (model/lean_llama.py) when the architecture is supported and not turned off; None = transformers.
     lean: LeanLlama | None = None
     weights: str = ""  # a WEIGHT_FORMATS name when the linears are block-quantized, else "" (weights in `dtype`)
 

@@ -40,7 +40,7 @@ from collections import deque
 from dataclasses import astuple, dataclass
 from typing import Hashable, Sequence
 
-from generation_service.os3 import OS3Config, StrideScheduler
+from generation_service.augment.os3 import OS3Config, StrideScheduler
 from ragcore.machine import usable_cores
 
 log = logging.getLogger(__name__)

@@ -33,8 +33,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from generation_service.lean_llama import _PACK_HINT_ROWS, _PACK_MIN_ROWS, LeanLlama, _Layer, _onednn_linear_available
-from generation_service.q4_kernel import kernel
+from generation_service.model.kernels.build import kernel
+from generation_service.model.lean_llama import (
+    _PACK_HINT_ROWS,
+    _PACK_MIN_ROWS,
+    LeanLlama,
+    _Layer,
+    _onednn_linear_available,
+)
 from ragcore.model_files import DEFAULT_MODEL_NAME, bundled_gguf_path
 
 log = logging.getLogger(__name__)
@@ -222,7 +228,7 @@ class LeanLlamaQ4(LeanLlama):
                  i8: bool = False):
         k = kernel()
         if i8 and (k is None or not hasattr(k, "i8_linear")):
-            raise ValueError(f"{FORMAT_I8} needs the CPU kernels (python -m generation_service.q4_kernel)")
+            raise ValueError(f"{FORMAT_I8} needs the CPU kernels (python -m generation_service.model.kernels.build)")
         if bf16 and i8:
             raise ValueError("bf16 and int8 activations are two formats: one at a time")
         if bf16 and (k is None or not k.bf16()):

@@ -18,7 +18,7 @@ that follow each neighbour (entry j+1 continues entry j's text, so it is a likel
 A speculation step takes the k nearest *cached* entries instead of calling the service, picks the token and runs
 the LM on it; after s steps one batched Search verifies all s queries. A step is right when its speculated token
 equals the token the true neighbours give (not the neighbour set); at the first wrong step the KV cache rolls
-back and the true token is emitted. s is fixed or chosen by OS³ (generation_service/os3.py). With async
+back and the true token is emitted. s is fixed or chosen by OS³ (generation_service/augment/os3.py). With async
 verification (the default) the next round is speculated while the Search is in flight, assuming the round in
 flight is all right; on two cores the LM pass and the service's Search then run side by side.
 
@@ -54,6 +54,17 @@ import grpc
 import numpy as np
 import torch
 
+from generation_service.augment.kb_client import KBClient, KBUnavailable, parse_search
+from generation_service.augment.os3 import OS3Config, StrideScheduler
+from generation_service.augment.round_gate import (
+    ASYNC,
+    MIN_SEARCH_SHARE,
+    SEQUENTIAL,
+    SYNC,
+    RoundGate,
+    SharedRoundCosts,
+    async_by_default,
+)
 from generation_service.engine.effects import (
     Effects,
     Emit,
@@ -64,21 +75,7 @@ from generation_service.engine.effects import (
     run_inline,
     run_solo,
 )
-from generation_service.engine.steps import check_prompt
-from generation_service.kb_client import KBClient, KBUnavailable, parse_search
-from generation_service.model import TargetModel, cache_length, new_cache
-from generation_service.os3 import OS3Config, StrideScheduler
-from generation_service.ralm_gate import (
-    ASYNC,
-    MIN_SEARCH_SHARE,
-    SEQUENTIAL,
-    SYNC,
-    RoundGate,
-    SharedRoundCosts,
-    async_by_default,
-)
-from generation_service.sampling import SamplingParams
-from generation_service.speculative import (
+from generation_service.engine.speculative import (
     FINISH_CANCELLED,
     SpeculationStats,
     StreamChunk,
@@ -86,6 +83,9 @@ from generation_service.speculative import (
     stream_tokenizer,
     text_chunks,
 )
+from generation_service.engine.steps import check_prompt
+from generation_service.model.sampling import SamplingParams
+from generation_service.model.target import TargetModel, cache_length, new_cache
 from ragcore.errors import FailedPrecondition, InvalidArgument, Unavailable
 from ragcore.knn_store import KnnDatastore, open_datastore
 from ragcore.model_files import tokenizer_identity

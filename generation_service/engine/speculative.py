@@ -24,7 +24,7 @@ from typing import Callable, Generator, Iterator
 import numpy as np
 import torch
 
-from generation_service.drafters import Drafter
+from generation_service.drafting.drafters import Drafter
 from generation_service.engine.requests import TreeRequest
 from generation_service.engine.steps import (  # noqa: F401  (re-exported: the loops' shared names)
     DEFAULT_DRAFT_BUDGET,
@@ -38,9 +38,9 @@ from generation_service.engine.steps import (  # noqa: F401  (re-exported: the l
     prefill,
     verify_tree,
 )
-from generation_service.model import TargetModel, cache_length, forward_batch, new_cache
-from generation_service.sampling import SamplingParams
-from generation_service.tree_attention import gather_kv
+from generation_service.model.sampling import SamplingParams
+from generation_service.model.target import TargetModel, cache_length, forward_batch, new_cache
+from generation_service.model.tree_attention import gather_kv
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def decode(tm: TargetModel, prompt_ids, params: SamplingParams, *, drafter: Draf
     pass; the last item carries the finish reason (stop = EOS, length, cancelled). EOS is not part of the output.
 
     adaptive_budget: verify only the cost-effective part of each draft tree and skip useless remote drafts
-    (draft_budget.py); False = always verify up to draft_budget nodes. Either way the output is the same.
+    (drafting/budget.py); False = always verify up to draft_budget nodes. Either way the output is the same.
     The request is the engine's TreeRequest, driven pass by pass: a batched request runs the very same steps."""
     req = TreeRequest(tm, prompt_ids, params, drafter=drafter, draft_budget=draft_budget, stats=stats,
                       adaptive_budget=adaptive_budget, prefill_chunk=prefill_chunk)

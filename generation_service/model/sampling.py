@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from generation_service import q4_kernel
+from generation_service.model.kernels import build as q4_kernel
 from ragcore.errors import InvalidArgument
 
 _MAX_SEED = 2**64

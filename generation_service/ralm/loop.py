@@ -9,7 +9,7 @@ RaLMSeq, one step per `stride` (k = 4) tokens:
   The caches of the last `revisit_passages` passages left behind are kept too: a step that returns to one (27 of
   136 passage changes did, 1 M passages) prefills only the output written since, not passage + prompt again.
 RaLMSpec, rounds of s speculative steps:
-    speculate    rank the cached passages for the step's query with the retriever's own scoring (ralm_cache.py)
+    speculate    rank the cached passages for the step's query with the retriever's own scoring (ralm/cache.py)
                  and generate the step with the cache's top-1, checkpointing the model state before it
     verify       one batched Search with the round's s queries (sync: after the round; async: a gRPC future
                  started with the round's last step, which runs while it is in flight and is cut short as soon
@@ -17,9 +17,9 @@ RaLMSpec, rounds of s speculative steps:
     settle       find the first step whose speculated passage is not the KB's top-1, restore the checkpoint
                  taken before it (KV cache, tokens, random stream), generate that step with the true passage;
                  add the hits (top-`prefetch` of every query) to the cache
-    OS³          picks s from the measured speculation accuracy and step/verification latencies (os3.py)
+    OS³          picks s from the measured speculation accuracy and step/verification latencies (augment/os3.py)
     gate         beyond the paper, every round is one of sequential (s = 0) / sync / async, whichever costs
-                 least per committed step as measured (ralm_gate.py; pooled over a worker's requests, which
+                 least per committed step as measured (augment/round_gate.py; pooled over a worker's requests, which
                  also share one probe schedule): where retrieval is cheap
                  a wrong guess throws away more generation than speculation saves, and where the KB shares the
                  model's cores an async verification slows the step it overlaps.
@@ -46,13 +46,9 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from generation_service.engine.effects import Effects, Emit, Wait, ar_pass, call, prefill_passes, run_inline, run_solo
-from generation_service.engine.steps import check_prompt
-from generation_service.kb_client import Hits, KBUnavailable, SearchReply
-from generation_service.model import TargetModel, cache_length, new_cache
-from generation_service.os3 import OS3Config, StrideScheduler
-from generation_service.ralm_cache import PassageCache
-from generation_service.ralm_gate import (
+from generation_service.augment.kb_client import Hits, KBUnavailable, SearchReply
+from generation_service.augment.os3 import OS3Config, StrideScheduler
+from generation_service.augment.round_gate import (
     ASYNC,
     MIN_SEARCH_SHARE,
     SEQUENTIAL,
@@ -62,9 +58,9 @@ from generation_service.ralm_gate import (
     prefill_slowdown,
     round_cost,
 )
-from generation_service.ralm_retrieval import Query, Retriever
-from generation_service.sampling import Sampler, SamplingParams
-from generation_service.speculative import (
+from generation_service.engine.effects import Effects, Emit, Wait, ar_pass, call, prefill_passes, run_inline, run_solo
+from generation_service.engine.passage_rows import passage_budget
+from generation_service.engine.speculative import (
     FINISH_CANCELLED,
     FINISH_LENGTH,
     FINISH_STOP,
@@ -73,6 +69,11 @@ from generation_service.speculative import (
     stream_tokenizer,
     text_chunks,
 )
+from generation_service.engine.steps import check_prompt
+from generation_service.model.sampling import Sampler, SamplingParams
+from generation_service.model.target import TargetModel, cache_length, new_cache
+from generation_service.ralm.cache import PassageCache
+from generation_service.ralm.retrieval import Query, Retriever
 from ragcore.errors import InvalidArgument
 from ragcore.wire import clip
 
@@ -112,7 +113,7 @@ class RagParams:
     # of the time; 300 K passages, edr, 4 questions: PSA 1.04x of RaLMSeq with 0.6, 1.10x with 0.9.
     gamma_max: float = 0.9
     s_max: int = 16
-    # Each round's kind (sequential s = 0 / sync / async) by measured cost (ralm_gate.py); False = every round
+    # Each round's kind (sequential s = 0 / sync / async) by measured cost (augment/round_gate.py); False = every round
     # as configured (tests of the mechanics pin it).
     adaptive: bool = True
     # Searches under this share of a sequential step: RaLMSeq's steps only (ralm_gate.MIN_SEARCH_SHARE); 0 = the
@@ -351,11 +352,6 @@ def _check_rag_prompt(tm: TargetModel, prompt: np.ndarray, params: SamplingParam
                          f"{tm.max_positions} positions")
 
 
-def passage_budget(prompt_len: int, rag: RagParams) -> int:
-    """Model tokens left for the passage (separator included): <= max_passage_tokens, passage + prompt fits."""
-    return max(0, min(rag.max_passage_tokens, rag.max_prompt_tokens - prompt_len))
-
-
 class RagRequest:
     """One RAG request (RaLMSeq, or RaLMSpec when rag.speculate) as a decoding loop over effects
     (engine/effects.py): run alone by ralm_decode / ralm_stream, or beside other requests by the engine.
@@ -523,7 +519,7 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
     sched = (None if not rag.os3 else StrideScheduler(os3) if round_costs is None
              else round_costs.scheduler(rag.round_key, os3))
     # Every speculative config, with or without OS³, measures its kinds of round and runs the cheapest
-    # (ralm_gate.py): sequential steps where retrieval is too cheap to hide, sync verification where a search
+    # (augment/round_gate.py): sequential steps where retrieval is too cheap to hide, sync verification where a search
     # beside the step slows it more than the overlap saves.
     configured = ASYNC if rag.async_verify else SYNC
     gate = RoundGate(([ASYNC] if rag.async_verify else []) + [SYNC, SEQUENTIAL] if rag.adaptive else [configured],

@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 
 from generation_service import metrics
-from generation_service.drafters import DraftUnavailable, PromptLookupDrafter
+from generation_service.drafting.drafters import DraftUnavailable, PromptLookupDrafter
 from proto import draft_pb2, draft_pb2_grpc
 from ragcore.draft_tree import SOURCES, DraftTree
 from ragcore.replicated import ReplicatedClient
@@ -79,7 +79,7 @@ class RetrievalClient(ReplicatedClient):
 class RemoteDrafter:
     """Drafter over the Draft RPC. `source` is datastore (REST), merged (REST + own context) or crest.
 
-    While the loop skips it (draft_budget.py), `merged` keeps drafting from the request's own tokens in process.
+    While the loop skips it (drafting/budget.py), `merged` keeps drafting from the request's own tokens in process.
     """
 
     remote = True

@@ -17,7 +17,7 @@ single-row GEMV stays on the plain path, where it is fastest). Prefill uses SDPA
 attention) like transformers does.
 
 Fused pass. With fp32 activations (fp32 and q4_1 weights) passes of fewer than FUSED_MAX_ROWS rows run as one C++
-call (lean_forward.cpp, built with the block kernels by q4_kernel.py): the same math without ~40 Python-level ops
+call (lean_forward.cpp, built with the block kernels by model/kernels/build.py): the same math without ~40 Python-level ops
 per layer, the linears through the block kernel's tiling (q4_1 blocks or dense fp32, so a row gets the same bits in
 a 1-row step and in a tree pass). Measured on the 2-core Zen 5 (bench/step.py, one run, interleaved): AR step q4_1
 8.4 -> 5.2 ms, fp32 39.0 -> 13.1 ms (llama.cpp on the same GGUF values: 6.3 / 14.2 ms). The ops below remain the
@@ -48,7 +48,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from generation_service.q4_kernel import kernel
+from generation_service.model.kernels.build import kernel
 
 # Passes of fewer rows run the fused C++ forward (lean_forward.cpp) when it is built; larger ones (prefill chunks)
 # the ops below, whose oneDNN GEMMs win once arithmetic dominates.

@@ -2,7 +2,7 @@
 
 Three sources, one module: q4_kernel.cpp (linears straight from GGUF blocks, Q4_1 / Q8_0, and the same tiling over
 dense fp32 weights; on CPUs with AMX or AVX512-BF16 also the bf16-activation path of the q4_1_bf16 format),
-lean_forward.cpp (LeanForward: the whole decoder pass of lean_llama.py in one call) and claim_pool.cpp (the threads
+lean_forward.cpp (LeanForward: the whole decoder pass of model/lean_llama.py in one call) and claim_pool.cpp (the threads
 their loops run on: pieces claimed by whichever thread is free).
 
 Built with torch's C++ extension loader (g++ and ninja) for this CPU (-march=native: AVX-512 here, AVX2 on an AVX2
@@ -11,7 +11,7 @@ so a second process loads the cached .so in well under a second. `make install` 
 without a compiler `kernel()` returns None: the q4_1 format falls back to the exactly dequantized fp32 weights
 (same values, fp32 memory traffic) and the lean forward runs its ops from Python, with a warning.
 
-    python -m generation_service.q4_kernel     # build (or find) the kernel and print the ISA it was built for
+    python -m generation_service.model.kernels.build     # build (or find) the kernel and print the ISA it was built for
 """
 
 from __future__ import annotations

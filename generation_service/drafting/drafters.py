@@ -5,7 +5,7 @@ A drafter that cannot answer (retrieval down, deadline missed) raises DraftUnava
 decodes that step autoregressively and marks the request degraded.
 
 Besides propose(), a drafter says whether it is remote (an RPC per step: the loop may skip it while it is
-useless, draft_budget.py), what to draft with in process meanwhile (`local`, None = nothing), and which source
+useless, drafting/budget.py), what to draft with in process meanwhile (`local`, None = nothing), and which source
 column its trees' estimates belong to when a tree carries no per-source estimates (`default_source`).
 """
 

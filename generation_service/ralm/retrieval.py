@@ -1,7 +1,7 @@
 """One RAG request's view of the knowledge service: query building, sequential search, speculative ranking of
 the local cache, batched verification (sync or as a gRPC future), passage texts as model tokens.
 
-The RaLM loops (generation_service/ralm.py) talk to a `Retriever`; `KBRetriever` is the real one over
+The RaLM loops (generation_service/ralm/loop.py) talk to a `Retriever`; `KBRetriever` is the real one over
 KBClient, tests substitute scripted ones. Where dense queries are encoded is a per-request choice that both
 loops share, so RaLMSeq and RaLMSpec send the KB the very same query and get the very same top-1:
     server  texts go to the KB, which encodes them (MiniLM) and caches each vector by text; speculation is a
@@ -22,8 +22,8 @@ from typing import Protocol
 
 import numpy as np
 
-from generation_service.kb_client import Hits, KBClient, KBUnavailable, SearchFuture, SearchReply
-from generation_service.ralm_cache import PassageCache
+from generation_service.augment.kb_client import Hits, KBClient, KBUnavailable, SearchFuture, SearchReply
+from generation_service.ralm.cache import PassageCache
 from ragcore.encoder import ENCODER_NAME, Encoder
 
 log = logging.getLogger(__name__)

@@ -28,10 +28,11 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ragcore.errors import Cancelled, InvalidArgument, Unavailable
+from ragcore.errors import Cancelled, DataLoss, InvalidArgument, Unavailable
 from ragcore.wire import clip
 from retrieval_service.config import RetrievalConfig
 from retrieval_service.datastore import container
+from retrieval_service.datastore.map_guard import MappedFile
 from retrieval_service.knowledge import dense, kb_files, sparse
 from retrieval_service.knowledge.passages import PassageStore, fingerprint
 
@@ -61,6 +62,10 @@ class RetrieverUnavailable(Unavailable, LookupError):
 
 class KBOpenError(RuntimeError):
     """The knowledge base directory is missing, incomplete or corrupted."""
+
+
+class KBFileChanged(DataLoss):
+    """A memory-mapped KB file changed under the server (map_guard); the message names it relative to the KB."""
 
 
 class SearchStopped(Cancelled):
@@ -126,6 +131,16 @@ def _token_steps(tokens: np.ndarray | None, lo: int, hi: int) -> list[tuple[int,
     return steps
 
 
+def _mmap_of(a) -> "mmap.mmap | None":  # noqa: F821
+    """The mmap under a (view of a) numpy memmap, or None for an array in memory."""
+    while a is not None:
+        mm = getattr(a, "_mmap", None)
+        if mm is not None:
+            return mm
+        a = getattr(a, "base", None)
+    return None
+
+
 def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
@@ -166,6 +181,8 @@ class KnowledgeBase:
     open_s: dict = field(default_factory=dict)
     warmup_s: float = 10.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _guards: list = field(default_factory=list, repr=False)  # MappedFile of each memory-mapped KB file
+    _changed: str | None = field(default=None, repr=False)
 
     # ------------------------------------------------------------------------------------------- open
 
@@ -236,9 +253,37 @@ class KnowledgeBase:
             kb.close()
             raise KBOpenError(f"knowledge base {path}: {e}") from None
         kb.check()
+        kb._watch_files()
         if warmup:
             kb.warmup()
         return kb
+
+    def _watch_files(self) -> None:
+        """Watch the memory-mapped files (passages, embeddings) for changes under the server (map_guard): a
+        truncation then reads zeros instead of ending the process, and the calls answer DATA_LOSS."""
+        if self.passages._mm is not None:
+            self._guards.append(MappedFile(self.passages._file.fileno(), self.passages._mm,
+                                           self.path / "passages.jsonl", "passages.jsonl"))
+        vi = self.vector_indexes.get(KB_INDEX)
+        mm = _mmap_of(vi.vectors) if vi is not None else None
+        if mm is not None:
+            path = self.path / DENSE_DIR / dense.EMBEDDINGS_FILE
+            with open(path, "rb") as f:
+                self._guards.append(MappedFile(f.fileno(), mm, path, f"{DENSE_DIR}/{dense.EMBEDDINGS_FILE}"))
+
+    def check_files(self) -> None:
+        """KBFileChanged if a watched file changed since open; after a call it discards the call's result, and
+        every later call fails at once (restart the server once the files are restored)."""
+        if self._changed is None:
+            for guard in self._guards:
+                what = guard.change()
+                if what is not None:
+                    log.error("knowledge base file %s %s; calls answer DATA_LOSS until a restart", guard.path, what)
+                    self._changed = (f"knowledge base file {guard.name} {what}; restore it and restart the server "
+                                     f"(replace KB files by renaming new ones over them, never in place)")
+                    break
+        if self._changed is not None:
+            raise KBFileChanged(self._changed)
 
     @classmethod
     def vectors_only(cls, config: RetrievalConfig | None = None) -> "KnowledgeBase":
@@ -501,6 +546,7 @@ class KnowledgeBase:
             t0 = time.perf_counter()
             hits += vi.search(queries[lo:hi], k, approx=retriever == "adr", ef_search=ef_search)
             search_ms += (time.perf_counter() - t0) * 1e3
+        self.check_files()
         return SearchResult([Hits(i, s) for i, s in hits], queries, encode_ms, search_ms)
 
     def score_candidates(self, retriever: str, ids: np.ndarray, *, text: str = "",
@@ -543,18 +589,27 @@ class KnowledgeBase:
             raise RetrieverUnavailable(str(e)) from None
         ms = (time.perf_counter() - t0) * 1e3
         matched = np.ones(len(ids), dtype=bool)
+        self.check_files()
         return CandidateScores(scores, dense.rank_order(scores, ids), matched, q, encode_ms, ms)
 
     def documents(self, ids: np.ndarray, field: str = "ids") -> list[tuple[int, str, str]]:
         ids = self.check_ids(ids, field)
-        return [(int(i), t, x) for i, (t, x) in zip(ids, self.passages.get(ids))]
+        try:
+            docs = self.passages.get(ids)
+        except DataLoss:  # bytes that do not parse: say first if the file changed under the server
+            self.check_files()
+            raise
+        self.check_files()
+        return [(int(i), t, x) for i, (t, x) in zip(ids, docs)]
 
     def passage_vectors(self, ids: np.ndarray, field: str = "ids", index: str = "") -> np.ndarray:
         """ids: [n] -> stored vectors [n, D] float32 of the KB embeddings (or of a named vector index)."""
         self.stored_dim(index, field)
         vi = self.vector_indexes[index or KB_INDEX]
         ids = self.check_ids(ids, "ids", vi.size)
-        return vi.get_vectors(ids)
+        vectors = vi.get_vectors(ids)
+        self.check_files()
+        return vectors
 
     def info(self) -> dict:
         """What GetInfo tells clients: names relative to the KB, never a server path."""

@@ -132,3 +132,64 @@ def test_get_info_names_no_server_path(stub, kb_dir):
     info = stub.Info(knowledge_pb2.KnowledgeInfoRequest(), timeout=10)
     assert info.path == kb_dir.name  # Not the absolute path of the KB on the server
     assert str(kb_dir) not in info.manifest_json
+
+
+_SERVER = """
+import logging, sys
+from retrieval_service.config import RetrievalConfig
+from retrieval_service.server import build_server
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+running = build_server(RetrievalConfig(port=0, workers=4, kb=sys.argv[1], kb_retrievers="edr", verify_cache="off",
+                                       kb_warmup_s=0.5))
+print(running.address, flush=True)
+sys.stdin.read()
+running.stop(0)
+"""
+
+
+@pytest.mark.parametrize("name", ["passages.jsonl", "dense/embeddings.npy"])
+def test_kb_file_truncated_under_a_running_server(copy, name):
+    """The process survives (before: SIGBUS), the calls answer DATA_LOSS naming the file, the log names its path."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from proto import knowledge_pb2_grpc
+
+    proc = subprocess.Popen([sys.executable, "-c", _SERVER, str(copy)], cwd=Path(__file__).resolve().parents[2],
+                            text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        address = proc.stdout.readline().strip()
+        assert address, proc.stderr.read()[-3000:]
+        with grpc.insecure_channel(address) as ch:
+            stub = knowledge_pb2_grpc.KnowledgeServiceStub(ch)
+
+            def calls() -> list[str]:
+                codes = []
+                for call in (lambda: stub.Search(knowledge_pb2.SearchRequest(retriever="edr", k=50,
+                                                                             texts=["capital of France"],
+                                                                             with_text=True), timeout=60),
+                             lambda: stub.GetDocuments(knowledge_pb2.GetDocumentsRequest(
+                                 ids=np.arange(40, dtype="<i8").tobytes()), timeout=60)):
+                    try:
+                        call()
+                        codes.append("OK")
+                    except grpc.RpcError as e:
+                        codes.append(e.code().name)
+                        if e.code() == grpc.StatusCode.DATA_LOSS:
+                            assert name in e.details() and str(copy) not in e.details(), e.details()
+                return codes
+
+            assert calls() == ["OK", "OK"]
+            with open(copy / name, "r+b") as f:
+                f.truncate(64)
+            assert calls() == ["DATA_LOSS", "DATA_LOSS"]  # Not a dead server (-7)
+            assert proc.poll() is None
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    assert str(copy / name) in proc.stderr.read()

@@ -40,7 +40,10 @@ import numpy as np
 
 from bench.serving import closed_loop, machine
 from generation_service.config import DTYPE_CHOICES
-from generation_service.knnlm.loop import KNN_OS3, KnnBackend, KnnLmOptions, _output_layer_input, generate_tokens
+from generation_service.knnlm.loop import generate_tokens
+from generation_service.knnlm.options import KNN_OS3, KnnLmOptions
+from generation_service.knnlm.passes import _output_layer_input
+from generation_service.knnlm.search import KnnBackend
 from generation_service.model.sampling import SamplingParams
 from ragcore.knn_store import DEFAULT_DIR, load_held_out, open_datastore
 

@@ -5,7 +5,7 @@
 1. Trajectories: the baseline (one exact Search per token, k neighbours) for held-out prompts, through the
    retrieval service on loopback (as bench.knnlm starts it): per step the query, the true neighbours, the LM's
    logits and the token. Each step's costs are timed on the way: an LM pass, and a Search of 1 and of s queries.
-2. Replay: sync rounds of a fixed stride s over those steps, as knnlm._speculative runs them (the first token a
+2. Replay: sync rounds of a fixed stride s over those steps, as knnlm/loop.py _speculative runs them (the first token a
    baseline step, then s guesses from the cache, the round ending at the first wrong guess, the cache filled with
    the verified steps' neighbours), for each cache setting. A guess's query is the baseline's own (a right guess
    leaves the state where the baseline's was), so no LM runs here and settings compare on the same steps.
@@ -33,16 +33,11 @@ import numpy as np
 import torch
 
 from bench.serving import machine
-from generation_service.knnlm.loop import (
-    KnnBackend,
-    KnnLmOptions,
-    NeighbourCache,
-    key_norms,
-    lm_prefill,
-    lm_step,
-    mixed_distribution,
-    next_token,
-)
+from generation_service.knnlm.cache import NeighbourCache, key_norms
+from generation_service.knnlm.distribution import mixed_distribution, next_token
+from generation_service.knnlm.options import KnnLmOptions
+from generation_service.knnlm.passes import lm_prefill, lm_step
+from generation_service.knnlm.search import KnnBackend
 from ragcore.knn_store import DEFAULT_DIR, load_held_out, open_datastore
 
 
@@ -84,7 +79,7 @@ def trajectories(tm, backend: KnnBackend, prompts: list[np.ndarray], new_tokens:
 def replay(ds, traj: list[dict], opts: KnnLmOptions, stride: int, next_n: int, capacity: int,
            norms: np.ndarray | None = None, fill_top: int = 0) -> dict:
     """Sync rounds of `stride` over the baseline's steps: guesses, rounds, tokens, and timed look-ups and fills.
-    norms: the datastore's ‖key‖² as the worker keeps them (knnlm.key_norms)."""
+    norms: the datastore's ‖key‖² as the worker keeps them (knnlm/cache.py key_norms)."""
     rounds = tokens = guesses = right = 0
     look_s, fill_s = [], []
     for steps in traj:

@@ -51,7 +51,8 @@ from generation_service.engine.scheduler import Engine
 from generation_service.engine.speculative import StreamChunk
 from generation_service.engine.threads import ThreadGovernor
 from generation_service.knnlm import loop as knnlm
-from generation_service.knnlm.loop import KnnLmOptions
+from generation_service.knnlm.options import KnnLmOptions
+from generation_service.knnlm.search import KnnBackend
 from generation_service.model.kernels.build import kernel
 from generation_service.model.sampling import SamplingParams
 from generation_service.model.target import load_model, same_logits_at, set_threads, warmup
@@ -512,7 +513,7 @@ def _open_knnlm(cfg: GenerationConfig, tm):
     """The kNN-LM backend (datastore memory-mapped here, Search on cfg.retrieval) or None when not configured."""
     if not cfg.knnlm_datastore:
         return None
-    backend = knnlm.KnnBackend.open(
+    backend = KnnBackend.open(
         cfg.knnlm_datastore, cfg.retrieval, cfg.knnlm_index, timeout_ms=cfg.knnlm_timeout_ms,
         token=security.read_token(cfg.retrieval_auth_token, cfg.retrieval_auth_token_file),
         credentials=security.channel_credentials(cfg.retrieval_tls_ca, cfg.retrieval_tls_cert, cfg.retrieval_tls_key))

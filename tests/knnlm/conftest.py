@@ -53,7 +53,7 @@ def retrieval(ds_path):
 
 @pytest.fixture(scope="session")
 def backend(ds_path, retrieval):
-    from generation_service.knnlm.loop import KnnBackend
+    from generation_service.knnlm.search import KnnBackend
 
     b = KnnBackend.open(str(ds_path), retrieval.address)
     yield b

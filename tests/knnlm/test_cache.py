@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from generation_service.knnlm.loop import NeighbourCache, key_norms, oldest
+from generation_service.knnlm.cache import NeighbourCache, key_norms, oldest
 
 
 @pytest.mark.parametrize("retrieved, n, expected", [

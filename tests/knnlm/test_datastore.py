@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from generation_service.knnlm.loop import _output_layer_input
+from generation_service.knnlm.passes import _output_layer_input
 from ragcore.knn_store import check_datastore, entry_offsets, entry_positions, open_datastore
 from retrieval_service.knowledge.knn_index import open_vector_index
 from tests.knnlm.conftest import OVERLAP, WINDOW

@@ -17,19 +17,11 @@ import pytest
 
 from generation_service.augment.os3 import OS3Config
 from generation_service.augment.round_gate import ARMS, ASYNC, MAX_PROBE, SEQUENTIAL, SYNC, SharedRoundCosts
-from generation_service.knnlm.loop import (
-    KNN_GATE_EXPLORE,
-    KnnBackend,
-    KnnLmOptions,
-    KnnRetrievalError,
-    StepClock,
-    generate_tokens,
-    lm_prefill,
-    lm_step,
-    mixed_distribution,
-    next_token,
-    round_gate,
-)
+from generation_service.knnlm.distribution import mixed_distribution, next_token
+from generation_service.knnlm.loop import StepClock, generate_tokens, round_gate
+from generation_service.knnlm.options import KNN_GATE_EXPLORE, KnnLmOptions
+from generation_service.knnlm.passes import lm_prefill, lm_step
+from generation_service.knnlm.search import KnnBackend, KnnRetrievalError
 from generation_service.model.sampling import SamplingParams
 from generation_service.model.target import new_cache
 

@@ -12,7 +12,8 @@ import pytest
 from generation_service.engine.model_thread import ModelThread
 from generation_service.engine.scheduler import Engine
 from generation_service.engine.speculative import decode
-from generation_service.knnlm.loop import KnnLmOptions, KnnRequest, generate_tokens
+from generation_service.knnlm.loop import KnnRequest, generate_tokens
+from generation_service.knnlm.options import KnnLmOptions
 from generation_service.model.sampling import SamplingParams
 from generation_service.server import Job
 

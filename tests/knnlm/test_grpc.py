@@ -10,7 +10,8 @@ import pytest
 
 from generation_service.augment.round_gate import async_by_default
 from generation_service.config import GenerationConfig
-from generation_service.knnlm.loop import KnnLmOptions, generate_tokens
+from generation_service.knnlm.loop import generate_tokens
+from generation_service.knnlm.options import KnnLmOptions
 from generation_service.model.sampling import SamplingParams
 from proto import generation_pb2, generation_pb2_grpc
 

@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from generation_service.augment import round_gate as ralm_gate
-from generation_service.knnlm.loop import KnnLmOptions, interpolate, knn_distribution, mixed_distribution, next_token
+from generation_service.knnlm.distribution import interpolate, knn_distribution, mixed_distribution, next_token
+from generation_service.knnlm.options import KnnLmOptions
 
 
 @pytest.mark.parametrize("scores, values, temperature, tokens, probs", [

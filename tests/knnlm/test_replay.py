@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from bench.knnlm_replay import modelled, replay
-from generation_service.knnlm.loop import KnnLmOptions, mixed_distribution, next_token
+from generation_service.knnlm.distribution import mixed_distribution, next_token
+from generation_service.knnlm.options import KnnLmOptions
 
 OPTS = KnnLmOptions(k=8, lam=0.9, temperature=10.0, speculate=False)
 

@@ -123,6 +123,21 @@ def bench_contexts(n: int, prompts: int, seed: int = 0) -> list[np.ndarray]:
     return [all_ctx[i] for i in pick]
 
 
+def datastore_contexts(ds, n: int, seed: int = 0, max_len: int = 256) -> list[np.ndarray]:
+    """n contexts cut from the datastore's own documents (a random document, a random prefix of it): no model needed,
+    and every context has matches, as a generated output over a datastore of its domain mostly does."""
+    rng = np.random.default_rng(seed)
+    docs = [(shard, i) for shard in ds.shards for i in range(shard.num_documents)]
+    out = []
+    for k in rng.choice(len(docs), size=n, replace=True):
+        shard, i = docs[int(k)]
+        doc = np.asarray(shard.document(i), np.int32)
+        if doc.shape[0] >= 2:
+            end = int(rng.integers(2, doc.shape[0] + 1))
+            out.append(doc[max(0, end - max_len):end])
+    return out
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Measurement
 
@@ -140,7 +155,7 @@ def _timed(fn) -> float:
 
 
 def measure(ds, contexts: list[np.ndarray], numpy_contexts: int) -> dict:
-    from retrieval_service.datastore import kernels
+    from ragcore import draft_kernels as kernels
 
     _, toks, sas, buckets, n_shards, _, _sep = ds._state
     shard = ds.shards[0]
@@ -229,6 +244,7 @@ def rss_mb() -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from bench.serving import machine
     from ragcore.model_files import ragserve_home
     from retrieval_service.datastore.suffix_array import SuffixArrayDatastore
 
@@ -237,6 +253,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--contexts", type=int, default=2000, help="contexts timed per size")
     ap.add_argument("--numpy-contexts", type=int, default=300, help="contexts also timed with the NumPy baseline")
     ap.add_argument("--prompts", type=int, default=12, help="HumanEval outputs the contexts come from")
+    ap.add_argument("--contexts-from", choices=("humaneval", "datastore"), default="humaneval",
+                    help="humaneval = the model's greedy HumanEval outputs (default); datastore = prefixes of the "
+                         "datastore's own documents (no model: a quick run on any datastore)")
     ap.add_argument("--datastore", default=str(ragserve_home() / "datastores" / "code"), help="the big datastore")
     ap.add_argument("--grpc", action="store_true", help="also time the Draft RPC on an in-process server")
     ap.add_argument("--grpc-target", default=None, help="also time the Draft RPC against HOST:PORT")
@@ -251,13 +270,17 @@ def main(argv: list[str] | None = None) -> None:
 
     t0 = time.perf_counter()
     big = SuffixArrayDatastore.open(args.datastore)
-    contexts = bench_contexts(args.contexts, args.prompts)
+    if args.contexts_from == "humaneval":
+        contexts = bench_contexts(args.contexts, args.prompts)
+    else:
+        contexts = datastore_contexts(big, args.contexts)
     command = " ".join(["python -m bench.draft_retrieval"] + (sys.argv[1:] if argv is None else argv))
     results: dict = {"sizes": {}, "merged_mean_ms": None, "grpc_p50_ms": None, "contexts": len(contexts),
                      "command": command,
-                     "machine": {"cpus": os.cpu_count(), "loadavg_start": os.getloadavg(),
+                     "machine": {**machine(), "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(),
                                  "python": platform.python_version()}}
-    print(f"{len(contexts)} contexts from {args.prompts} greedy HumanEval outputs; big datastore {big}")
+    source = f"{args.prompts} greedy HumanEval outputs" if args.contexts_from == "humaneval" else "its documents"
+    print(f"{len(contexts)} contexts from {source}; big datastore {big}")
     for size in sizes:
         path = prefix_datastore(big, size, Path(args.datastore).parent).path if size < big.num_tokens else big.path
         rss0 = rss_mb()

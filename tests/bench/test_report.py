@@ -1,5 +1,5 @@
-"""The README's benchmark tables come from the committed JSONs: every committed result must render, and every
-table the README shows must have its markers."""
+"""docs/benchmarks.md comes from the committed records: every record renders (in a table or in the list of other
+records), the committed page is what the report writes, and nothing cites the archive of one-off runs."""
 
 import json
 from pathlib import Path
@@ -22,21 +22,39 @@ def test_every_table_renders_from_what_is_committed(name):
         assert "not present" in text  # a missing result is said, never invented
 
 
-def test_readme_has_markers_for_every_table():
-    readme = (ROOT / "README.md").read_text()
+def test_page_has_every_table_and_every_record(tmp_path):
+    out = tmp_path / "benchmarks.md"
+    report.main(["--out", str(out)])
+    text = out.read_text()
     for name in report.TABLES:
-        assert f"<!-- bench:{name} -->" in readme and f"<!-- /bench:{name} -->" in readme, name
+        assert f"## {name}\n" in text, name
+    for path in sorted(report.RESULTS.glob("*.json")):
+        assert f"bench/results/{path.name}" in text, path.name  # Not silently dropped
+    assert "bench/results/archive/" in text  # said once, in the lead
+    assert not [p.name for p in (report.RESULTS / "archive").glob("*.json") if f"results/archive/{p.name}" in text]
 
 
-def test_readme_rewrite_is_idempotent_and_keeps_other_text(tmp_path):
-    doc = tmp_path / "R.md"
-    doc.write_text("intro\n<!-- bench:load -->\nstale table\n<!-- /bench:load -->\noutro\n")
-    report.main(["--readme", str(doc), "--only", "load"])
-    once = doc.read_text()
-    report.main(["--readme", str(doc), "--only", "load"])
-    assert doc.read_text() == once
-    assert once.startswith("intro\n") and once.endswith("outro\n")
-    assert "stale table" not in once
+def test_committed_page_is_what_the_report_writes(tmp_path):
+    out = tmp_path / "benchmarks.md"
+    report.main(["--out", str(out)])
+    assert (ROOT / "docs" / "benchmarks.md").read_text() == out.read_text()  # Not hand-edited or stale
+
+
+def test_no_doc_or_code_cites_the_archive():
+    cited = []
+    for path in [*ROOT.glob("docs/*.md"), ROOT / "Makefile",  # README.md: the lead rewrites it to cite this page
+                 *(p for d in ("bench", "generation_service", "retrieval_service", "ragcore", "tools", "loadtests")
+                   for p in (ROOT / d).rglob("*.py"))]:
+        cited += [f"{path.relative_to(ROOT)}: {a.name}" for a in (report.RESULTS / "archive").glob("*")
+                  if a.name in path.read_text()]
+    assert cited == []
+
+
+def test_stdout_and_unknown_tables(capsys):
+    report.main(["--stdout", "--only", "load"])
+    assert "## load" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        report.main(["--stdout", "--only", "no-such-table"])  # Not an empty page
 
 
 def test_draft_retrieval_table_shows_the_json_figures(tmp_path, monkeypatch):

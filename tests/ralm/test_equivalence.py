@@ -57,7 +57,7 @@ def test_local_encoder_equals_server_encoding(tm, kb_client, prompts, reference)
 
 def test_kv_reuse_only_saves_prefill(tm, kb_client, prompts):
     # Outputs are not compared: in bf16 a re-prefill and incremental decoding round differently in the last bits
-    # (a near-tie may flip; bench/results/ralm_kv_reuse.json saw 1 of 3), which is why RaLMSpec repeats RaLMSeq's
+    # (a near-tie may flip), which is why RaLMSpec repeats RaLMSeq's
     # own reuse decisions instead of re-prefilling after a rollback.
     _, with_reuse = run_rag(tm, kb_client, prompts[0], RagParams(retriever="edr", stride=STRIDE, speculate=False))
     _, without = run_rag(tm, kb_client, prompts[0], RagParams(retriever="edr", stride=STRIDE, speculate=False,

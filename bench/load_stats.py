@@ -22,7 +22,7 @@ OK = "OK"
 # The benchmark cancelled the request itself at the end of the cell: neither a result nor an error.
 STOPPED = "STOPPED"
 
-# The issue's targets (issue 17, "Measure").
+# The targets a load run is judged against.
 SCALING_LEVEL = 8
 SCALING_MIN = 4.0  # rest: aggregate tok/s at 8 clients >= 4x at 1 client
 REST_VS_AR_MIN = 1.0  # rest >= 1.0x ar aggregate tok/s at every level

@@ -1,4 +1,4 @@
-"""RaLMSpec's speed-up against the baseline's retrieval share, over knowledge-base sizes (issue 19).
+"""RaLMSpec's speed-up against the baseline's retrieval share, over knowledge-base sizes.
 
 Each point is one `python -m bench.ralm` run on one KB (one JSON each, e.g. the 100 K / 300 K prefixes of the
 large KB and the whole of it, `make kb-large` + `build --limit-passages N --embeddings-from`). This merges them:

@@ -107,7 +107,7 @@ class GenerationConfig(config_util.ShellConfig):
     device: str = "auto"  # auto | cpu | cuda
     threads: int = 0  # torch intra-op threads; 0 = the fastest measured count
     adaptive_threads: bool = True  # with threads 0: fewer threads per pass while the cores are contended
-    # The start-up curve's shape varies between start-ups (rel(15) 2.9-4.1 on one Zen 4): the engine corrects it
+    # The start-up curve's shape varies between start-ups (engine/pass_costs.py): the engine corrects it
     # with the passes it runs (engine/pass_costs.py).
     live_pass_costs: bool = True
     # Forward implementation: auto = the lean forward for supported architectures (Llama-family), else

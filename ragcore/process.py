@@ -21,13 +21,12 @@ def offline_process(tokenizer_threads: bool = False) -> None:
 
 
 # libgomp's default (300,000 spins) keeps each idle thread of the worker's team busy ~10 ms after a parallel region
-# ends (measured: a 2-thread matmul, then a 30 ms sleep: 9.6 ms of CPU burnt; 1.8 ms at 30,000, 0.4 at 10,000).
+# ends (a 2-thread matmul followed by a sleep burns most of that sleep's first 10 ms; a tenth of the spins, a fifth).
 # Inside a forward pass regions follow each other within microseconds, so the spin only matters after a pass:
 # where the worker then waits for the retrieval service (a kNN-LM Search, ~12 ms on both cores), the spinning
-# thread takes one of its two cores. Served on an AMD EPYC Zen 4 (2 vCPU), A/B/A/B, 8 requests each: the kNN-LM
-# baseline 1.33 / 1.41 -> 1.20 / 1.24 s (R 0.92 / 0.98 -> 0.77 / 0.77 s), its default request 1.12 / 1.14 ->
-# 1.10 / 1.10 s; ar / rest ms per token on HumanEval 7.8, 4.1 / 7.6, 4.2 -> 7.1, 3.9 / 6.9, 3.8 and on MT-Bench
-# 6.8, 7.1 / 7.4, 7.9 -> 6.9, 7.4 / 7.5, 8.2 (within run-to-run noise). At 3,000 a pass itself got ~0.8 ms slower.
+# thread takes one of its two cores. A tenth of the default shortens that wait where the worker waits on a Search
+# (the kNN-LM baseline got faster) and costs drafting and AR decoding nothing beyond noise; much lower, and the
+# passes themselves slow down (see docs/benchmarks.md for the served figures).
 WORKER_GOMP_SPINCOUNT = 30000
 
 

@@ -142,7 +142,7 @@ class RetrievalConfig(config_util.ShellConfig):
     kb_threads: int = 2
     # Intra-op threads of faiss (OpenMP + its OpenBLAS) and of the query encoder (torch). Keep 1 unless the
     # cores are idle: an OpenMP barrier stalls for a scheduler slice when another process holds a core
-    # (measured on the shared 2-core box: exact search of 1 query 0.7 ms with 1 thread, 50 ms with 2).
+    # (on a shared 2-core machine an exact search of 1 query took tens of times longer with 2 threads than with 1).
     # Concurrent requests still run in parallel on the gRPC worker threads.
     kb_omp_threads: int = 1
     # HNSW efSearch when a request leaves it 0; exact re-scoring of k + margin candidates per query.

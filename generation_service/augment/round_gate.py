@@ -1,4 +1,4 @@
-"""Which kind of RaLMSpec round pays for this request: measured, not assumed (issue 19: never slower than RaLMSeq).
+"""Which kind of RaLMSpec round pays for this request: measured, not assumed (never slower than RaLMSeq).
 
 Arms: `sequential` (one step with RaLMSeq's own search, s = 0), `sync` (s speculative steps, then one batched
 verification) and `async` (the verification runs during the round's last step). What each costs depends on the
@@ -51,10 +51,9 @@ ARMS = (ASYNC, SYNC, SEQUENTIAL)
 # Below this share of a sequential step's wall time in its search (RagParams.min_search_share's default),
 # RaLMSpec runs RaLMSeq's steps without measuring the other arms: speculation can at most hide the search (less:
 # a batched verification costs about two single searches with the float16 scan kernel), and its rollbacks, the
-# searches beside the model's steps and the gate's own probes cost more than that. Measured through the services,
-# 8 questions per cell, Sapphire Rapids: at 400 K passages adr and sr (searches 4-6 % of B) 0.95-1.08x of RaLMSeq
-# while the gate kept trying speculation; with a floor of 0.1, adr at 1 M (10 %) 0.93-0.99x and edr at 100 K
-# (15 %) 0.99-1.02x, where nothing was gained.
+# searches beside the model's steps and the gate's own probes cost more than that: served, knowledge bases whose
+# searches were a tenth of the step or less gained nothing from speculation and lost a few percent while the gate
+# kept trying it.
 MIN_SEARCH_SHARE = 0.2
 # Sequential steps the share is taken over (and the pooled share's decay per step): a step that prefills a new
 # passage takes ten times one that does not, so over 5 steps an HNSW search at 100 K passages (~5 ms beside
@@ -63,10 +62,8 @@ SEARCH_WINDOW = 32
 SEARCH_DECAY = 0.95
 
 # Cores a worker needs before async rounds are tried by default. On 2 cores an async round's LM passes share
-# them with the verification's scan: served on an AMD EPYC Zen 4 with 2 vCPU, OS3 with async rounds allowed
-# (the gate measuring them against sync rounds and baseline steps) took 1.07 / 1.01 / 1.06x the baseline in three
-# runs, OS3 with sync rounds only 1.16 / 1.22 / 1.19x (bench.knnlm, 6 requests each; the session before, with
-# full scans: 1.51 against 1.87x). Four cores leave the passes (2 threads) a pair of cores beside a scan's 2.
+# them with the verification's scan, and served on 2 cores OS³ with async rounds allowed gained clearly less than
+# with sync rounds only (bench.knnlm). Four cores leave the passes (2 threads) a pair of cores beside a scan's 2.
 ASYNC_MIN_CORES = 4
 
 
@@ -85,8 +82,7 @@ SWITCH_MARGIN = 0.05
 # A losing arm measured more than this factor of the winner's cost is probed only once the probe interval has
 # reached MAX_PROBE: a probe costs the arm's excess (at 1 M passages an async probe round ran 0.25 s per step
 # against 0.10 for sequential steps, and a wrong guess in it re-prefills a passage), and an arm that far behind
-# rarely turns out cheaper. Measured, config A at 1 M (arms async, sync, sequential): its probes while the interval
-# doubled from 4 were most of its 10 % loss to RaLMSeq over 8 requests.
+# rarely turns out cheaper: early, frequent probes of such an arm were most of what a config lost to RaLMSeq.
 FAR_BEHIND = 1.25
 
 

@@ -171,7 +171,7 @@ def tree_buckets(matched_suffix: int, context_matched_suffix: int) -> np.ndarray
 
 # The per-node arithmetic of DraftSizer.estimate and .observe, one compiled call each. Why: a request's step ran ~25
 # numpy calls on arrays of a few nodes here, each paid again in cache misses after the forward pass had pushed the
-# interpreter out of the caches (served at 8 clients on Sapphire Rapids: ~60 us per request a step). The values are
+# interpreter out of the caches (tens of us per request a step at 8 clients). The values are
 # those of the numpy expressions they replace (the same float64 operations in the same order). The GIL is kept:
 # released for a few microseconds, it may go to a gRPC thread and the model thread waits for it back.
 _KERNEL = dict(cache=True)

@@ -3,19 +3,18 @@
 A pass starts as soon as the previous one ended. A client that sends its next request the moment its reply ends
 (a load test's users, a benchmark's closed loop, an agent or script calling in a loop) lands 1-3 ms into the next
 pass and waits all of it before its first token, even when its prompt is cached and that token needs no pass (a
-stream now gets that one at submit, engine/scheduler.py, but its second still waits for the pass after): on a
-2-core Zen 4 at 8 clients a pass takes 17-20 ms, and TTFT p95 there was 4.1x the solo one (29 ms against 7). The
-engine used to absorb those arrivals by accident: a finish moved another request's KV (~3 ms) before the next
-pass, and the concurrency records before and after that move was dropped show TTFT p50 at 8 clients going from
-7-8 ms to 20-28 ms (Zen 4 and Sapphire Rapids).
+stream now gets that one at submit, engine/scheduler.py, but its second still waits for the pass after): on 2
+cores at 8 clients a pass takes tens of ms, and TTFT there was several times the solo one. The engine used to absorb
+those arrivals by accident (a finish moved another request's KV before the next pass), and TTFT at 8 clients
+tripled once that move was dropped.
 
 So after a request finishes, the engine may wait up to `wait_s` for its replacement before the next pass — only
 while arrivals have been following finishes: the median gap between an arrival and the finish just before it,
 over the last `window` arrivals, is within EVIDENCE_FACTOR x `wait_s`. Open-loop traffic at a moderate rate
 (arrivals unrelated to finishes) has longer gaps and never waits; a finish whose replacement came (or whose window
-passed) is not waited for again. The cost is at most `wait_s` per finished request; measured on the Zen 4 at 8 closed-loop clients with 8 ms: 0.5 s held in 100 s of cells,
-TTFT p50 16-20 ms -> 4 ms and p95 22-48 -> 20 ms, and no throughput lost (a replacement that joins the next pass
-fills the batch one pass sooner).
+passed) is not waited for again. The cost is at most `wait_s` per finished request: at 8 closed-loop clients the
+holds were well under 1 % of the time, TTFT fell to a fraction, and no throughput was lost (a replacement that joins
+the next pass fills the batch one pass sooner; bench.concurrency, docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -14,16 +14,15 @@ remote drafts held 50 % of the steps at 0.29 tokens/ms against 0.37 without.
 An arm's rate is its tokens over its time across its last `window` steps (each step's tokens weighted by its AR
 pass's ms as above), not an average of per-step rates: a step's rate is noisy and skewed (acceptance varies, and on
 2 cores the model thread is now and then descheduled for several ms), and an exponential average of them (0.8 per
-step) rated in-process drafts at 8 clients (Sapphire Rapids, `rest`) below AR steps, which then took 37-60 % of the
-steps, while over the same steps drafts emitted 0.546 tokens/ms and AR steps 0.439 (forced to in-process drafts
-alone, 557 tokens/s against the gate's 472).
+step) rated in-process drafts at 8 clients below AR steps, which then took over a third of the steps, while over the
+same steps drafts emitted more tokens per ms than AR steps did (and forcing in-process drafts served more tokens/s
+than the gate did).
 An arm that is not the best is tried again after a wait of steps of its bucket (`explore`; `explore // 4` for a
 runner-up within `near` of the best, whose stale rate may hide that it has become the best) that doubles, up to
 `max_wait`, each time its trial step comes out slower than the best's rate; after a trial step that is faster, the
-next comes after the short wait (its window's rate catches up with a few such steps). Fixed waits spent ~19 % of the
-steps at 8 clients (AMD EPYC Zen 4, `rest`) on in-process and remote drafts rated 0.86 and 0.74 of the AR steps
-(`rest` 0.95x `ar` over three interleaved pairs of 40 s cells, 1.00x with the gate held at AR steps); with the
-doubling waits they take 4-5 % (`rest` 0.95x again: the cells vary by ±5 %, more than what the trials still cost).
+next comes after the short wait (its window's rate catches up with a few such steps). Fixed waits spent about a
+fifth of the steps at 8 clients on arms rated well below the AR steps; with the doubling waits they take a few percent
+(less than the run-to-run variation of served throughput).
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """The calibrated pass-cost curve, corrected in service by the passes the engine actually runs.
 
 Why: the start-up calibration times each row count a few times on a machine that is doing other things, and its
-shape varies from start to start more than the sizer can afford. On a 2-core AMD EPYC Zen 4 (q4_1_bf16, 2 threads)
-six start-ups measured 1 row at 5.7-6.1 ms, 8 rows at 11.7-14.3 and 16 rows at 17.4-24.3, so rel(15) — what a
-15-node tree costs against an AR step — ranged from 2.9 to 4.1, and the trees the sizer chose (and the served
-tok/s: 171-218 at 8 Locust users) followed the noise. The engine times every pass anyway; this turns those
+shape varies from start to start more than the sizer can afford: on one 2-core machine rel(15) — what a 15-node tree
+costs against an AR step — varied by a third across start-ups, and the trees the sizer chose (and the served
+tokens/s) followed the noise. The engine times every pass anyway; this turns those
 timings into a correction of the curve's shape, so the sizer decides on what passes cost now.
 
 The fit: pass_ms is linear between calibration points, so a corrected curve m_j x ms_j (one multiplier per point)

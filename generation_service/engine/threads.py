@@ -3,9 +3,9 @@
 Why: when another process keeps one of the cores busy (the retrieval service's Search in its own container, a second
 tenant, a build), a 2-thread team shares the other core's time with it: with at::parallel_for's fixed ranges every
 loop waited for the thread that lost its core, for a whole scheduler slice; with the kernels' claimed loops
-(claim_pool.cpp) the other thread does most of the work meanwhile, but the team is still ~2.3x slower. Measured through the gRPC server on a 2-core AMD
-EPYC (q4_1, 48 tokens, one busy single-threaded process in another session): 2 threads 953 ms/token, 1 thread
-12 ms/token; with the cores free, 2 threads 7.3 and 1 thread 11.9. Neither count is right everywhere, so the engine
+(claim_pool.cpp) the other thread does most of the work meanwhile, but the team is still a few times slower. On a
+2-core machine beside one busy process one thread can be far faster than two, and with the cores free two are
+faster than one (bench.contention, docs/benchmarks.md). Neither count is right everywhere, so the engine
 measures: each pass's time over the calibrated cost of its rows gives a slowdown ratio per thread count, the count
 with the least expected time runs, and the others are tried again now and then (backing off while they lose) so
 the worker returns to all its threads once the other load is gone.
@@ -33,8 +33,8 @@ WINDOW_MS = 250.0
 # within ~30 % (prompt chunks of other sizes, attention over longer caches), and the counts' slowdowns are measured
 # at different moments. Back to more threads as soon as they are cheaper (the calibrated choice). Why not 1.5 as
 # before: with the kernels' claimed loops (claim_pool.cpp) a 2-thread team beside one busy process is ~2.3x slower,
-# no longer 20-100x, and one thread there is ~1.5x cheaper than two: at 1.5 the worker stayed on two (bench.contention
-# on a Zen 4: 20.0 ms/token with the default flags, 14.1 with one fixed thread, 21.4 with two).
+# no longer 20-100x, and one thread there is ~1.5x cheaper than two: at 1.5 the worker stayed on two, as slow as a
+# fixed two-thread worker (bench.contention).
 SWITCH_MARGIN = 1.25
 STALE_S = 1.0  # passes older than this leave the window: after a pause the next pass is measured alone
 EXPLORE_S = 4.0  # first retry of a losing count after this long; doubled each time it loses again

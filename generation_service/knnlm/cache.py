@@ -61,7 +61,7 @@ def oldest(stamp: np.ndarray, m: int) -> np.ndarray:
 def key_norms(ds: KnnDatastore) -> np.ndarray:
     """‖key‖² float32 [N] of every datastore entry, as squared_norms computes a fill's. Once per worker, at start:
     it reads every key once (1.15 GB for 1 M x 576 float16, usually in the page cache from the retrieval service;
-    0.2 s on a Zen 5 core) and keeps 4 MB."""
+    a fraction of a second) and keeps 4 MB."""
     t = time.perf_counter()
     with warnings.catch_warnings():  # "not writable": only read
         warnings.simplefilter("ignore", UserWarning)
@@ -84,11 +84,10 @@ class NeighbourCache:
     fill brings ~10^4 entries, and growing arrays by concatenation would copy the whole cache (~40 MB) on every
     token.
     Keys stay in the datastore's dtype. With float16 keys (the builder's default) a fill copies rows as they are
-    and a look-up reads half the bytes. Replaying 6 requests' fills (4 queries each, k = 1024, 16 K x 576 keys,
-    Zen 4, torch's 2 threads): a fill 16.6 -> 6.7 ms, a look-up 3.0-3.7 -> 1.2 ms (also: no copy of the filled
-    slots while the cache is not full). The look-up's q·key is then rounded to float16 (~11 bits), which moved no
-    guess: replaying 16 baseline trajectories x 63 steps, strides 4 and 8, the guesses' accuracy was 0.957 /
-    0.949 in both precisions (the look-up only guesses; the Search decides).
+    and a look-up reads half the bytes: replayed fills and look-ups ran at less than half the time (also: no copy
+    of the filled slots while the cache is not full). The look-up's q·key is then rounded to float16 (~11 bits),
+    which moved no guess: replayed baseline trajectories gave the same guesses' accuracy in both precisions (the
+    look-up only guesses; the Search decides).
     """
 
     def __init__(self, datastore: KnnDatastore, next_n: int = 10, capacity: int = 16384,
@@ -194,9 +193,8 @@ class NeighbourCache:
             # [m, D], ascending ids: the memmap in order. torch's gather, not np.take: 1.3 vs 5.0 ms for 16 K rows.
             torch.index_select(self._ds_keys, 0, torch.from_numpy(new), out=keys)
             self.ids[slots] = new
-            self._keys[slots] = keys.numpy()  # numpy's row writes: 1.0 ms where index_copy_ took 1.7
-            # The datastore's norms when the cache has them: computing them took 1.4 of a 4.9 ms fill of ~14 K rows
-            # (Zen 5, 1 M keys; with them 3.0 ms).
+            self._keys[slots] = keys.numpy()  # numpy's row writes: cheaper than index_copy_
+            # The datastore's norms when the cache has them: computing them was over a quarter of a fill.
             norms = self._ds_norms[new] if self._ds_norms is not None else squared_norms(keys)
             self.norms[slots] = norms
             self._max_norm = max(self._max_norm, math.sqrt(float(norms.max())))
@@ -223,7 +221,7 @@ class NeighbourCache:
     def _dots(self, q: np.ndarray) -> np.ndarray:
         """q float32 [D] -> q·key float32 [C] over every slot (empty ones too)."""
         if self.keys.dtype == torch.float32:
-            return self.keys.numpy() @ q  # numpy's GEMV: 1.0 ms where torch.mv took 3.1 (16 K x 576, Zen 4)
+            return self.keys.numpy() @ q  # numpy's GEMV: about a third of torch.mv's time here
         # A power of two keeps q exact in float16's range and |q·key| <= ‖q‖·max‖key‖ below its overflow.
         shift = max(0, math.ceil(math.log2(max(float(np.linalg.norm(q)) * self._max_norm, 1.0) / F16_DOT_MAX)))
         q16 = torch.from_numpy(q * np.float32(2.0 ** -shift)).to(torch.float16)

@@ -31,10 +31,8 @@ def interpolate(lm_logits: torch.Tensor, tokens: np.ndarray, probs: np.ndarray, 
 
     In numpy on the calling thread, not torch: torch splits ops over more than 32 K elements across its OpenMP
     team, whose threads then spin ~2 ms (GOMP_SPINCOUNT) on the cores that the next LM pass and Search need.
-    Served on a 2-core Zen 5 (bench.knnlm --serve, 12 requests x 48 tokens, k = 1024, new / old alternated 4
-    times) the baseline took 0.70 / 0.73 / 0.83 / 0.70 s per request against 0.89 / 0.80 / 0.82 / 0.78 with
-    torch's softmax here (mean 0.90x), OS³ sync 0.59 / 0.63 / 0.68 / 0.60 against 0.72 / 0.69 / 0.68 / 0.63
-    (0.92x)."""
+    Served on 2 cores (bench.knnlm --serve, alternated) both the baseline and OS³ were about a tenth faster than
+    with torch's softmax here."""
     lg = lm_logits.detach().cpu()
     if lg.dtype not in (torch.float32, torch.float64):
         lg = lg.float()

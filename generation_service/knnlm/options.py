@@ -19,15 +19,14 @@ MAX_STRIDE = 64
 ALONE_DECAY = 0.8
 F16_DOT_MAX = 16384.0  # |q·key| bound a float16 look-up scales to (float16's largest finite is 65504)
 # OS³ for kNN-LM. γ̂ cap: RaLMSpec's 0.6 suits document-level retrieval, but the next token is more predictable
-# from cached successor entries (per-step accuracy 0.8-0.97 measured on the 1 M-entry docs datastore), and a cap
-# of 0.6 made OS³ pick strides 3-5 where 8 was 25 % faster; 0.9 let two lucky early rounds jump to 16 and roll
-# back most of it. First stride 4, not 1: with a verification costing ~8 LM passes, warm-up rounds of one step
+# from cached successor entries (per-step accuracy mostly above 0.8), and a cap of 0.6 made OS³ pick strides 3-5
+# where 8 was clearly faster; 0.9 let two lucky early rounds jump to 16 and roll back most of it. First stride 4, not 1: with a verification costing ~8 LM passes, warm-up rounds of one step
 # each cost more than a wrong first guess does.
 KNN_GAMMA_MAX = 0.8
 KNN_OS3 = OS3Config(gamma_max=KNN_GAMMA_MAX, s_init=4, overlap="round")  # async: the whole next round overlaps
 # Rounds of each kind a worker measures before its round gate picks the cheapest (RoundGate's explore). With one,
-# served on the Zen 4 (1 M keys, k = 1024), one unlucky first round (a wrong early guess throws most of a round
-# away) kept a stride-4 worker on baseline steps for all of its next 4 requests (1.01x the base).
+# served, one unlucky first round (a wrong early guess throws most of a round away) kept a stride-4 worker on
+# baseline steps for all of its next requests (no faster than the base).
 KNN_GATE_EXPLORE = 3
 # RoundGate's far_behind for kNN-LM: none. An arm's early rounds (short OS³ strides, a cold cache) cost 2-3x its
 # later ones, so a sync arm measured at 0.07 s per token in a worker's first request was never probed again while

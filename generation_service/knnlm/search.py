@@ -136,10 +136,9 @@ class KnnBackend:
 
     def crowded(self) -> bool:
         """Other kNN-LM requests decode beside this one and their Searches share scans. Then a speculative round
-        has nothing left to save: concurrent one-query Searches already cost one scan (4 on the 1 M keys, Zen 4:
-        ~45 ms, as one alone), while speculation adds its cache work, thrown passes and a batch of several
-        queries per request. Served, 32 tokens, base vs OS³ speculation: 1 client 1.6-1.9x faster speculating;
-        2 clients 33.6 vs 31.3 tokens/s, 4 clients 49.3 vs 36.5."""
+        has nothing left to save: concurrent one-query Searches already cost one scan (4 of them about as much as
+        one alone), while speculation adds its cache work, thrown passes and a batch of several queries per
+        request. Served, speculating was faster for 1 client and slower from 2 clients on."""
         return self.shared_scans and self._active > 1
 
     def scheduler(self, opts: "KnnLmOptions", cfg: OS3Config) -> StrideScheduler:

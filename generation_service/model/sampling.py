@@ -103,9 +103,9 @@ def sample_from(ids: torch.Tensor, probs: torch.Tensor, u: float) -> int:
 def argmax_rows(logits: torch.Tensor) -> list[int]:
     """The first maximum of each row of logits [q, V] ([V]: a list of one), a NaN counting as the largest. On the CPU
     through the CPU kernels' argmax_rows (vectorized; only a big batch of rows spread over the threads) when they
-    are loaded, else numpy: torch's argmax dispatches a parallel reduction, ~45 us per 49K-wide row against numpy's
-    ~4 (2-core EPYC), and with 8 requests decoding it took 11 % of the model thread (py-spy); numpy's single pass
-    over rows fresh from the forward still took ~6 % at 8 requests on Sapphire Rapids."""
+    are loaded, else numpy: torch's argmax dispatches a parallel reduction, an order of magnitude slower per row
+    than numpy's, and with 8 requests decoding it took a tenth of the model thread (py-spy); numpy's single pass
+    over rows fresh from the forward still took a noticeable share."""
     x = logits.float()  # exact; torch's bf16 argmax is a slow scalar loop (1.2 ms for 2 x 49152)
     if x.device.type != "cpu":
         return x.argmax(dim=-1).reshape(-1).tolist()

@@ -624,8 +624,7 @@ def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: Rag
                 expected = 0.0
                 if q is not None and rag.adaptive and rag.reuse_kv and d != runner.cache_doc:
                     # The mean prefill so far, revisits included. Pricing each guess by what it would prefill (a
-                    # kept passage: only the output since) measured slower from 4 clients (PSA 60.9 / 60.1 against
-                    # 68.1 / 63.6 tok/s, 100 K passages, Zen 4).
+                    # kept passage: only the output since) served slower from 4 clients.
                     prefill_s = stats.prefill_ms / max(1, stats.prefills) / 1e3
                     if gate.hold_change(prefill_s, search_s):
                         queries.append(q)  # verified with the round; the step then runs with the KB's passage

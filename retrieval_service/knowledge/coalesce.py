@@ -1,7 +1,7 @@
 """Exact Searches that wait for the knowledge base at the same time run as one batched search.
 
-Why: an exact scan streams every stored vector once whatever the number of queries (1 M x 576 float16 kNN-LM keys
-on two Zen 4 cores: 1 query ~36 ms, 4 queries ~38 ms, 8 ~60 ms), while the KB executor runs one call at a time
+Why: an exact scan streams every stored vector once whatever the number of queries (4 queries cost about as much as
+one), while the KB executor runs one call at a time
 (`kb_workers` 1). So four kNN-LM requests each searching one query waited for four scans one after the other;
 searched together they cost about one. Only exact (`edr`) searches join: their results are exact, so the top k
 of a search with a larger k is the same answer, and the candidates of one query do not depend on the others

@@ -43,15 +43,12 @@ STATS_FILE = "stats.json"  # chunks/: encoding time and rows over the runs of a 
 # Extra faiss candidates re-scored exactly: a doc that wins after exact re-scoring is within float rounding
 # of faiss's k-th score, so it is among these unless more than `margin` docs tie to ~1e-7.
 RESCORE_MARGIN = 16
-# How exact search reads float16-stored vectors (config kb_fp16_scan). Measured on the 1.04 M x 384 float16 KB
-# embeddings, one thread, Sapphire Rapids, ms for 1/2/4/8/16/32 queries: kernel (fp16_scan.cpp, in memory) 57, 66,
-# 96, 126, 215, 316; faiss float32 IndexFlat 314, 311, 316, 339, 381, 464; faiss float16 copy 64, 123, 263, 532
-# (once per query). The kernel scanning the memory-mapped file instead of an in-memory copy: 75-90 ms for 1 query
-# (4 KiB pages: the prefetcher stops at every page boundary). AMD Zen 4, 1 M x 576 (the kNN-LM keys), one thread,
-# 1/2/4/8/16 queries: 45, 44, 62, 109, 222 ms (both cores: 36, 36, 38, 60, 113); 51, 157, 165, 240, 441 before
-# the kernel prefetched rows into L2 and tiled 2 rows per loaded query chunk.
-# Its AVX2 code (x86-64-v3 build) on the same core: 44, 58, 106, 230, 432 ms (70, 75, 97, 225, 418 with one FMA
-# chain per query: a single query was latency-bound).
+# How exact search reads float16-stored vectors (config kb_fp16_scan). The kernel (fp16_scan.cpp) scans the float16
+# rows once for a whole batch of queries: several times faster than faiss's float32 IndexFlat for small batches, and
+# unlike faiss's float16 copy (scanned once per query) its cost grows slowly with the batch. It scans an in-memory
+# copy, not the memory-mapped file (4 KiB pages: the prefetcher stops at every page boundary); prefetching rows into
+# L2 and tiling 2 rows per loaded query chunk made batches several times cheaper, and several FMA chains per query
+# keep a single query from being latency-bound (bench.kb, docs/benchmarks.md).
 FP16_SCANS = ("kernel", "faiss", "off")
 # "faiss": batches of up to this many queries scan faiss's float16 copy, larger ones the float32 IndexFlat.
 FP16_SCAN_MAX_BATCH = 4
@@ -86,8 +83,8 @@ def configure_faiss(threads: int, blas_threshold: int = 4) -> None:
 
     OpenMP's thread count is per thread: a thread started after this call (a gRPC handler) still gets one
     OpenMP thread per core unless it calls this itself (retrieval_service/server.py runs it in every handler
-    thread). Measured on 2 cores: a Search of 8 queries over 1 M keys took 0.36 s alone and 0.65-0.91 s
-    next to the worker's LM pass with 2 OpenMP threads."""
+    thread). On 2 cores a Search next to the worker's LM pass with 2 OpenMP threads took about twice its time
+    alone."""
     faiss.omp_set_num_threads(max(1, threads))
     threadpool_limits(limits=max(1, threads), user_api="blas")
     faiss.cvar.distance_compute_blas_threshold = max(1, blas_threshold)

@@ -1,9 +1,9 @@
 """Passage encoding in several processes: each worker loads its own encoder and encodes whole chunks, writing each
 chunk file atomically, so an interrupted build resumes from the chunks on disk as the one-process path does.
 
-Why processes: on 2 cores two processes with one torch thread each encoded 1.35-1.6x as many passages per second as
-one process with two threads (bf16 all-MiniLM-L6-v2 on Sapphire Rapids, 576 passages of the large KB per run, runs
-interleaved): at batch 32 the encoder's small matmuls spend much of a two-thread pass waiting for each other.
+Why processes: on 2 cores two processes with one torch thread each encoded clearly more passages per second than
+one process with two threads (runs interleaved): at batch 32 the encoder's small matmuls spend much of a two-thread
+pass waiting for each other.
 """
 
 from __future__ import annotations

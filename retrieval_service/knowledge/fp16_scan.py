@@ -2,7 +2,7 @@
 
 Why a kernel of our own: an exact scan is memory-bound, and faiss has no float16 scan that reads the vectors once
 for a batch (its fp16 scalar quantizer scans once per query; IndexFlat needs a float32 copy, twice the bytes).
-Measured on 1.04 M x 384 float16 vectors, one thread, Sapphire Rapids: see dense.py's FP16_SCAN note.
+What it gains over the alternatives: see dense.py's FP16_SCAN note.
 
 Built with g++ for this CPU (-march=native) into $RAGSERVE_HOME/kernels/fp16scan-native-<hash of source, flags,
 CPU flags>/ on first use (~2 s; `make install` does it), written atomically so concurrent processes can race
@@ -120,10 +120,9 @@ def library() -> ctypes.CDLL | None:
 
 
 # Bounded scans (fp16_topk_bounded). Columns of the bound array: principal directions plus the residual's norm.
-# Measured on the kNN-LM keys (1 M x 576, the LM's final hidden states, Zen 4, 2 threads), held-out contexts as
-# queries, k = 1040, int8 columns: rows scored per query (mean) 3.6 / 2.3 / 1.6 / 1.3 % at 96 / 128 / 160 / 192
-# columns; a search of 1 query 10.8 / 10.3 / 10.7 / 11.4 ms, of 4 queries 30 / 24 / 23 / 24 ms, of 8 queries
-# 50 / 43-44 / 39-40 / 39 ms (a single query's pass is memory-bound, a batch's pays for the rows it scores).
+# More columns score fewer rows per query but cost more per row: on the kNN-LM keys (the LM's final hidden states)
+# 160 was where batched searches stopped getting cheaper, while a single query's pass is memory-bound and barely
+# changes (a batch pays for the rows it scores).
 BOUND_DIMS = 160
 # Below this many rows a full scan is cheap, and the bounds' m best rows would be most of them.
 BOUND_MIN_ROWS = 65536
@@ -138,11 +137,8 @@ ROW_STEPS, WEIGHT_STEPS = 127, 32767
 INFLATE = 1 + 2.0 ** -12
 # A principal column's step is this quantile of the sample's |projection| over ROW_STEPS, not the maximum over
 # ROW_STEPS: finer steps for most rows, and the few beyond it are clipped (their error is in their own |delta|).
-# kNN-LM keys, k = 1040, 8 queries (keys + noise), 160 columns, share of the rows whose bound reaches the true k-th
-# score: 1.29 % at 0.999, 1.33 % at 0.9999, 1.42 % at the maximum, 1.56 % at 0.99 (1.67 % with the per-query term
-# sum |qp_j| scale_j / 2 this replaced; 0.96 % with an exact projection). Rows a search scores (its tau is lower
-# than the true k-th score): 1 / 8 / 16 queries 26.1 / 22.8 / 27.6 K -> 24.5 / 20.5 / 25.1 K per query, 1.00 / 0.96
-# / 0.99x the time (Zen 5, in-process, interleaved; with ScanBounds' l1max).
+# On the kNN-LM keys 0.999 gave the fewest rows whose bound reaches the true k-th score (a tighter quantile clips
+# too many rows, the maximum wastes steps), and fewer than the per-query term this replaced.
 CLIP_QUANTILE = 0.999
 # An index whose sample queries would score more than this share of its rows keeps plain scans.
 BOUND_MAX_SHARE = 0.3
@@ -166,12 +162,10 @@ class ScanBounds:
     (the rounding of W, over the largest row; the row's rounding, by Cauchy-Schwarz), so ub = a (W . P) - c + e +
     g dn with a = alpha s_q, g = alpha |q_h|, e = alpha s_q / 2 * l1max + the slack: the kernel's exact int32 sums
     and four float32 operations per row (e's first term and g carry INFLATE). With the per-row sum |P_r| in place of
-    the largest (a load and a product more per row and query, for ~4 % of the slack on the kNN-LM keys), the 1 M x
-    384 KB's searches (k = 16) of 4-16 queries took 1.02-1.04x the time of the bounds before dn; 1.00-1.02x without
-    it (Zen 5, interleaved). Measured on the kNN-LM keys, held-out contexts, k = 1040, at 128 columns: 2.3 % of the
-    rows passed with a per-query term sum |qp_j| scale_j / 2 for the row's rounding, unclipped (2.2 % with float32
-    weights; 1.6 % with the float16 projection this replaced, at twice the bytes); at 160 columns (BOUND_DIMS)
-    1.6 %; clipped steps and dn: CLIP_QUANTILE.
+    the largest (a load and a product more per row and query, for a few percent of the slack) the KB's searches got
+    slightly slower, so the largest it is. The int8 projection passes about as many rows as float32 weights would,
+    and BOUND_DIMS columns of it as few as the narrower float16 projection it replaced, in fewer bytes; clipped steps
+    and dn: CLIP_QUANTILE.
 
     basis [D, cols - 1] float32 (orthonormal: principal directions of a sample), proj int8 in blocks of LANES
     rows, column pairs interleaved ([ceil(N / LANES), dp / 2, LANES, 2], the kernel's layout; dp = cols rounded up
@@ -287,18 +281,16 @@ class Fp16Scan:
     values; ties go to the smaller id.
 
     threads (config kb_scan_threads): threads of one search, 0 = one per core this process may use. A batch is
-    compute-bound (8 queries over 1 M x 576 on a Zen 4 core: 113 ms on 1 thread, 58 ms on 2), and the kernel
-    shares rows out in chunks, so a thread that finds its core busy (a generation worker's pass beside the
-    search) scans less and the others take its share: served kNN-LM on 2 Zen 4 cores, fixed 2 threads vs 1:
-    the baseline 2.61 vs 3.38 s per request, speculation with async verification (LM passes beside the search)
-    1.87 vs 2.10 s. A snapshot of idle cores (/proc/loadavg) chose 1 thread for most searches: the calling
-    worker's threads are still running when its request arrives.
+    compute-bound (2 threads take about half the time of 1), and the kernel shares rows out in chunks, so a thread
+    that finds its core busy (a generation worker's pass beside the search) scans less and the others take its
+    share: served kNN-LM on 2 cores was faster with 2 fixed threads than with 1, also with async verification (LM
+    passes beside the search). A snapshot of idle cores (/proc/loadavg) chose 1 thread for most searches: the
+    calling worker's threads are still running when its request arrives.
 
     bounds (scan_bounds): the same answer, bit for bit, from a pass over the bounds and the rows whose bound
-    reaches the k-th best score (fp16_topk_bounded). kNN-LM keys, 1 M x 576, k = 1040, Zen 4, 2 threads: 1 query
-    37 -> ~11 ms, 8 queries 62 -> ~40 ms. Queries the bounds cannot prune for (unlike the rows: random vectors
-    leave ~60 % of the keys above the bar) are scanned instead, together: 8 random queries 80 ms on a full scan,
-    125 ms bounded (336 ms before that fallback).
+    reaches the k-th best score (fp16_topk_bounded): on the kNN-LM keys a fraction of a full scan's time. Queries
+    the bounds cannot prune for (unlike the rows: random vectors leave most of the keys above the bar) are scanned
+    instead, together: bounded, they cost more than a full scan.
     """
 
     def __init__(self, lib: ctypes.CDLL, vectors: np.ndarray, metric: str, threads: int = 0,

@@ -74,7 +74,7 @@ def _name(out: Path) -> str:
     return f"ragserve_blockquant_{out.name.split('-')[-1]}"
 
 
-# A build takes ~1.5 min on 2 cores (Zen 5: the three objects in 95 s); a lock this much older is a dead build's.
+# A build takes a minute or two on 2 cores; a lock this much older is a dead build's.
 STALE_LOCK_S = 600.0
 
 

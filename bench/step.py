@@ -44,7 +44,7 @@ from generation_service.model.target import TargetModel, cache_length, forward_b
 
 ROWS = (1, 4, 16, 64)
 PREFIX = 200
-FORMATS = ("fp32", "bf16", "q4_1", "q4_1_bf16")
+FORMATS = ("fp32", "bf16", "q4_1", "q4_1_bf16", "q4_1_i8")
 FORWARDS = ("lean", "lean-ops", "hf")
 BATCH = 8
 
@@ -208,13 +208,24 @@ def run(args: argparse.Namespace) -> dict:
         results[name] = {f"batch{b}": {str(q): {"min_ms": min(s), "median_ms": statistics.median(s), "samples": s}
                                        for q, s in per_q.items()}
                          for b, per_q in samples[name].items()}
+        one = results[name]["batch1"][str(args.rows[0])]["median_ms"]
+        results[name]["median_vs_first_row_count"] = {  # a pass of q rows against one of the fewest rows
+            str(q): results[name]["batch1"][str(q)]["median_ms"] / one for q in args.rows}
     variants.clear()
     anchor = llama_cpp_anchor(threads) if not args.no_anchor else {
         f: {"status": "skipped (--no-anchor)"} for f in ("q4_1", "fp32")}
     return {"bench": "step", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(),
             "cpu_class": cpu_class(), "torch": torch.__version__, "threads": threads, "prefix_tokens": PREFIX,
             "rows": list(args.rows), "reps": args.reps, "load_before": load_before, "load_after": _load(),
-            "q4_kernel_isa": q4_kernel_isa(), "results": results, "llama_cpp": anchor}
+            "q4_kernel_isa": q4_kernel_isa(), "int8_path": int8_path(), "results": results, "llama_cpp": anchor}
+
+
+def int8_path() -> str:
+    """The path of q4_1_i8's int8-activation linears here (every path gives the same bits), or ''."""
+    from generation_service.model.kernels.build import kernel
+
+    k = kernel()
+    return k.i8_path() if k is not None and hasattr(k, "i8_path") else ""
 
 
 def print_table(res: dict) -> None:

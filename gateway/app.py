@@ -39,6 +39,7 @@ from proto import generation_pb2
 
 log = logging.getLogger("gateway")
 
+WORKER_HEADER = "x-ragserve-worker"  # the worker(s) that served a request (routing is observable)
 _RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 _MAX_ATTEMPTS = 3
 
@@ -115,13 +116,18 @@ class Gateway:
 
     # -------------------------------------------------------------------------------------- worker calls
 
-    async def generate(self, req: generation_pb2.GenerateRequest, key: str) -> generation_pb2.GenerateResponse:
+    async def generate(self, req: generation_pb2.GenerateRequest, key: str,
+                       served: list[str]) -> generation_pb2.GenerateResponse:
+        """One unary call, retried on another worker when refused (UNAVAILABLE, RESOURCE_EXHAUSTED); the worker
+        that answered is appended to `served`."""
         tried: set[str] = set()
         while True:
             w = self._pick(key, tried, "retry" if tried else None)
             w.inflight += 1
             try:
-                return await w.stub.Generate(req, timeout=self.cfg.request_timeout_s, metadata=self.pool.metadata)
+                reply = await w.stub.Generate(req, timeout=self.cfg.request_timeout_s, metadata=self.pool.metadata)
+                served.append(w.address)
+                return reply
             except grpc.aio.AioRpcError as e:
                 self.pool.failed(w, e)
                 tried.add(w.address)
@@ -225,13 +231,14 @@ async def _completion(request: Request, chat: bool) -> Response:
         model = gw.served_model(p.model)
         if p.stream:
             return await _stream(request, gw, p, model, endpoint, t0)
-        calls = [gw.generate(r, p.key[pi]) for pi, choices in enumerate(p.requests) for r in choices]
+        served: list[str] = []
+        calls = [gw.generate(r, p.key[pi], served) for pi, choices in enumerate(p.requests) for r in choices]
         flat = await _or_disconnect(request, asyncio.gather(*calls))
         n = len(p.requests[0])
         results = [flat[i * n:(i + 1) * n] for i in range(len(p.requests))]
         out = openai_api.reply(p, model, results)
         gw.metrics.tokens.inc(out["usage"]["completion_tokens"])
-        return Response(_dumps(out), media_type="application/json")
+        return Response(_dumps(out), media_type="application/json", headers={WORKER_HEADER: ",".join(served)})
     except APIError as e:
         status = e.status
         return _error_response(e)
@@ -255,7 +262,8 @@ async def _stream(request: Request, gw: Gateway, p: Parsed, model: str, endpoint
             s.close()
         raise
     gw.metrics.ttft.labels(endpoint).observe(time.perf_counter() - t0)
-    return EventSourceResponse(_events(gw, p, model, opened), sep="\n", ping=15)
+    return EventSourceResponse(_events(gw, p, model, opened), sep="\n", ping=15,
+                               headers={WORKER_HEADER: ",".join(s.w.address for s in opened)})
 
 
 async def _events(gw: Gateway, p: Parsed, model: str, streams: list[WorkerStream]) -> AsyncIterator[dict]:
@@ -370,7 +378,7 @@ async def metrics(request: Request) -> Response:
     for w in gw.pool.workers.values():
         gw.metrics.inflight.labels(w.address).set(w.inflight)
         gw.metrics.serving.labels(w.address).set(1 if w.serving else 0)
-    return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(generate_latest(gw.metrics.exported), media_type=CONTENT_TYPE_LATEST)
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:

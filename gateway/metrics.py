@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from ragcore.metrics import LATENCY_BUCKETS
+from ragcore.metrics import LATENCY_BUCKETS, _NoCreated
 
 
 @dataclass
@@ -20,11 +20,14 @@ class GatewayMetrics:
     inflight: Gauge
     serving: Gauge
     tokens: Counter
+    exported: CollectorRegistry  # what /metrics serves: the families without their `_created` samples
 
     @classmethod
     def create(cls) -> "GatewayMetrics":
         r = CollectorRegistry(auto_describe=True)
-        return cls(
+        exported = CollectorRegistry(auto_describe=True)
+        exported.register(_NoCreated(r))
+        return cls(exported=exported,
             registry=r,
             requests=Counter("ragserve_gateway_requests", "HTTP requests by endpoint and status",
                              ["endpoint", "status"], registry=r),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import PurePath
 
 import grpc
@@ -39,21 +39,18 @@ class Worker:
     model: str = ""  # the worker's model directory (GetInfo), once it answered
     watch: asyncio.Task | None = None
     closed: bool = False
-    seen: set = field(default_factory=set)
 
 
 class WorkerPool:
     """Created and used on the event loop that serves requests (start() / close() from the app's lifespan)."""
 
-    def __init__(self, cfg: GatewayConfig, on_change=None):
+    def __init__(self, cfg: GatewayConfig):
         self.cfg = cfg
         token = security.read_token(cfg.worker_auth_token, cfg.worker_auth_token_file)
         self.metadata = security.auth_metadata(token)
         self.credentials = security.channel_credentials(cfg.worker_tls_ca, cfg.worker_tls_cert, cfg.worker_tls_key)
         self.workers: dict[str, Worker] = {}
         self._dns_task: asyncio.Task | None = None
-        self._on_change = on_change or (lambda pool: None)
-        self.changed = asyncio.Event()
 
     # ------------------------------------------------------------------------------------------ membership
 
@@ -90,7 +87,6 @@ class WorkerPool:
             w.watch.cancel()
         log.info("worker %s removed (no longer in DNS)", address)
         await w.channel.close(grace=self.cfg.request_timeout_s)  # its calls in flight may finish
-        self._changed()
 
     async def _resolve_once(self) -> None:
         name, _, port = self.cfg.workers_dns.rpartition(":")
@@ -126,17 +122,11 @@ class WorkerPool:
 
     # --------------------------------------------------------------------------------------------- health
 
-    def _changed(self) -> None:
-        self.changed.set()
-        self.changed = asyncio.Event()
-        self._on_change(self)
-
     def _set(self, w: Worker, serving: bool, why: str = "") -> None:
         if w.serving != serving:
             w.serving = serving
             log.log(logging.INFO if serving else logging.WARNING, "worker %s %s%s", w.address,
                     "SERVING" if serving else "not serving", f": {why}" if why else "")
-            self._changed()
 
     async def _watch(self, w: Worker) -> None:
         failures = 0

@@ -47,11 +47,21 @@ def start_gateway(workers: str, wait: int | None = 1, **overrides) -> RunningGat
 
 
 @pytest.fixture(scope="session")
-def worker(tm):
+def _worker(tm):
     running, servicer = start_worker(tm)
-    yield running
+    yield running, servicer
     running.stop(0)
     servicer.worker.stop()
+
+
+@pytest.fixture(scope="session")
+def worker(_worker):
+    return _worker[0]
+
+
+@pytest.fixture(scope="session")
+def worker_servicer(_worker):
+    return _worker[1]
 
 
 @pytest.fixture(scope="session")

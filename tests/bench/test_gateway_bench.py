@@ -1,0 +1,22 @@
+"""bench.gateway at a tiny size against the gateway tests' real worker and gateway: every figure present and sane,
+the JSON written."""
+
+from __future__ import annotations
+
+import json
+
+from bench import gateway as bench_gateway
+from tests.gateway_api.conftest import _worker, gateway, tm, worker  # noqa: F401  (the shared fixtures)
+
+
+def test_gateway_bench_smoke(worker, gateway, tmp_path):
+    out = tmp_path / "gateway.json"
+    assert bench_gateway.main(["--worker", worker.address, "--gateway", gateway.url, "--requests", "4",
+                               "--streams", "2", "--stream-tokens", "4", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["machine"]["cpu"] and len(data["loadavg_start"]) == 3
+    assert data["stream_ms"]["tokens_direct"] == data["stream_ms"]["tokens_gateway"] == 4  # Not cut short
+    for side in ("request_ms", "stream_ms", "ttft_ms"):
+        assert data[side]["direct_p50"] > 0 and data[side]["gateway_p50"] > 0
+    assert set(data["targets"]) == {"request_overhead_ms", "stream_overhead_ms_per_token", "ttft_ratio"}
+    assert all(isinstance(t["met"], bool) for t in data["targets"].values())

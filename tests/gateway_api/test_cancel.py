@@ -1,0 +1,46 @@
+"""A client that goes away cancels its worker call: the worker drops the request at its next step, long before
+its 400 tokens would be done."""
+
+from __future__ import annotations
+
+import time
+
+import httpx2 as httpx
+import pytest
+
+LONG = {"max_tokens": 400, "ragserve": {"ignore_eos": True, "decoding": "ar"}}
+
+
+def _idle(servicer_engine, gw_app, timeout_s: float = 20.0) -> float:
+    """Seconds until the worker runs no request and the gateway counts none in flight."""
+    t0 = time.monotonic()
+    pool = gw_app.state.gateway.pool
+    while servicer_engine.running or servicer_engine.depth() or any(w.inflight for w in pool.workers.values()):
+        assert time.monotonic() - t0 < timeout_s, "the worker still runs the abandoned request"
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+@pytest.fixture
+def engine(worker_servicer):
+    return worker_servicer.worker.engine
+
+
+def test_stream_disconnect_cancels(gateway, model_id, engine):
+    body = {"model": model_id, "prompt": "Once upon a time", "stream": True, **LONG}
+    with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        events = 0
+        for line in r.iter_lines():
+            events += line.startswith("data: ")
+            if events == 2:
+                assert engine.running  # generating
+                break  # leaving the block closes the connection
+    _idle(engine, gateway.app)
+
+
+def test_unary_disconnect_cancels(gateway, model_id, engine):
+    body = {"model": model_id, "prompt": "Once upon a time", **LONG}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(gateway.url + "/v1/completions", json=body, timeout=1.0)  # the client gives up after 1 s
+    _idle(engine, gateway.app)

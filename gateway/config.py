@@ -3,6 +3,7 @@ passed explicitly."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Mapping
@@ -68,8 +69,6 @@ class GatewayConfig:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
-        if self.log_level not in config_util.LOG_LEVELS:
-            raise ValueError(f"log_level: {self.log_level!r} is not one of {', '.join(config_util.LOG_LEVELS)}")
         for name in ("affinity_chars", "busy_inflight", "max_body_bytes", "max_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -81,6 +80,12 @@ class GatewayConfig:
         for target in self.worker_list():
             if target.rpartition(":")[0] == "" or not target.rpartition(":")[2].isdigit():
                 raise ValueError(f"workers: {target!r} is not HOST:PORT")
+
+    def configure_logging(self) -> None:
+        """The process's log format and level; called once by the entry point."""
+        if self.log_level not in config_util.LOG_LEVELS:
+            raise ValueError(f"log_level: {self.log_level!r} is not one of {', '.join(config_util.LOG_LEVELS)}")
+        logging.basicConfig(level=self.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     def worker_list(self) -> list[str]:
         return [w.strip() for w in self.workers.split(",") if w.strip()]

@@ -18,6 +18,7 @@ import threading
 from dataclasses import dataclass
 
 import uvicorn
+import uvloop
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
@@ -59,8 +60,6 @@ def start_in_thread(cfg: GatewayConfig, ready_timeout_s: float = 30.0) -> Runnin
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  (not the main thread)
 
     def run() -> None:
-        import uvloop
-
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             runner.run(server.serve(sockets=[sock]))
 
@@ -77,7 +76,7 @@ def start_in_thread(cfg: GatewayConfig, ready_timeout_s: float = 30.0) -> Runnin
 
 def main(argv: list[str] | None = None) -> None:
     cfg = GatewayConfig.from_args(argv)
-    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg.configure_logging()
     if not cfg.worker_list() and not cfg.workers_dns:
         log.error("no workers: give --workers HOST:PORT[,...] or --workers-dns NAME:PORT")
         sys.exit(2)

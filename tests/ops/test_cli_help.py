@@ -12,7 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 # The repo's own folders, as tests/ops/test_layout.py lists them; protoc's *_pb2* modules are generated.
-FOLDERS = ("ragcore", "retrieval_service", "generation_service", "tools", "proto", "bench", "loadtests", "tests")
+FOLDERS = ("ragcore", "retrieval_service", "generation_service", "gateway", "tools", "proto", "bench", "loadtests",
+           "tests")
 
 
 def _files() -> list[Path]:

@@ -16,7 +16,7 @@ from typing import Iterator
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("ragcore", "retrieval_service", "generation_service", "tools", "bench", "loadtests")
+PACKAGES = ("ragcore", "retrieval_service", "generation_service", "gateway", "tools", "bench", "loadtests")
 
 
 def entry_points() -> list[str]:

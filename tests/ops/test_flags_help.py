@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from gateway.config import FLAG_HELP as GW_HELP, GatewayConfig
 from generation_service.config import FLAG_HELP as GEN_HELP, GenerationConfig
 from ragcore import config_util
 from retrieval_service.config import FLAG_HELP as RET_HELP, RetrievalConfig
@@ -19,6 +20,7 @@ from retrieval_service.config import FLAG_HELP as RET_HELP, RetrievalConfig
 SERVERS = [
     ("retrieval_service.server", RetrievalConfig, RET_HELP, "RAGSERVE_RETRIEVAL_"),
     ("generation_service.server", GenerationConfig, GEN_HELP, "RAGSERVE_GENERATION_"),
+    ("gateway.server", GatewayConfig, GW_HELP, "RAGSERVE_GATEWAY_"),
 ]
 
 

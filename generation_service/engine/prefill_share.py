@@ -15,8 +15,12 @@ depth). Without decoding rows a pass carries a whole chunk. The prompt's own pac
 decoding rows' share of a mixed pass is at most about 1 / slowdown of it.
 
 Rows are cut inside the chunk grid (piece_rows): a prompt's chunk boundaries stay at multiples of `chunk`, where
-the prefix cache takes prompts' rows (engine/prefix_cache.py), and no piece is smaller than min_rows unless the
-grid chunk's rest is: chunks from 32 rows run the prefill linears' precision (engine/calibrate.py), smaller ones not.
+the prefix cache takes prompts' rows (engine/prefix_cache.py). Where the budget allows MIN_ROWS or more, no piece
+is smaller than MIN_ROWS unless the grid chunk's rest is: pieces from 32 rows run the prefill linears' precision
+(model/lean_llama.py), smaller ones the decode rows'. Deep in a long prompt on a slow machine one prompt row can
+cost more than a whole decode pass, and a floor of 32 rows would make every mixed pass many times the decode pass,
+so the budget may go down to one row. A prompt prefilled in such pieces is not given to the prefix cache (its
+rows are not what a fresh prefill computes; engine/requests.py).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ ALPHA = 0.25  # weight of the newest measurement in the running means
 class PrefillShare:
     chunk: int  # the most prompt rows a pass carries (prefill_chunk), and the prefix cache's grid
     slowdown: float  # a mixed pass may take this many times the decoding rows' own pass (<= 1: min_rows only)
-    min_rows: int = MIN_ROWS
+    min_rows: int = 1  # the fewest prompt rows a pass carries while a prompt waits
     decode_factor: float = 1.0  # measured / calibrated ms of decode-only passes (running mean)
     row_ms: float | None = None  # ms a prompt row adds to a pass with decoding rows (running mean; None: unknown)
 

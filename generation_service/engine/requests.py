@@ -27,7 +27,7 @@ import torch
 
 from generation_service.drafting.budget import DraftSizer, SharedCalibration, best_size, keep_best, subtree
 from generation_service.drafting.drafters import Drafter, DraftUnavailable
-from generation_service.engine.prefill_share import piece_rows
+from generation_service.engine.prefill_share import MIN_ROWS, piece_rows
 from generation_service.engine.prefix_cache import PrefixCache, PrefixHit
 from generation_service.engine.steps import (
     DEFAULT_DRAFT_BUDGET,
@@ -130,6 +130,7 @@ class TreeRequest:
         self._chunk = max(1, prefill_chunk)
         self._done = 0  # rows of _rest prefilled
         self._piece = 0  # rows of the piece in flight (prefill_segment)
+        self._cacheable = True  # its prompt rows may go to the prefix cache (prefill_segment)
         self._base = cache_length(self.cache)  # rows restored from the prefix cache: whole chunks, or none
         # The first output step when the whole prompt came from the prefix cache (the engine sends it at once).
         self.first_step = None
@@ -163,7 +164,8 @@ class TreeRequest:
         """Rows of the next prefill piece when a pass may carry about `allowed` (engine/prefill_share.py)."""
         if not self.prefilling:
             return 0
-        return piece_rows(self._base + self._done, int(self._rest.shape[0]) - self._done, self._chunk, allowed)
+        return piece_rows(self._base + self._done, int(self._rest.shape[0]) - self._done, self._chunk, allowed,
+                          MIN_ROWS if allowed >= MIN_ROWS else 1)
 
     def prefill_segment(self, allowed: int | None = None) -> Segment:
         """The next prefill piece (about `allowed` rows, None = a whole chunk); prefilled() takes its logits."""
@@ -172,6 +174,11 @@ class TreeRequest:
         n = self.prefill_rows(self._chunk if allowed is None else allowed)
         a = self._done
         self._piece = n
+        if n < min(MIN_ROWS, self._chunk - (self._base + a) % self._chunk, self._rest.shape[0] - a):
+            # Smaller than the piece a prefill alone would run and below the prefill linears' precision threshold:
+            # its rows are not what a fresh prefill of this prompt computes, so the prefix cache must not hand them
+            # to a later request (engine/prefix_cache.py).
+            self._cacheable = False
         past = self._base
         return Segment(self._rest[a:a + n], torch.arange(past + a, past + a + n, device=self._rest.device),
                        self.cache, None, 1)
@@ -184,7 +191,8 @@ class TreeRequest:
             return None
         self.stats.prefill_ms = (time.perf_counter() - self._t_prefill) * 1e3
         if self._prefix_cache is not None:
-            self._prefix_cache.store(self.prompt, self.cache.k, self.cache.v, logits[-1])
+            if self._cacheable:
+                self._prefix_cache.store(self.prompt, self.cache.k, self.cache.v, logits[-1])
         return self._first(self.sampler.pick(logits[-1]), logits[-1])
 
     def _first(self, token: int, row: torch.Tensor) -> tuple[list[int], str | None]:

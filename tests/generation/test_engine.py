@@ -447,8 +447,9 @@ def test_where_the_worker_keeps_its_acceptance_evidence(tm32, setting, expected)
 
 def test_a_long_prompt_shares_passes_with_decoding_requests(tm32, monkeypatch):
     """While a request decodes, a long prompt is prefilled in pieces the prefill share allows (here the smallest:
-    slowdown 1), not a whole chunk per pass; without decoding rows it goes a whole chunk at a time. Both outputs
-    equal their solo runs (up to a near-tie)."""
+    slowdown 1, one row), not a whole chunk per pass; without decoding rows it goes a whole chunk at a time. Both
+    outputs equal their solo runs (up to a near-tie); the prompt prefilled in 1-row pieces stays out of the prefix
+    cache."""
     from generation_service.engine import scheduler
 
     chunk = 256
@@ -469,7 +470,7 @@ def test_a_long_prompt_shares_passes_with_decoding_requests(tm32, monkeypatch):
         return real(tm, segments)
 
     monkeypatch.setattr(scheduler, "forward_batch", recording)
-    engine = _engine(tm32, {}, prefill_chunk=chunk, prefill_slowdown=1.0)
+    engine = _engine(tm32, {}, prefill_chunk=chunk, prefill_slowdown=1.0, prefix_cache_mb=64)
     try:
         short = _job(short_prompt, short_params)
         engine.submit(short)
@@ -484,7 +485,10 @@ def test_a_long_prompt_shares_passes_with_decoding_requests(tm32, monkeypatch):
     mixed = [rows for dec, rows in passes if dec and rows]
     alone = [rows for dec, rows in passes if not dec and rows]
     assert alone[0] == len(short_prompt)
-    assert mixed and max(mixed) <= 2 * 32, mixed  # pieces of ~MIN_ROWS; Not 256-row chunks
+    assert mixed and max(mixed) == 1, mixed  # one row beside the decoding request; Not 256-row chunks
+    if engine.prefix_cache is not None:  # rows from 1-row pieces are Not handed to later requests
+        assert engine.prefix_cache.lookup(np.asarray(long_prompt)) is None
+        assert engine.prefix_cache.lookup(np.asarray(short_prompt)) is not None
     assert sum(mixed) + sum(alone) == len(long_prompt) + len(short_prompt)  # every prompt row once
     for prompt, w, g in zip((short_prompt, long_prompt), want, (got_short, got_long)):
         if g != w:

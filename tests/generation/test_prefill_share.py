@@ -12,8 +12,8 @@ from generation_service.engine.prefill_share import MIN_ROWS, PrefillShare, piec
     (0.0, 1.0, 2.5, 256),    # nothing decodes: a whole chunk; Not a share of nothing
     (10.0, 0.1, 2.5, 150),   # 15 spare ms at 0.1 ms a row; Not 256 (the chunk a pass used to carry)
     (10.0, 0.01, 2.5, 256),  # cheap rows: capped at the chunk; Not 1500
-    (10.0, 1.0, 2.5, 32),    # dear rows (deep in a long prompt): at least MIN_ROWS; Not 15
-    (10.0, 0.1, 1.0, 32),    # no slowdown allowed: MIN_ROWS only; Not 0 (the prompt would never start)
+    (10.0, 1.0, 2.5, 15),    # dear rows (deep in a long prompt): few; Not MIN_ROWS (32 ms beside a 10 ms pass)
+    (10.0, 0.1, 1.0, 1),     # no slowdown allowed: one row; Not 0 (the prompt would never start)
 ])
 def test_rows_beside_decoding(decode_ms, row_ms, slowdown, expected):
     share = PrefillShare(256, slowdown, row_ms=row_ms)

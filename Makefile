@@ -14,7 +14,7 @@ STUBS := $(PROTOS:.proto=_pb2.py)
 
 .PHONY: run test lint install stubs model datastore system-packages clean-stubs bench-speculative up down loadtest kb kb-large \
 	calibrate bench-datastores bench-serving bench-concurrency loadtest-8 compose-test docker-engine kernels bench-step \
-	kb-large-prefixes bench-ralm-curve k8s-secrets loadtest-failover soak
+	kb-large-prefixes bench-ralm-curve k8s-secrets loadtest-failover soak node-sdk loadtest-http
 
 # Debian packages the project uses (redis-server for the CREST Redis backend, redis-tools' redis-cli to create the
 # local Redis Clusters of the tests and the failover check, python3.11-doc for the docs corpus,
@@ -72,8 +72,19 @@ run: datastore
 	$(PYTHON) -m tools.demo --model $(MODEL_DIR) --datastore $(DATASTORE)
 
 # The stdlib datastore (~15 s) lets the tests of the real store's verification and draft latency run, not skip.
-test: model datastore lint
+test: model datastore lint node-sdk
 	$(PYTHON) -m pytest -q
+
+# The npm `openai` SDK pinned by tests/gateway_api/node/package-lock.json (tests/gateway_api/test_node_sdk.py
+# drives it against the gateway). Without npm: one line, and that test skips saying so.
+NODE_SDK := tests/gateway_api/node
+node-sdk: $(NODE_SDK)/node_modules/.package-lock.json
+$(NODE_SDK)/node_modules/.package-lock.json: $(NODE_SDK)/package.json $(NODE_SDK)/package-lock.json
+	@if command -v npm >/dev/null; then \
+	  cd $(NODE_SDK) && npm ci --no-audit --no-fund --loglevel=error; \
+	else \
+	  echo "node-sdk: npm not installed; the Node SDK test will skip"; \
+	fi
 
 # Unused or undefined names, import order (ruff, pinned in the dev extra); part of make test.
 lint: install
@@ -109,11 +120,13 @@ CONC_ARGS ?=
 bench-concurrency: bench-datastores
 	$(PYTHON) -m bench.concurrency $(CONC_ARGS)
 
-# The docker-compose topology as local processes (tools/launcher.py): redis is optional (--redis), more
-# retrieval replicas with REPLICAS=N. Health-gated like compose; `make down` drains and stops them.
+# The docker-compose topology as local processes (tools/launcher.py): retrieval, a worker and the OpenAI-compatible
+# gateway on http://127.0.0.1:8000/v1, each started once the one before is healthy; redis is optional (--redis),
+# more retrieval replicas with REPLICAS=N, launcher flags in UP_ARGS (e.g. --api-key K). `make down` stops them.
 REPLICAS ?= 1
+UP_ARGS ?=
 up: datastore
-	$(PYTHON) -m tools.launcher up --datastore $(DATASTORE) --replicas $(REPLICAS)
+	$(PYTHON) -m tools.launcher up --datastore $(DATASTORE) --replicas $(REPLICAS) $(UP_ARGS)
 
 down:
 	$(PYTHON) -m tools.launcher down
@@ -141,6 +154,13 @@ loadtest-failover: datastore
 SOAK_ARGS ?= --minutes 10
 soak: datastore
 	$(PYTHON) -m loadtests.soak --datastore $(DATASTORE) $(SOAK_ARGS)
+
+# Locust HTTP load test of the OpenAI-compatible gateway (loadtests/run_http.py): starts retrieval, a worker and
+# the gateway, 8 users for 60 s of streamed + plain chat; fails on any failure or a p95 above
+# loadtests/thresholds_http.toml; prints TTFT and inter-token latency. Reports in loadtests/reports/.
+LOAD_HTTP_ARGS ?= --users 8 --spawn-rate 4 --duration 60
+loadtest-http: datastore
+	$(PYTHON) -m loadtests.run_http --datastore $(DATASTORE) $(LOAD_HTTP_ARGS)
 
 # Knowledge base for RaLMSpec / kNN-LM (>= 100 K passages from docstrings + python3.11-doc; ~1 h of encoding on
 # 2 cores, resumable). Small test KBs are built by the tests themselves.

@@ -2,11 +2,13 @@
 
     python -m tools.launcher up   [--datastore DIR] [--kb DIR] [--model DIR]   # start, wait for SERVING
                                     [--replicas N] [--redis] [--token T]         # like docker-compose.yml
+                                    [--gateway-port 8000 | --no-gateway] [--api-key K]
     python -m tools.launcher down                                              # SIGTERM, wait, clean up
     python -m tools.launcher status
 
 Each service is started only after the ones it depends on report healthy: redis (PING) -> retrieval
-replicas (grpc.health.v1 SERVING) -> generation, exactly like `depends_on: condition: service_healthy`.
+replicas (grpc.health.v1 SERVING) -> generation -> the OpenAI-compatible gateway (HTTP /ready: a worker
+SERVING), exactly like `depends_on: condition: service_healthy`.
 With several retrieval replicas the worker gets them comma-separated and round-robins (compose uses
 dns:///retrieval:50051 instead). State (pids, ports, argv, log files) lives in
 $RAGSERVE_HOME/run/launcher.json so `down` works from another shell and `restart()` can bring a killed
@@ -23,6 +25,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -49,7 +53,7 @@ class Proc:
     log: str
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)  # on top of the launcher's environment
-    kind: str = "grpc"  # grpc (health-checked) | redis (PING)
+    kind: str = "grpc"  # grpc (health-checked) | redis (PING) | http (GET /ready answers 200)
     metrics_port: int = 0  # Prometheus /metrics (0 = off)
 
     @property
@@ -113,14 +117,22 @@ def _redis_ping(port: int) -> bool:
         return False
 
 
+def _http_ready(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1.0) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):  # not listening yet, or 503 until a worker is SERVING
+        return False
+
+
 def wait_healthy(proc: Proc, timeout_s: float, credentials: grpc.ChannelCredentials | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not _alive(proc.pid):
             tail = Path(proc.log).read_text(errors="replace")[-3000:]
             raise RuntimeError(f"{proc.name} exited during start-up; log {proc.log}:\n{tail}")
-        if proc.kind == "redis":
-            if _redis_ping(proc.port):
+        if proc.kind in ("redis", "http"):
+            if (_redis_ping if proc.kind == "redis" else _http_ready)(proc.port):
                 return
             time.sleep(0.1)
         elif wait_until_serving(proc.address, timeout_s=1.0, credentials=credentials):
@@ -143,13 +155,16 @@ def up(*, datastore: str = "", kb: str = "", model: str = "", dtype: str = "", r
        generation_port: int = 0, state: Path | None = None, timeout_s: float = 300.0,
        extra_retrieval: list[str] | None = None, extra_generation: list[str] | None = None,
        replicas: int = 1, redis: bool = False, env: dict[str, str] | None = None,
-       tls_ca: str = "", metrics: bool = False, generation: bool = True) -> Topology:
-    """Start [redis,] the retrieval replicas, wait until healthy, then generation pointed at them, wait again.
+       tls_ca: str = "", metrics: bool = False, generation: bool = True, gateway: bool = False,
+       gateway_port: int = 0, extra_gateway: list[str] | None = None) -> Topology:
+    """Start [redis,] the retrieval replicas, wait until healthy, then generation pointed at them, wait again,
+    then (gateway=True) the HTTP gateway in front of the worker, gated on its /ready.
 
     dtype: the worker's --dtype ("" = its default: the fastest measured on this machine);
     env: extra environment of every service (e.g. RAGSERVE_*_AUTH_TOKEN); tls_ca: CA to verify the services'
     TLS certificates with during health gating (when they serve TLS); metrics: give every service a free
-    Prometheus port (Proc.metrics_port); generation=False starts the retrieval side only.
+    Prometheus port (Proc.metrics_port); generation=False starts the retrieval side only; gateway_port 0 = a
+    free port; extra_gateway: more gateway flags (e.g. --api-keys-file). The gateway serves /metrics itself.
     """
     if replicas < 1:
         raise ValueError(f"replicas: {replicas} must be >= 1")
@@ -200,6 +215,16 @@ def up(*, datastore: str = "", kb: str = "", model: str = "", dtype: str = "", r
         topo.procs[-1].metrics_port = mport
         topo.save(state)
         wait_healthy(topo.get("generation"), timeout_s, creds)
+        if gateway:
+            hport = gateway_port or free_port()
+            gw_argv = [sys.executable, "-m", "gateway.server", "--host", "127.0.0.1", "--port", str(hport),
+                       "--workers", f"127.0.0.1:{gport}"]
+            if tls_ca:
+                gw_argv += ["--worker-tls-ca", tls_ca]
+            topo.procs.append(start_process("gateway", gw_argv + list(extra_gateway or []), hport, log_dir, env,
+                                            kind="http"))
+            topo.save(state)
+            wait_healthy(topo.get("gateway"), timeout_s)
     except BaseException:
         down(state=state)
         raise
@@ -227,7 +252,7 @@ def restart(name: str, *, state: Path | None = None, timeout_s: float = 300.0,
 
 
 def down(*, state: Path | None = None, grace_s: float = 30.0) -> None:
-    """Stop in reverse dependency order (generation drains first, then retrieval)."""
+    """Stop in reverse dependency order (the gateway first, then generation drains, then retrieval)."""
     state = state or _home() / "run" / "launcher.json"
     topo = Topology.load(state)
     for proc in reversed(topo.procs):
@@ -252,6 +277,12 @@ def main(argv: list[str] | None = None) -> None:
     u.add_argument("--redis", action="store_true", help="also start a redis-server on loopback (CREST backend)")
     u.add_argument("--token", default="", help="bearer token both services require (and the worker sends)")
     u.add_argument("--metrics", action="store_true", help="Prometheus endpoint on a free port per service")
+    u.add_argument("--gateway-port", type=int, default=8000,
+                   help="port of the OpenAI-compatible HTTP gateway on 127.0.0.1 (0 = a free port)")
+    u.add_argument("--no-gateway", action="store_true", help="start retrieval and the worker only")
+    u.add_argument("--api-key", action="append", default=[],
+                   help="an API key the gateway requires as 'Authorization: Bearer KEY' (repeatable; none = the "
+                        "gateway's own default)")
     sub.add_parser("down")
     sub.add_parser("status")
     args = ap.parse_args(argv)
@@ -259,14 +290,19 @@ def main(argv: list[str] | None = None) -> None:
         env = {}
         if args.token:
             env = {"RAGSERVE_RETRIEVAL_AUTH_TOKEN": args.token, "RAGSERVE_GENERATION_AUTH_TOKEN": args.token,
-                   "RAGSERVE_GENERATION_RETRIEVAL_AUTH_TOKEN": args.token}
+                   "RAGSERVE_GENERATION_RETRIEVAL_AUTH_TOKEN": args.token,
+                   "RAGSERVE_GATEWAY_WORKER_AUTH_TOKEN": args.token}
+        if args.api_key:
+            env["RAGSERVE_GATEWAY_API_KEYS"] = ",".join(args.api_key)
         topo = up(datastore=args.datastore, kb=args.kb, model=args.model, dtype=args.dtype,
                   retrieval_port=args.retrieval_port, generation_port=args.generation_port,
-                  replicas=args.replicas, redis=args.redis, env=env, metrics=args.metrics)
+                  replicas=args.replicas, redis=args.redis, env=env, metrics=args.metrics,
+                  gateway=not args.no_gateway, gateway_port=args.gateway_port)
         for p in topo.procs:
             extra = f"  metrics http://127.0.0.1:{p.metrics_port}/metrics" if p.metrics_port else ""
-            print(f"{p.name:<12} {'READY' if p.kind == 'redis' else 'SERVING'} on {p.address}  pid {p.pid}  "
-                  f"log {p.log}{extra}")
+            state = {"redis": "READY", "http": "READY"}.get(p.kind, "SERVING")
+            where = f"http://{p.address}/v1" if p.kind == "http" else p.address
+            print(f"{p.name:<12} {state} on {where}  pid {p.pid}  log {p.log}{extra}")
     elif args.cmd == "down":
         down()
         print("stopped")

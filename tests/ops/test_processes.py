@@ -4,11 +4,14 @@
 - every retrieval replica killed with SIGKILL during a load run -> the worker keeps answering (degraded AR),
   recovers once they are restarted, and every reply equals the autoregressive reference;
 - SIGTERM on the worker -> health answers NOT_SERVING, no new calls, the in-flight stream finishes, exit 0;
-- a corrupted datastore -> the retrieval process exits non-zero with the loader's message.
+- a corrupted datastore -> the retrieval process exits non-zero with the loader's message;
+- the OpenAI-compatible gateway in front of the worker (`make up`): ready only once the worker is, its greedy
+  completion equal to the worker's own reply; `down` stops it with the rest.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -16,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import grpc
@@ -37,9 +41,15 @@ def topology(datastore, tmp_path_factory):
     topo = launcher.up(datastore=str(datastore.path), dtype="fp32", state=state, replicas=2, metrics=True,
                        timeout_s=600, extra_generation=["--retry-after-s", "0.2", "--draft-timeout-ms", "1000",
                                                         "--threads", "2", "--acceptance-state", "off"],
-                       extra_retrieval=["--workers", "2"])
+                       extra_retrieval=["--workers", "2"], gateway=True,
+                       env={"RAGSERVE_GATEWAY_API_KEYS": API_KEY})
     yield topo, state
     launcher.down(state=state, grace_s=10)
+    alive = [p.name for p in topo.procs if launcher._alive(p.pid)]
+    assert not alive and not state.exists(), f"still running after down: {alive}"
+
+
+API_KEY = "sk-launcher-test"
 
 
 def _draft_calls(proc: launcher.Proc) -> float:
@@ -123,6 +133,36 @@ def test_retrieval_killed_during_load_degrades_and_recovers(topology):
     assert any(t > killed_at and r.stats.degraded for _, t, r in replies)
     assert len(recovered) >= 2 and any(r.stats.draft_tokens_accepted > 0 for r in recovered)
     assert sum(_draft_calls(p) for p in topo.retrieval()) > 0  # the restarted replicas served those drafts
+
+
+def _http(url: str, body: dict | None = None, key: str = API_KEY) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode() if body is not None else None,
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def test_gateway_started_last_and_serves_the_workers_answer(topology):
+    topo, _ = topology
+    assert [p.name for p in topo.procs] == ["retrieval", "retrieval-1", "generation", "gateway"]  # dependency order
+    gw = topo.get("gateway")
+    assert gw.kind == "http" and "--workers" in gw.argv
+    assert gw.argv[gw.argv.index("--workers") + 1] == topo.get("generation").address
+    url = f"http://{gw.address}"
+    assert _http(f"{url}/ready")[0] == 200 and _http(f"{url}/health")[0] == 200
+    status, models = _http(f"{url}/v1/models")
+    assert status == 200 and models["data"]
+    body = {"model": models["data"][0]["id"], "prompt": PROMPTS[0], "max_tokens": N_TOKENS, "temperature": 0}
+    status, reply = _http(f"{url}/v1/completions", body)
+    assert status == 200, reply
+    with GenerationClient(topo.get("generation").address) as c:
+        want = c.generate(PROMPTS[0], max_new_tokens=N_TOKENS, decoding="ar", timeout=300)
+    assert reply["choices"][0]["text"] == want.text  # Not a different answer through the gateway
+    assert reply["usage"]["completion_tokens"] == len(want.token_ids)
+    assert _http(f"{url}/v1/completions", body, key="sk-wrong")[0] == 401  # the launcher's keys are enforced
 
 
 def test_sigterm_drains_the_worker(topology):

@@ -319,14 +319,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.limit < 1 or args.max_new_tokens < 1 or args.repeat < 1:
         raise SystemExit("--limit, --max-new-tokens and --repeat must be >= 1")
 
+    from bench.serving import machine  # bench.serving imports this module's prompts
+
     set_threads(args.threads)
     tm = load_model(args.model, dtype=args.dtype, device=args.device)
     print(f"model {tm.model_dir} ({args.dtype}, {tm.device}); warm-up {warmup(tm):.1f} s", file=sys.stderr)
     result: dict = {"workload": args.workload, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
                     "draft_budget": args.draft_budget, "ignore_eos": args.ignore_eos, "datastore": args.datastore,
-                    "torch_threads": torch.get_num_threads(), "node_cost": tm.node_cost, "limit": args.limit,
+                    "torch_threads": torch.get_num_threads(), "step_cost": {"rows": tm.step_cost.points[0].tolist(), "ms": tm.step_cost.points[1].tolist(),
+                                  "measured": tm.step_cost.measured}, "limit": args.limit,
                     "command": "python -m bench.speculative " + " ".join(sys.argv[1:] if argv is None else argv),
-                    "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "machine": {**machine(), "cpus": os.cpu_count(), "platform": platform.platform(),
                                 "loadavg_before": os.getloadavg()}, "methods": {}}
     if args.tree_cost:
         result["tree_cost"] = tree_cost(tm)

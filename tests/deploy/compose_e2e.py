@@ -3,12 +3,15 @@
     python -m tests.deploy.compose_e2e [--no-build] [--no-kb] [--keep] [--report PATH]
 
 Steps (every one timed; the summary at the end prints image sizes, build times and time to healthy):
- 1. build ragserve-retrieval and ragserve-generation from the Dockerfiles (classic builder, no BuildKit);
+ 1. build ragserve-retrieval, ragserve-generation and ragserve-postgres from the Dockerfiles (classic builder, no
+    BuildKit);
  2. `docker compose up -d --wait` under a project name of its own, generation published on a free loopback port,
-    a fresh bearer token as the compose secret, a small knowledge base built by init (RAGSERVE_KB=1);
+    a fresh bearer token as the compose secret, a small knowledge base built by init (RAGSERVE_KB=1) and loaded
+    into the postgres service (RAGSERVE_KB_URL), which retrieval serves it from;
  3. from the host through the published 127.0.0.1 ports, over TLS with the CA init made: gRPC health of both
     services, a call without the token refused, Draft + Info on a retrieval replica, Generate ar / Generate rest /
-    GenerateStream rest (identical tokens), a RAG request (RaLMSpec == RaLMSeq), /metrics of both scraped;
+    GenerateStream rest (identical tokens), the KB's Info (PostgreSQL), a RAG request (RaLMSpec == RaLMSeq),
+    /metrics of both scraped;
  4. init run again: idempotent (certificates unchanged, done in seconds);
  5. `up --scale retrieval=2 --wait`, a long GenerateStream, `docker kill` of the retrieval replica serving its
     drafts mid-stream: the stream completes with the autoregressive output, stats say degraded or the other
@@ -45,17 +48,20 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from generation_service.client import GenerationClient
 from generation_service.model.kernels.build import cpu_level
-from proto import draft_pb2, draft_pb2_grpc, generation_pb2
+from proto import draft_pb2, draft_pb2_grpc, generation_pb2, knowledge_pb2, knowledge_pb2_grpc
 from ragcore.machine import best_level
 from ragcore.wire import pack_tokens
 from retrieval_service.knowledge import fp16_scan
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGES = {"retrieval": ("Dockerfile.retrieval", "ragserve-retrieval:latest"),
-          "generation": ("Dockerfile.generation", "ragserve-generation:latest")}
+          "generation": ("Dockerfile.generation", "ragserve-generation:latest"),
+          "postgres": ("docker/postgres.Dockerfile", "ragserve-postgres:latest")}
 # A small knowledge base for the RAG check: stdlib docstrings only, 500 passages (encoding 2000 took 206 s in init
 # at nice 19 next to another job on 2 cores).
 KB_ARGS = "--no-site --no-rst --limit-passages 500"
+# ... loaded by init into the compose `postgres` service and served from there (docs/postgres.md).
+KB_URL = "postgresql://postgres@postgres:5432/postgres"
 CODE_PROMPT = "import json\n\n\ndef load_config(path):\n    \"\"\"Read a JSON config file and return a dict.\"\"\"\n"
 LONG_PROMPT = "import argparse\n\n\ndef main():\n    parser = argparse.ArgumentParser(description='Process some files.')\n"
 RAG_PROMPT = "How do I read a JSON file in Python?"
@@ -152,7 +158,7 @@ class Stack:
         self.workdir = workdir
         self.env = dict(os.environ, RAGSERVE_AUTH_TOKEN=self.token, RAGSERVE_GENERATION_PUBLISH=str(self.gen_port))
         if kb:
-            self.env.update(RAGSERVE_KB="1", RAGSERVE_KB_ARGS=KB_ARGS)
+            self.env.update(RAGSERVE_KB="1", RAGSERVE_KB_ARGS=KB_ARGS, RAGSERVE_KB_URL=KB_URL)
 
     def __call__(self, *args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess:
         return run([*self.compose, *args], timeout=timeout, check=check, env=self.env)
@@ -340,6 +346,11 @@ def check_stack(stack: Stack, report: Report) -> dict:
                      f"{info.num_tokens:,} tokens / {info.num_documents:,} documents")
 
         if stack.kb:
+            kb = knowledge_pb2_grpc.KnowledgeServiceStub(chans["retrieval"]).Info(
+                knowledge_pb2.KnowledgeInfoRequest(), timeout=30, metadata=meta)
+            report.check("knowledge base served from PostgreSQL", kb.path.startswith("postgresql://")
+                         and kb.num_passages > 0 and "edr" in kb.retrievers,
+                         f"{kb.path}: {kb.num_passages} passages, retrievers {','.join(kb.retrievers)}")
             rag = {}
             for name, spec in (("ralmseq", False), ("ralmspec", True)):
                 t0 = time.monotonic()

@@ -54,7 +54,10 @@ def interpolate(value: str, env: dict[str, str] | None = None) -> str:
             return arg if got else ""
         return got
 
-    return re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:-|:\+)([^}]*))?\}", sub, value)
+    inner = r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:-|:\+)([^}$]*))?\}"  # innermost first: ${A:-${B:+x}}
+    while re.search(inner, value):
+        value = re.sub(inner, sub, value)
+    return value
 
 
 def env_of(svc: dict, env: dict[str, str] | None = None) -> dict[str, str]:

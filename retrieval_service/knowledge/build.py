@@ -344,8 +344,8 @@ def main(argv: list[str] | None = None) -> None:
         except pg.DatabaseError as e:
             raise SystemExit(f"load into {pg.masked(args.to)} stopped (rerun to resume): {e}") from None
         print(f"PostgreSQL {pg.masked(args.to)} table {args.table}: {loaded['passages']} passages, retrievers "
-              f"{','.join(loaded['retrievers'])}, copied {loaded['build']['copied_rows']} rows in "
-              f"{loaded['build']['copy_seconds']:.1f} s")
+              f"{','.join(loaded['retrievers'])}, copied {loaded['build']['copy']['rows']} rows in "
+              f"{loaded['build']['copy']['seconds']:.1f} s")
     print(f"KB {args.out}: {manifest['passages']} passages, retrievers {','.join(manifest['retrievers'])}, "
           f"{time.perf_counter() - t0:.1f} s")
     for name, b in manifest["build"].items():

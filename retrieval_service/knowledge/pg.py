@@ -565,7 +565,9 @@ def load_kb(kb_dir: str | Path, url: str, *, table: str = "ragserve_kb", retriev
                                         table)).fetchone()[0]
             manifest = {**want, "retrievers": built, "max_record_bytes": int(longest) + 64, "table": table,
                         "hnsw": {"m": hnsw_m, "ef_construction": hnsw_ef_construction} if "adr" in built else {},
-                        "build": {"copy_seconds": copy_s, "copied_rows": n - start, "index_seconds": index_s}}
+                        # The in-process manifest's shape: a stage -> its figures.
+                        "build": {"copy": {"seconds": copy_s, "rows": n - start},
+                                  **{name: {"seconds": sec} for name, sec in index_s.items()}}}
             conn.execute(_sql("INSERT INTO {meta} VALUES ('manifest', %s) ON CONFLICT (name) DO UPDATE SET value = "
                               "EXCLUDED.value", table), (Jsonb(manifest),))
     finally:

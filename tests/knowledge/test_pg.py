@@ -300,7 +300,7 @@ def test_load_resumes_after_an_interruption(pg_server, tmp_path):
         KnowledgeBase.open(pg_server.url, RetrievalConfig(kb_pg_table="resume"), warmup=False)
     progress = []
     manifest = pg.load_kb(kb_dir, pg_server.url, table="resume", batch=20, progress=progress.append)
-    assert manifest["build"]["copied_rows"] == 55  # Not 95: the first 40 rows stayed
+    assert manifest["build"]["copy"]["rows"] == 55  # Not 95: the first 40 rows stayed
     assert progress == [40, 20, 20, 15]
     with psycopg.connect(pg_server.url) as c:
         assert c.execute("SELECT count(*), count(DISTINCT id), max(id) FROM resume").fetchone() == (95, 95, 94)
@@ -323,6 +323,7 @@ def test_bench_kb_runs_on_postgresql(pg_kb, pg_server):
                               queries=4, min_queries=2, budget_s=0.05, ef_search="16", score_calls=6, threads=1,
                               omp_threads=1, target="", no_grpc=False)
     out = bench_kb.run(args)
+    bench_kb.print_table(out)
     assert out["passages"] == len(pg_kb.passages) and out["kb"] == pg_server.url
     assert set(out["retrievers"]) == {"edr", "adr", "sr"}
     assert all(row["grpc_ms_per_query"] > 0 for rows in out["retrievers"].values() for row in rows.values())

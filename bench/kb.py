@@ -29,6 +29,7 @@ from bench import serving
 from ragcore.process import offline_process
 from retrieval_service.config import RetrievalConfig
 from retrieval_service.knowledge import dense, pg, sparse
+from retrieval_service.knowledge.backends import open_knowledge_base
 from retrieval_service.knowledge.kb import KB_INDEX, KnowledgeBase
 
 DEFAULT_KB = Path.home() / ".cache" / "ragserve" / "kb" / "docs"
@@ -88,7 +89,7 @@ def run(args: argparse.Namespace) -> dict:
                           kb_omp_threads=args.omp_threads, kb_query_cache=0,
                           kb_pg_table=getattr(args, "kb_pg_table", "ragserve_kb"))
     t0 = time.perf_counter()
-    kb = KnowledgeBase.open(args.kb, cfg)
+    kb = open_knowledge_base(args.kb, cfg)
     open_s = time.perf_counter() - t0
     n_q = max(args.queries, max(batch_sizes))
     queries = make_queries(kb, n_q)

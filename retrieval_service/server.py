@@ -35,6 +35,7 @@ from retrieval_service.datastore.online import OnlineLearner
 from retrieval_service.datastore.shards import DatastoreCorrupted
 from retrieval_service.datastore.suffix_array import SuffixArrayDatastore
 from retrieval_service.knowledge import dense, knn_index, sparse
+from retrieval_service.knowledge.backends import open_knowledge_base
 from retrieval_service.knowledge.kb import KBOpenError, KnowledgeBase
 from retrieval_service.knowledge.service import SERVICE_NAME as KNOWLEDGE_SERVICE, KnowledgeServicer
 
@@ -287,7 +288,7 @@ def build_server(cfg: RetrievalConfig, *, datastore=None, kb=None, crest=None) -
         crest = crest if crest is not None else open_crest(cfg, ds)
         draft.attach(ds, vocab_size=None, learner=learner, crest=crest)
         if kb is None and cfg.kb:
-            kb = KnowledgeBase.open(cfg.kb, cfg)  # loads, checks and warms every index
+            kb = open_knowledge_base(cfg.kb, cfg)  # loads, checks and warms every index
         if cfg.kb_knn_datastores:
             kb = kb if kb is not None else KnowledgeBase.vectors_only(cfg)
             knn_index.add_to_kb(kb, cfg.kb_knn_datastores, cfg)  # opens, checks and warms each kNN-LM index

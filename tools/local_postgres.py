@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import pwd
 import signal
 import socket
 import subprocess
@@ -51,8 +52,6 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def _open_to(user: str, path: Path) -> None:
     """Let `user` traverse every parent of `path` (pytest's tmp dirs are 0700) and own `path` itself."""
-    import pwd
-
     entry = pwd.getpwnam(user)
     os.chown(path, entry.pw_uid, entry.pw_gid)
     for parent in path.resolve().parents:
@@ -64,8 +63,6 @@ def _open_to(user: str, path: Path) -> None:
 def _system_user() -> str | None:
     if os.geteuid() != 0:
         return None
-    import pwd
-
     try:
         pwd.getpwnam(SYSTEM_USER)
     except KeyError:

@@ -6,6 +6,7 @@
     kb.py        KnowledgeBase: open/check/warm up, batched search, ScoreCandidates, documents
     service.py   KnowledgeServicer (proto/knowledge.proto)
     pg.py        the KB in PostgreSQL + pgvector (--kb postgresql://...): load, search, pool, health
+    backends.py  open_knowledge_base: a --kb value names a directory (kb.py) or a PostgreSQL table (pg.py)
     deadline.py  the running KB call's gRPC deadline, handed to a database as statement_timeout
     build.py     CLI: python -m retrieval_service.knowledge.build --out DIR [--to postgresql://...]
 """

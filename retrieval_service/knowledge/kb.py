@@ -192,10 +192,6 @@ class KnowledgeBase:
         """Load passages and every built index (those named in config.kb_retrievers, default all), check
         they belong together, and warm them up. Raises KBOpenError naming what is missing or corrupted."""
         cfg = config or RetrievalConfig()
-        if str(path).startswith(("postgresql://", "postgres://")):  # the KB table in PostgreSQL (knowledge/pg.py)
-            from retrieval_service.knowledge import pg
-
-            return pg.open_kb(str(path), cfg, warmup=warmup, encoder=encoder)
         path = Path(path).expanduser()
         wanted = _which(cfg.kb_retrievers)
         manifest_path = path / MANIFEST

@@ -1,6 +1,6 @@
 """The knowledge base in PostgreSQL + pgvector: one table of passages, embeddings and a full-text column.
 
-    kb = KnowledgeBase.open("postgresql://user@host:5432/db", RetrievalConfig(kb_pg_table="ragserve_kb"))
+    kb = open_knowledge_base("postgresql://user@host:5432/db", RetrievalConfig(kb_pg_table="ragserve_kb"))
     load_kb("~/.cache/ragserve/kb/docs", "postgresql://user@host:5432/db")   # the build command's --to URL
 
 Table (name from config kb_pg_table / build --table):

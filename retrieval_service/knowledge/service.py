@@ -1,6 +1,6 @@
 """gRPC shell of the knowledge base (proto/knowledge.proto): unpack, call KnowledgeBase, pack.
 
-    kb = KnowledgeBase.open(cfg.kb, cfg)                 # loads, checks and warms up every index
+    kb = open_knowledge_base(cfg.kb, cfg)                 # loads, checks and warms up every index
     servicer = KnowledgeServicer(kb, cfg)
     names = servicer.add_to_server(server)               # -> [SERVICE_NAME] for health/reflection
 

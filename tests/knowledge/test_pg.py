@@ -17,6 +17,7 @@ from proto import knowledge_pb2 as pb, knowledge_pb2_grpc
 from ragcore.errors import DeadlineExceeded
 from retrieval_service.config import RetrievalConfig
 from retrieval_service.knowledge import dense, passages as P, pg
+from retrieval_service.knowledge.backends import open_knowledge_base
 from retrieval_service.knowledge.deadline import call_deadline
 from retrieval_service.knowledge.kb import KBOpenError, KnowledgeBase
 from retrieval_service.knowledge.service import KnowledgeServicer
@@ -43,7 +44,7 @@ def pg_kb(pg_server, kb_dir, kb_config, encoder) -> KnowledgeBase:
     """The tiny test KB (tests/knowledge/conftest.py) loaded into PostgreSQL with all three retrievers."""
     pg.load_kb(kb_dir, pg_server.url, table="tiny", retrievers=("edr", "adr", "sr"), hnsw_m=8,
                hnsw_ef_construction=64, batch=16)
-    kb = KnowledgeBase.open(pg_server.url, pg_config(kb_config, "tiny"), encoder=encoder)
+    kb = open_knowledge_base(pg_server.url, pg_config(kb_config, "tiny"), encoder=encoder)
     yield kb
     kb.close()
 
@@ -204,7 +205,7 @@ def test_killed_database_unavailable_then_recovers(tmp_path, kb_dir, kb_config, 
         pg.load_kb(kb_dir, server.url, table="tiny", retrievers=("edr", "sr"), batch=32)
         with psycopg.connect(server.url, autocommit=True) as c:
             c.execute("CHECKPOINT")  # the stand-in runs with fsync off: make the table survive the kill
-        kb = KnowledgeBase.open(server.url, pg_config(kb_config, "tiny", kb_pg_connect_timeout_s=1.0),
+        kb = open_knowledge_base(server.url, pg_config(kb_config, "tiny", kb_pg_connect_timeout_s=1.0),
                                 encoder=encoder)
         servicer = KnowledgeServicer(kb, kb_config)
         running, channel = serve(servicer)
@@ -297,7 +298,7 @@ def test_load_resumes_after_an_interruption(pg_server, tmp_path):
         assert c.execute("SELECT count(*), max(id) FROM resume").fetchone() == (40, 39)
         assert c.execute("SELECT count(*) FROM resume_meta WHERE name = 'manifest'").fetchone()[0] == 0
     with pytest.raises(KBOpenError, match="not loaded"):  # not openable before the load is finished
-        KnowledgeBase.open(pg_server.url, RetrievalConfig(kb_pg_table="resume"), warmup=False)
+        open_knowledge_base(pg_server.url, RetrievalConfig(kb_pg_table="resume"), warmup=False)
     progress = []
     manifest = pg.load_kb(kb_dir, pg_server.url, table="resume", batch=20, progress=progress.append)
     assert manifest["build"]["copy"]["rows"] == 55  # Not 95: the first 40 rows stayed

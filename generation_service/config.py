@@ -23,9 +23,8 @@ FLAG_HELP = {
     "host": "address the gRPC port binds to (0.0.0.0 = every interface)",
     "port": "gRPC port (0 = a free port)",
     "model": "local Hugging Face model directory (\"\" = SmolLM2-135M-Instruct, prepared on first use)",
-    "dtype": "auto (the fastest measured here) | bf16 | fp32 | q4_1 (the model's Q4_1 GGUF weights, exactly) | "
-             "q4_1_bf16 (the same, bf16 activations: AMX or AVX512-BF16) | q4_1_i8 (the same, int8 activations per "
-             "row and block of 32: integer dot products, VNNI where the CPU has it)",
+    "dtype": "auto (the fastest measured here) | bf16 | fp32 | q4_1 (the GGUF's Q4_1 weights) | q4_1_bf16 (bf16 "
+             "activations) | q4_1_i8 (int8 activations); docs/guide.md",
     "forward": "auto (lean for Llama-family models, else transformers) | lean | hf",
     "prefill_precision": "linears of prompt chunks: auto (bf16 where calibration measures it faster) | fp32 | bf16; "
                          "decode rows keep the serving dtype, so speculation stays lossless",

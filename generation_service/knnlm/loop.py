@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from generation_service.augment.os3 import OS3Config
+from generation_service.augment.round import Round, Settled, run_rounds
 from generation_service.augment.round_gate import ASYNC, SEQUENTIAL, SYNC, RoundGate
 from generation_service.engine.effects import Effects, Emit, Wait, call, run_solo
 from generation_service.engine.speculative import (
@@ -125,10 +126,10 @@ class KnnRequest:
         logits, hidden = yield from lm_prefill_passes(tm, kv, self.prompt)
         stats.prefill_ms = (time.perf_counter() - t0) * 1e3
         eos = frozenset() if self.params.ignore_eos else tm.eos_token_ids
-        loop = _speculative if self.opts.speculate else _baseline
+        loop = _Loop(tm, kv, self.params.max_new_tokens, eos, self.opts, self.backend, stats, self.cancelled,
+                     self.os3, (logits, hidden))
         with self.backend.running():
-            yield from loop(tm, kv, logits, hidden, self.params.max_new_tokens, eos, self.opts, self.backend, stats,
-                            self.cancelled, self.os3)
+            yield from (_speculative if self.opts.speculate else _baseline)(loop)
 
     def final_chunk(self, finish: str, ids: list[int], text: str, n_tokens: int, total_ms: float) -> KnnStreamChunk:
         knn = self.stats
@@ -149,40 +150,61 @@ def decode(tm: TargetModel, prompt_ids, params: SamplingParams, opts: KnnLmOptio
     yield from run_solo(tm, req.effects())
 
 
-def _baseline(tm, kv, logits, hidden, max_new, eos, opts, backend, stats, cancelled, _os3):
+@dataclass
+class _Loop:
+    """A kNN-LM request's decoding state, shared by the baseline steps and the speculation rounds.
+
+    Invariant: the kv cache holds the passes of the prompt, the emitted tokens and the unverified guesses, except
+    the very last token's pass while `head` is None."""
+
+    tm: TargetModel
+    kv: object
+    max_new: int
+    eos: frozenset
+    opts: KnnLmOptions
+    backend: KnnBackend
+    stats: KnnLmStats
+    cancelled: Callable[[], bool]
+    os3: OS3Config | None
+    head: tuple[torch.Tensor, np.ndarray] | None  # LM state (logits [V], hidden [D]) after the last token
+    n_out: int = 0  # tokens emitted (and yielded)
+    last_token: int = -1  # the last token (emitted or guessed); its pass is pending while head is None
+
+
+def _baseline(loop: _Loop) -> Effects:
     """Retrieval at every token: Search(q_t) -> p_t -> token -> LM pass -> q_{t+1}."""
-    n_out, head = 0, (logits, hidden)
     while True:
-        if cancelled():
+        if loop.cancelled():
             yield Emit([], FINISH_CANCELLED)
             return
-        n_out, _, finish, head, _ = yield from _baseline_step(tm, kv, head, max_new, n_out, eos, opts, backend, stats)
+        _, finish, _ = yield from _baseline_step(loop)
         if finish:
             return
 
 
-def _baseline_step(tm, kv, head, max_new, n_out, eos, opts, backend, stats,
-                   fill: Callable[[np.ndarray], None] | None = None) -> Effects:
-    """One baseline step from the LM state `head` = (logits, hidden): Search, token, Emit, then the LM pass on the
-    token unless that finished the request. `fill(retrieved ids)` runs between the Search and the Emit.
-    Returns (tokens emitted so far, the token, finish reason or None, the LM state after the pass or None,
-    seconds in the Search and its distribution)."""
+def _baseline_step(loop: _Loop, fill: Callable[[np.ndarray], None] | None = None) -> Effects:
+    """One baseline step from the LM state loop.head: Search, token, Emit, then the LM pass on the token unless
+    that finished the request (loop.head is then None). `fill(retrieved ids)` runs between the Search and the Emit.
+    Returns (the token, finish reason or None, seconds in the Search and its distribution)."""
+    stats = loop.stats
     t = time.perf_counter()
-    (p,), retrieved = yield from true_distributions(backend, head[1][None, :], [head[0]], opts, stats)
+    (p,), retrieved = yield from true_distributions(loop.backend, loop.head[1][None, :], [loop.head[0]], loop.opts,
+                                                    stats)
     search_s = time.perf_counter() - t
     token = next_token(p)
     if fill is not None:
         fill(retrieved[0])
-    out, finish = cut_emitted([token], max_new - n_out, eos)
-    n_out += len(out)
-    stats.tokens = n_out
+    out, finish = cut_emitted([token], loop.max_new - loop.n_out, loop.eos)
+    loop.n_out += len(out)
+    stats.tokens = loop.n_out
     yield Emit(out, finish)
     if finish:
-        return n_out, token, finish, None, search_s
+        loop.head = None
+        return token, finish, search_s
     t = time.perf_counter()
-    head = yield from lm_step_passes(tm, kv, token)
+    loop.head = yield from lm_step_passes(loop.tm, loop.kv, token)
     stats.generation_ms += (time.perf_counter() - t) * 1e3
-    return n_out, token, None, head, search_s
+    return token, None, search_s
 
 
 @dataclass
@@ -224,16 +246,14 @@ class _Step:
 
 
 @dataclass
-class _Round:
-    """Steps sent to one batched verification Search."""
+class _Sent:
+    """A round's verification Search in flight."""
 
-    steps: list[_Step]
     search: PendingSearch
     sent: float  # perf_counter when the Search was sent
     spec_s: float  # speculation time of its steps (LM passes + cache guesses)
     passes: int  # LM passes among them (the first step after the prompt has none)
-    arm: str  # ASYNC (the next round is speculated while its Search runs) or SYNC
-    beside_s: float = 0.0  # how much slower the steps run beside its Search were than steps run alone
+    t_hits: float = 0.0  # perf_counter when its hits were in
 
 
 def round_gate(opts: KnnLmOptions, backend: KnnBackend) -> RoundGate:
@@ -245,186 +265,203 @@ def round_gate(opts: KnnLmOptions, backend: KnnBackend) -> RoundGate:
                      min_search_share=opts.min_search_share, far_behind=KNN_GATE_FAR_BEHIND)
 
 
-def _speculative(tm, kv, logits, hidden, max_new, eos, opts, backend, stats, cancelled, os3):
-    """RaLMSpec rounds: speculation steps from the cache, one batched verification Search per round, roll back
-    at the first wrong step; or, where the gate measures that speculation does not pay, baseline steps.
+class _Rounds:
+    """kNN-LM speculation as a policy of the shared round (augment/round.py): a guess is a token from the cached
+    neighbours of the current LM state, checked against the token the true neighbours give; a rollback truncates
+    the KV cache."""
 
-    A step guesses the next token from the cached neighbours of the current LM state; the LM pass on a guess runs
-    lazily, when the next step needs its state, so a sync round never runs the pass of its last guess before
-    the verification says whether it is kept. In an async round the Search is in flight while the next round
-    is speculated on the assumption that every guess was right: its first LM pass (on the last guess) and
-    further steps overlap the Search, and are kept when the verification confirms the whole round (γ^s of the
-    time), thrown away otherwise. At most one round is in flight.
+    def __init__(self, loop: _Loop):
+        self.loop = loop
+        opts, backend = loop.opts, loop.backend
+        self.cache = NeighbourCache(backend.datastore, opts.cache_next, opts.cache_capacity, backend.key_norms,
+                                    opts.cache_fill_top)
+        self.sched = None
+        if opts.stride == 0:
+            self.sched = backend.scheduler(opts, replace(loop.os3 or KNN_OS3, async_verify=opts.async_verify))
+        self.gate = round_gate(opts, backend)
+        self.prompt_len = cache_length(loop.kv)
+        self.clock = StepClock()
+        self.stale = False  # the cache missed the fills of crowded steps: refill it with a baseline step first
+        self.crowded = False  # other requests share the scans (backend.crowded), asked at each round's start
+        self.spec_s, self.passes = 0.0, 0  # speculation time and LM passes of the guesses not yet sent
+        self.thrown_s = 0.0  # speculation time of the next round's guesses the last rollback threw away
+        self.t_settle = 0.0
+        self.retrieved: list = []
 
-    Which kind each round is (async, sync, or one baseline step: Search, token, LM pass) is the gate's choice
-    (ralm_gate.RoundGate, `round_gate`), each kind timed per emitted token. A round is charged its own work
-    wherever it ran: its steps at the time a step takes alone, the time spent waiting for and settling its
-    verification, the next round's steps its rollback threw away, and, for an async round, how much its Search
-    slowed the steps run beside it (their time over a step alone: StepClock). Not the wall time between
-    settles: a lone async round between sync ones would then look like a sync round. Why a gate: on two cores
-    shared with the retrieval service an async round's passes run ~1.5x slower, and where a Search is cheap
-    none of it pays.
+    def cancelled(self) -> bool:
+        return self.loop.cancelled()
 
-    Invariant: the kv cache holds the passes of the prompt, the emitted tokens and the unverified guesses, except
-    the very last token's pass while `head` is None. The tokens emitted are always the greedy picks of true
-    distributions (real Search, LM logits) over a context of emitted tokens only, whatever was speculated.
-    """
-    cache = NeighbourCache(backend.datastore, opts.cache_next, opts.cache_capacity, backend.key_norms,
-                           opts.cache_fill_top)
-    sched = None
-    if opts.stride == 0:
-        sched = backend.scheduler(opts, replace(os3 or KNN_OS3, async_verify=opts.async_verify))
-    gate = round_gate(opts, backend)
-    prompt_len = cache_length(kv)
-    n_out = 0  # tokens emitted (and yielded)
-    head: tuple[torch.Tensor, np.ndarray] | None = (logits, hidden)  # LM state after the last token
-    last_token = -1  # the last token of the sequence (emitted or guessed); its pass is pending while head is None
-    steps: list[_Step] = []  # speculated, not yet sent
-    spec_s, passes = 0.0, 0  # speculation time and LM passes of `steps`
-    inflight: _Round | None = None
-    stride = 0
-    clock = StepClock()
-    stale = False  # the cache missed the fills of crowded steps: refill it with a baseline step first
-    crowded = False  # other requests share the scans (backend.crowded), asked at each round's start
-    arm: str | None = None  # kind of the round being built; None = ask the gate when the next one starts
+    def cancel(self, rnd: Round) -> None:
+        rnd.pending.search.future.cancel()
 
-    def unverified() -> int:
-        return len(steps) + (len(inflight.steps) if inflight else 0)
+    def begin(self, arm: str | None) -> tuple[int, str]:
+        loop, opts = self.loop, self.loop.opts
+        stride = self.sched.next_stride() if self.sched is not None else opts.stride
+        self.crowded = opts.adaptive and loop.backend.crowded()
+        if arm is None:
+            # The first token is a baseline step: with nothing cached a round would guess the LM's token. So is
+            # every step while other requests share the scans (crowded), and the first after: it refills the
+            # cache, which crowded steps leave alone.
+            arm = (SEQUENTIAL if self.crowded or self.stale or not (len(self.cache) or not opts.adaptive)
+                   else self.gate.choose())
+        return stride, arm
 
-    while True:
-        if cancelled():
-            if inflight:
-                inflight.search.future.cancel()
-            yield Emit([], FINISH_CANCELLED)
-            return
-        if not steps:
-            stride = sched.next_stride() if sched is not None else opts.stride
-            crowded = opts.adaptive and backend.crowded()
-            if arm is None:
-                # The first token is a baseline step: with nothing cached a round would guess the LM's token. So is
-                # every step while other requests share the scans (crowded), and the first after: it refills the
-                # cache, which crowded steps leave alone.
-                arm = SEQUENTIAL if crowded or stale or not (len(cache) or not opts.adaptive) else gate.choose()
-        if arm == SEQUENTIAL and inflight is None:
-            # A baseline step: Search(q_t) -> token -> LM pass, exactly the baseline's work.
-            t_step = time.perf_counter()
-            if head is None:
-                head = yield from lm_step_passes(tm, kv, last_token)
-                stats.generation_ms += (time.perf_counter() - t_step) * 1e3
+    def sequential(self) -> Effects:
+        """A baseline step: Search(q_t) -> token -> LM pass, exactly the baseline's work."""
+        loop, stats, cache, gate, crowded = self.loop, self.loop.stats, self.cache, self.gate, self.crowded
+        t_step = time.perf_counter()
+        if loop.head is None:
+            loop.head = yield from lm_step_passes(loop.tm, loop.kv, loop.last_token)
+            stats.generation_ms += (time.perf_counter() - t_step) * 1e3
 
-            def fill(retrieved: np.ndarray) -> None:
-                if crowded:
-                    return
-                if stale or gate.cache_wanted() or not len(cache):  # a speculative round may come next: keep it warm
-                    t_fill = time.perf_counter()
-                    cache.fill(retrieved)
-                    stats.speculation_ms += (time.perf_counter() - t_fill) * 1e3
-                stats.cache_entries = len(cache)
-
-            stats.strides.append(0)
-            gen_ms = stats.generation_ms
-            n_out, last_token, finish, head, search_s = yield from _baseline_step(tm, kv, head, max_new, n_out, eos,
-                                                                                  opts, backend, stats, fill)
-            if head is not None:  # its LM pass ran alone: a first estimate of a step's time
-                clock.seed((stats.generation_ms - gen_ms) / 1e3)
-            stale = crowded
-            if finish:
+        def fill(retrieved: np.ndarray) -> None:
+            if crowded:
                 return
-            step_s = time.perf_counter() - t_step
-            if not crowded:  # a crowded step's costs are another regime's (requests share its scan)
-                gate.record(SEQUENTIAL, step_s)
-                gate.record_search(search_s, step_s)
-            arm = None
-            continue
-        # 1. Speculate up to the stride; while a round is in flight, stop as soon as its answer is there. Only an
-        # async round is speculated beside one: a sync round or a baseline step waits for the answer first.
-        while ((arm == ASYNC or (arm == SYNC and inflight is None)) and len(steps) < stride
-               and unverified() < max_new - n_out
-               and not (steps and steps[-1].guess in eos)
-               and not (not steps and inflight and inflight.steps[-1].guess in eos)
-               and not (inflight and inflight.search.done())):
-            t = time.perf_counter()
-            passed = head is None
-            if passed:
-                head = yield from lm_step_passes(tm, kv, last_token)
-                stats.generation_ms += (time.perf_counter() - t) * 1e3
-                passes += 1
-            q_logits, q = head
-            t_guess = time.perf_counter()
-            _, scores, values = cache.nearest(q, opts.k)
-            guess = next_token(mixed_distribution(q_logits, scores, values, opts))
-            stats.speculation_ms += (time.perf_counter() - t_guess) * 1e3
-            steps.append(_Step(q, q_logits, guess))
-            stats.overlapped += inflight is not None
-            own_s, slowed_s = clock.split(time.perf_counter() - t, passed, inflight is not None)
-            spec_s += own_s
-            if inflight is not None:
-                inflight.beside_s += slowed_s
-            head, last_token = None, guess
-        # 2. Send the round if nothing is in flight (sync: then wait for it at once).
-        if inflight is None:
-            if not steps:
-                raise AssertionError("kNN-LM speculation produced no step")  # stride >= 1 and budget left
-            queries = np.stack([st.query for st in steps])
-            inflight = _Round(steps, backend.client.search_async(queries, opts.k, opts.retriever, opts.ef_search),
-                              time.perf_counter(), spec_s, passes, arm)
-            steps, spec_s, passes, arm = [], 0.0, 0, None
-            if inflight.arm == ASYNC:
-                continue
-        # 3. Settle the round in flight.
-        rnd, inflight = inflight, None
+            if self.stale or gate.cache_wanted() or not len(cache):  # a speculative round may come next: warm
+                t_fill = time.perf_counter()
+                cache.fill(retrieved)
+                stats.speculation_ms += (time.perf_counter() - t_fill) * 1e3
+            stats.cache_entries = len(cache)
+
+        stats.strides.append(0)
+        gen_ms = stats.generation_ms
+        token, finish, search_s = yield from _baseline_step(loop, fill)
+        loop.last_token = token
+        if loop.head is not None:  # its LM pass ran alone: a first estimate of a step's time
+            self.clock.seed((stats.generation_ms - gen_ms) / 1e3)
+        self.stale = crowded
+        if finish:
+            return finish
+        step_s = time.perf_counter() - t_step
+        if not crowded:  # a crowded step's costs are another regime's (requests share its scan)
+            gate.record(SEQUENTIAL, step_s)
+            gate.record_search(search_s, step_s)
+        return None
+
+    def may_guess(self, guesses: list[_Step], inflight: Round | None) -> bool:
+        loop = self.loop
+        unverified = len(guesses) + (len(inflight.guesses) if inflight else 0)
+        return (unverified < loop.max_new - loop.n_out
+                and not (guesses and guesses[-1].guess in loop.eos)
+                and not (not guesses and inflight and inflight.guesses[-1].guess in loop.eos)
+                and not (inflight and inflight.pending.search.done()))
+
+    def guess(self, inflight: Round | None) -> Effects:
+        """One step: the LM pass on the previous guess if it is pending, then the token the cached neighbours
+        give. The pass on a guess runs lazily, when the next step needs its state, so a sync round never runs
+        the pass of its last guess before the verification says whether it is kept."""
+        loop, stats, opts = self.loop, self.loop.stats, self.loop.opts
         t = time.perf_counter()
-        if not rnd.search.done():
-            yield Wait(rnd.search)
-        hits = rnd.search.settled()
+        passed = loop.head is None
+        if passed:
+            loop.head = yield from lm_step_passes(loop.tm, loop.kv, loop.last_token)
+            stats.generation_ms += (time.perf_counter() - t) * 1e3
+            self.passes += 1
+        q_logits, q = loop.head
+        t_guess = time.perf_counter()
+        _, scores, values = self.cache.nearest(q, opts.k)
+        guess = next_token(mixed_distribution(q_logits, scores, values, opts))
+        stats.speculation_ms += (time.perf_counter() - t_guess) * 1e3
+        stats.overlapped += inflight is not None
+        own_s, slowed_s = self.clock.split(time.perf_counter() - t, passed, inflight is not None)
+        self.spec_s += own_s
+        if inflight is not None:
+            inflight.beside_s += slowed_s
+        loop.head, loop.last_token = None, guess
+        return _Step(q, q_logits, guess)
+
+    def value(self, g: _Step) -> int:
+        return g.guess
+
+    def send(self, guesses: list[_Step], arm: str) -> Round:
+        opts = self.loop.opts
+        queries = np.stack([st.query for st in guesses])
+        search = self.loop.backend.client.search_async(queries, opts.k, opts.retriever, opts.ef_search)
+        rnd = Round(guesses, _Sent(search, time.perf_counter(), self.spec_s, self.passes), arm)
+        self.spec_s, self.passes = 0.0, 0
+        return rnd
+
+    def verify(self, rnd: Round) -> Effects:
+        loop, sent = self.loop, rnd.pending
+        self.t_settle = t = time.perf_counter()
+        if not sent.search.done():
+            yield Wait(sent.search)
+        hits = sent.search.settled()
         if hits is None:  # that replica failed: once more, failing over
-            hits = yield call(rnd.search.retry)
-        t_hits = time.perf_counter()
-        log.debug("round of %d: sent %.3f, search %.3f s, settled after %.3f s; %d steps built meanwhile",
-                  len(rnd.steps), rnd.sent, rnd.search.finished_at - rnd.sent, t_hits - rnd.sent, len(steps))
-        dists, retrieved = hit_distributions(backend, hits, [st.logits for st in rnd.steps], opts, stats)
-        emitted: list[int] = []
-        for p, st in zip(dists, rnd.steps):
-            emitted.append(next_token(p))
-            if emitted[-1] != st.guess:
-                break
-        stats.retrieval_ms += (time.perf_counter() - t) * 1e3
-        n_steps = len(rnd.steps)
-        matched = len(emitted) - (emitted[-1] != rnd.steps[len(emitted) - 1].guess)
+            hits = yield call(sent.search.retry)
+        sent.t_hits = time.perf_counter()
+        log.debug("round of %d: sent %.3f, search %.3f s, settled after %.3f s", len(rnd.guesses), sent.sent,
+                  sent.search.finished_at - sent.sent, sent.t_hits - sent.sent)
+        dists, self.retrieved = hit_distributions(loop.backend, hits, [st.logits for st in rnd.guesses], loop.opts,
+                                                  loop.stats)
+        true = [next_token(p) for p in dists]
+        loop.stats.retrieval_ms += (time.perf_counter() - t) * 1e3
+        return true
+
+    def rollback(self, rnd: Round, settled: Settled) -> None:
+        """Everything after the wrong guess: the rest of this round, the next round's guesses."""
+        loop = self.loop
+        keep = self.prompt_len + loop.n_out + len(settled.committed) - 1  # the emitted tokens' passes but the last
+        loop.stats.wasted_passes += max(0, cache_length(loop.kv) - keep)
+        _truncate(loop.kv, keep)
+        self.thrown_s = self.spec_s
+        self.spec_s, self.passes = 0.0, 0
+        loop.head, loop.last_token = None, settled.committed[-1]
+
+    def commit(self, rnd: Round, settled: Settled) -> Effects:
+        loop, stats, sent = self.loop, self.loop.stats, rnd.pending
+        emitted, matched, n_steps = settled.committed, settled.matched, settled.guessed
         t_fill = time.perf_counter()
-        cache.fill_many(retrieved[:len(emitted)])  # queries past the first wrong step read a wrong context
+        self.cache.fill_many(self.retrieved[:len(emitted)])  # queries past the first wrong step read a wrong context
         stats.speculation_ms += (time.perf_counter() - t_fill) * 1e3
         # OS³'s b: the Search's own wall time (overlapped or not) + the distributions and the cache fill.
-        verify_s = (rnd.search.finished_at - rnd.sent) + (time.perf_counter() - t_hits)
+        verify_s = (sent.search.finished_at - sent.sent) + (time.perf_counter() - sent.t_hits)
         stats.verifications += 1
         stats.speculated += n_steps
         stats.correct += matched
         stats.rollbacks += matched < n_steps
         stats.strides.append(n_steps)
         stats.speculation_accuracy = stats.correct / stats.speculated
-        stats.cache_entries = len(cache)
-        if sched is not None:
-            sched.record_verification(matched, n_steps)
+        stats.cache_entries = len(self.cache)
+        if self.sched is not None:
+            self.sched.record_verification(matched, n_steps)
             # a = one step with its LM pass: a round without passes (the first, right after the prompt) would
             # make speculation look free and send OS³ to its longest stride.
-            sched.record_latency(speculation_s=rnd.spec_s / n_steps if rnd.passes else None,
-                                 verification_s=verify_s)
-        thrown_s = 0.0
-        if matched < n_steps:
-            # Roll back: everything after the wrong guess (the rest of this round, the next round's steps).
-            keep = prompt_len + n_out + len(emitted) - 1  # passes of the emitted tokens but the corrected one
-            stats.wasted_passes += max(0, cache_length(kv) - keep)
-            _truncate(kv, keep)
-            thrown_s = spec_s
-            steps, spec_s, passes, head, last_token = [], 0.0, 0, None, emitted[-1]
-        gate.record(rnd.arm, (rnd.spec_s + rnd.beside_s + time.perf_counter() - t + thrown_s) / len(emitted),
-                    len(emitted))
-        out, finish = cut_emitted(emitted, max_new - n_out, eos)
-        n_out += len(out)
-        stats.tokens = n_out
+            self.sched.record_latency(speculation_s=sent.spec_s / n_steps if sent.passes else None,
+                                      verification_s=verify_s)
+        thrown_s = self.thrown_s if settled.wrong else 0.0
+        self.thrown_s = 0.0
+        self.gate.record(rnd.arm, (sent.spec_s + rnd.beside_s + time.perf_counter() - self.t_settle + thrown_s)
+                         / len(emitted), len(emitted))
+        out, finish = cut_emitted(emitted, loop.max_new - loop.n_out, loop.eos)
+        loop.n_out += len(out)
+        stats.tokens = loop.n_out
         yield Emit(out, finish)
-        if finish:
-            return
+        return finish
+
+
+def _speculative(loop: _Loop) -> Effects:
+    """RaLMSpec rounds (augment/round.py, the policy _Rounds): speculation steps from the cache, one batched
+    verification Search per round, roll back at the first wrong step; or, where the gate measures that
+    speculation does not pay, baseline steps.
+
+    In an async round the Search is in flight while the next round is speculated on the assumption that every
+    guess was right: its first LM pass (on the last guess) and further steps overlap the Search, and are kept when
+    the verification confirms the whole round (γ^s of the time), thrown away otherwise.
+
+    Which kind each round is (async, sync, or one baseline step: Search, token, LM pass) is the gate's choice
+    (augment/round_gate.RoundGate, `round_gate`), each kind timed per emitted token. A round is charged its own
+    work wherever it ran: its steps at the time a step takes alone, the time spent waiting for and settling its
+    verification, the next round's steps its rollback threw away, and, for an async round, how much its Search
+    slowed the steps run beside it (their time over a step alone: StepClock). Not the wall time between
+    settles: a lone async round between sync ones would then look like a sync round. Why a gate: on two cores
+    shared with the retrieval service an async round's passes run ~1.5x slower, and where a Search is cheap
+    none of it pays.
+
+    The tokens emitted are always the greedy picks of true distributions (real Search, LM logits) over a context
+    of emitted tokens only, whatever was speculated.
+    """
+    yield from run_rounds(_Rounds(loop))
 
 
 def generate_tokens(tm: TargetModel, prompt_ids, params: SamplingParams, opts: KnnLmOptions, backend: KnnBackend,

@@ -48,6 +48,7 @@ import torch
 
 from generation_service.augment.kb_client import Hits, KBUnavailable, SearchReply
 from generation_service.augment.os3 import OS3Config, StrideScheduler
+from generation_service.augment.round import first_mismatch
 from generation_service.augment.round_gate import (
     ASYNC,
     MIN_SEARCH_SHARE,
@@ -445,17 +446,6 @@ def resolve_true(queries: list[Query | None], hits: list[Hits], prev: int | None
             cur = next(it).top1
         out.append(cur)
     return out
-
-
-def first_mismatch(speculated: list[int | None], true: list[int | None]) -> int | None:
-    """Index of the first step whose speculated passage is not the true one, None if all match.
-
-    first_mismatch([3, 3, 5], [3, 3, 4]) -> 2    # Not None: the last step had the wrong passage
-    """
-    for i, (s, t) in enumerate(zip(speculated, true)):
-        if s != t:
-            return i
-    return None
 
 
 class _Verification:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generator, Iterator
+from typing import Any, Callable, Generator, Iterator, Protocol
 
 import numpy as np
 import torch
@@ -58,6 +58,17 @@ class Wait:
 class Emit:
     tokens: list[int]
     finish: str | None
+
+
+class LoopRequest(Protocol):
+    """What the engine needs of a RAG or kNN-LM request (ralm.RagRequest, knnlm.KnnRequest): its loop, the type of
+    its text chunks and its final chunk."""
+
+    chunk: type
+
+    def effects(self) -> "Effects": ...
+
+    def final_chunk(self, finish: str, ids: list[int], text: str, n_tokens: int, total_ms: float) -> Any: ...
 
 
 def call(fn: Callable[..., Any], *args, **kwargs) -> Call:

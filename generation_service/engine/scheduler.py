@@ -53,7 +53,7 @@ from generation_service import metrics
 from generation_service.drafting.budget import SharedCalibration, batch_sizes
 from generation_service.engine.admission import FollowWait
 from generation_service.engine.draft_gate import LOCAL, NONE, REMOTE, DraftGate
-from generation_service.engine.effects import EffectRun, Emit, Pass, on_done
+from generation_service.engine.effects import EffectRun, Emit, LoopRequest, Pass, on_done
 from generation_service.engine.model_thread import ModelThread
 from generation_service.engine.pass_costs import PassCosts
 from generation_service.engine.passage_rows import passage_budget
@@ -152,7 +152,7 @@ class _Running:
     req: TreeRequest | None = None  # draft-tree modes
     out: TextOutput | None = None
     # RAG / kNN-LM: the request (ralm.RagRequest | knnlm.KnnRequest: final chunk) and its loop being stepped
-    loop_request: object = None
+    loop_request: LoopRequest | None = None
     loop: EffectRun | None = None
     waking: object = None  # the future the engine's wake-up is registered on
     closed: bool = False
@@ -174,7 +174,7 @@ class Engine:
     """The continuous-batching worker: submit() jobs from gRPC threads; everything else runs on the model thread."""
 
     def __init__(self, tm: TargetModel, *, max_batch: int, prefill_chunk: int, kv_cache_mb: int, queue_size: int,
-                 drafter: Callable[[object], object], loop: Callable[[object], object],
+                 drafter: Callable[[object], object], loop: Callable[[object], LoopRequest],
                  learn: Callable[[np.ndarray, list[int]], None] | None = None,
                  model_thread: ModelThread | None = None, threads: ThreadGovernor | None = None,
                  acceptance_path: Path | None = None, prefix_cache_mb: int = 0, stream_interval_ms: float = 0.0,

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, Sequence, TypeVar
 
-from generation_service.augment.round_gate import ASYNC, SEQUENTIAL, SYNC
+from generation_service.augment.round_gate import ASYNC, SEQUENTIAL
 from generation_service.engine.effects import Effects, Emit
 from generation_service.engine.speculative import FINISH_CANCELLED
 
@@ -76,6 +76,10 @@ def settle(guessed: Sequence[Any], true: Sequence[Any]) -> tuple[list[Any], int]
 class RoundPolicy(Protocol[G, P]):
     """One mode's side of the round."""
 
+    # An async round's verification runs while the next round is guessed (kNN-LM); False: while the round's own
+    # last step runs, which the policy arranges (RaLM), the driver then waiting for it like a sync round's.
+    pipelines: bool
+
     def cancelled(self) -> bool: ...
 
     def cancel(self, rnd: Round[G, P]) -> None:
@@ -92,7 +96,7 @@ class RoundPolicy(Protocol[G, P]):
         """Another guess now? (budget left, the last guess not an end, the verification in flight not answered)"""
 
     def guess(self, inflight: Round[G, P] | None) -> Effects:
-        """Make one guess (run its step) -> G."""
+        """Make one guess (run its step) -> G, or None: no guess, the round ends here."""
 
     def value(self, g: G) -> Any:
         """The value a guess guessed (compared with the true one)."""
@@ -101,13 +105,14 @@ class RoundPolicy(Protocol[G, P]):
         """Start the verification of `guesses`."""
 
     def verify(self, rnd: Round[G, P]) -> Effects:
-        """Wait for `rnd`'s verification -> the true value of each of its guesses."""
+        """Wait for `rnd`'s verification -> the true value of each of its guesses (and of any the policy asked
+        about beyond them), or None: it failed and the policy dropped the round."""
 
     def rollback(self, rnd: Round[G, P], settled: Settled) -> None:
         """Undo every step after the first wrong guess (the rest of the round and settled.thrown)."""
 
     def commit(self, rnd: Round[G, P], settled: Settled) -> Effects:
-        """Charge the round (gate, OS³, stats) and emit settled.committed -> finish reason or None."""
+        """Charge the round (gate, OS³, stats) and emit the output it committed -> finish reason or None."""
 
 
 def run_rounds(policy: RoundPolicy[G, P]) -> Effects:
@@ -131,20 +136,23 @@ def run_rounds(policy: RoundPolicy[G, P]) -> Effects:
                 return
             arm = None
             continue
-        # Guess up to the stride. Only an async round is guessed beside one in flight: a sync round or a
-        # sequential step waits for the answer first.
-        while ((arm == ASYNC or (arm == SYNC and inflight is None)) and len(guesses) < stride
+        # Guess up to the stride. Only an async round of a pipelining policy is guessed beside one in flight: a
+        # sync round or a sequential step waits for the answer first.
+        while ((inflight is None or (arm == ASYNC and policy.pipelines)) and len(guesses) < stride
                and policy.may_guess(guesses, inflight)):
-            guesses.append((yield from policy.guess(inflight)))
+            g = yield from policy.guess(inflight)
+            if g is None:  # the round ends here (the policy knows why)
+                break
+            guesses.append(g)
         if inflight is None:
-            if not guesses:
-                raise AssertionError("a speculation round made no guess")  # stride >= 1 and budget left
             inflight = policy.send(guesses, arm)
             guesses, arm = [], None
-            if inflight.arm == ASYNC:
+            if inflight.arm == ASYNC and policy.pipelines:
                 continue
         rnd, inflight = inflight, None
         true = yield from policy.verify(rnd)
+        if true is None:  # the verification failed: the policy dropped the round
+            continue
         committed, matched = settle([policy.value(g) for g in rnd.guesses], true)
         settled = Settled(committed, matched, len(rnd.guesses))
         if settled.wrong:

@@ -270,6 +270,8 @@ class _Rounds:
     neighbours of the current LM state, checked against the token the true neighbours give; a rollback truncates
     the KV cache."""
 
+    pipelines = True
+
     def __init__(self, loop: _Loop):
         self.loop = loop
         opts, backend = loop.opts, loop.backend
@@ -374,6 +376,8 @@ class _Rounds:
         return g.guess
 
     def send(self, guesses: list[_Step], arm: str) -> Round:
+        if not guesses:
+            raise AssertionError("kNN-LM speculation produced no step")  # stride >= 1 and budget left
         opts = self.loop.opts
         queries = np.stack([st.query for st in guesses])
         search = self.loop.backend.client.search_async(queries, opts.k, opts.retriever, opts.ef_search)

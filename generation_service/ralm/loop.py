@@ -46,20 +46,12 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from generation_service.augment.kb_client import Hits, KBUnavailable, SearchReply
-from generation_service.augment.os3 import OS3Config, StrideScheduler
-from generation_service.augment.round import first_mismatch
+from generation_service.augment.round import run_rounds
 from generation_service.augment.round_gate import (
-    ASYNC,
     MIN_SEARCH_SHARE,
-    SEQUENTIAL,
-    SYNC,
-    RoundGate,
     SharedRoundCosts,
-    prefill_slowdown,
-    round_cost,
 )
-from generation_service.engine.effects import Effects, Emit, Wait, ar_pass, call, prefill_passes, run_inline, run_solo
+from generation_service.engine.effects import Effects, Emit, ar_pass, call, prefill_passes, run_inline, run_solo
 from generation_service.engine.passage_rows import passage_budget
 from generation_service.engine.speculative import (
     FINISH_CANCELLED,
@@ -73,8 +65,8 @@ from generation_service.engine.speculative import (
 from generation_service.engine.steps import check_prompt
 from generation_service.model.sampling import Sampler, SamplingParams
 from generation_service.model.target import TargetModel, cache_length, new_cache
-from generation_service.ralm.cache import PassageCache
-from generation_service.ralm.retrieval import Query, Retriever
+from generation_service.ralm.retrieval import Retriever
+from generation_service.ralm.rounds import RagRounds, passage_effects
 from ragcore.errors import InvalidArgument
 from ragcore.wire import clip
 
@@ -409,13 +401,6 @@ def ralm_decode(tm: TargetModel, prompt_ids, params: SamplingParams, rag: RagPar
     yield from run_solo(tm, req.effects())
 
 
-def _passage(retr: Retriever, doc: int | None, *, sequential: bool = True) -> Effects:
-    """retr.passage(doc): here when the retriever has its text already, else a Call (a GetDocuments round trip)."""
-    if doc is None or retr.has_passage(doc):
-        return retr.passage(doc, sequential=sequential)
-    return (yield call(retr.passage, doc, sequential=sequential))
-
-
 def _sequential(runner: StepRunner, retr: Retriever, rag: RagParams, stats: RagStats,
                 cancelled: Callable[[], bool]) -> Effects:
     prev: int | None = None  # passage of the previous step (a blank query keeps it)
@@ -426,7 +411,7 @@ def _sequential(runner: StepRunner, retr: Retriever, rag: RagParams, stats: RagS
         t0 = time.perf_counter()
         q = retr.query(runner.window())
         doc = prev if q is None else (yield call(retr.search, [q], 1, sequential=True))[0].top1
-        passage = yield from _passage(retr, doc)
+        passage = yield from passage_effects(retr, doc)
         stats.retrieval_ms += (time.perf_counter() - t0) * 1e3
         stats.retrievals += 1
         start = len(runner.out)
@@ -435,308 +420,10 @@ def _sequential(runner: StepRunner, retr: Retriever, rag: RagParams, stats: RagS
         yield Emit(runner.out[start:], runner.finish)
 
 
-def resolve_true(queries: list[Query | None], hits: list[Hits], prev: int | None) -> list[int | None]:
-    """The KB's passage for every step of a round: hits are for the non-blank queries in order; a blank query
-    keeps the previous step's passage (prev = the last committed step's)."""
-    out: list[int | None] = []
-    it = iter(hits)
-    cur = prev
-    for q in queries:
-        if q is not None:
-            cur = next(it).top1
-        out.append(cur)
-    return out
-
-
-class _Verification:
-    """One round's verification, in flight (start) or run as a Call (run), parsed once."""
-
-    def __init__(self, retr: Retriever, queries: list[Query | None], k: int, prev: int | None):
-        self.queries, self.prev, self.k = queries, prev, k
-        self.asked = [q for q in queries if q is not None]
-        self.future = None
-        self.reply_hits: list[Hits] | None = None
-        self.error = ""
-        self.latency_s: float | None = None
-        self._true: list[int | None] | None = None
-        self._retr = retr
-        if not self.asked:
-            self.reply_hits = []
-            self.latency_s = 0.0
-
-    def start(self) -> "_Verification":
-        """Send it (async verification: the round's last step runs while it is in flight)."""
-        if self.reply_hits is None:
-            self.future = self._retr.search_async(self.asked, self.k)
-        return self
-
-    def run(self) -> Effects:
-        """Sync verification: one blocking search (a Call)."""
-        if self.reply_hits is not None:
-            return
-        t0 = time.perf_counter()
-        try:
-            self.reply_hits = yield call(self._retr.search, self.asked, self.k, sequential=False)
-        except KBUnavailable as e:
-            self.error = str(e) or "verification failed"
-        self.latency_s = time.perf_counter() - t0
-
-    def done(self) -> bool:
-        return self.future is None or self.future.done()
-
-    def settle(self) -> list[int | None] | None:
-        """Once done() -> the true passage per step (None on failure, see .error)."""
-        if self._true is not None or self.error:
-            return self._true
-        if self.reply_hits is None:
-            try:
-                reply: SearchReply = self.future.result()
-            except KBUnavailable as e:
-                self.error = str(e) or "verification failed"
-                return None
-            self._retr.remember(reply)
-            self.reply_hits = reply.hits
-            self.latency_s = reply.rpc_s
-        self._true = resolve_true(self.queries, self.reply_hits, self.prev)
-        return self._true
-
-
 def _speculative(runner: StepRunner, retr: Retriever, rag: RagParams, stats: RagStats,
                  cancelled: Callable[[], bool], round_costs: SharedRoundCosts | None = None) -> Effects:
-    cache = PassageCache(rag.cache_capacity, retr.dim)
-    os3 = OS3Config(window=rag.os3_window, gamma_max=rag.gamma_max, s_init=1, s_max=rag.s_max,
-                    async_verify=rag.async_verify)
-    sched = (None if not rag.os3 else StrideScheduler(os3) if round_costs is None
-             else round_costs.scheduler(rag.round_key, os3))
-    # Every speculative config, with or without OS³, measures its kinds of round and runs the cheapest
-    # (augment/round_gate.py): sequential steps where retrieval is too cheap to hide, sync verification where a search
-    # beside the step slows it more than the overlap saves.
-    configured = ASYNC if rag.async_verify else SYNC
-    gate = RoundGate(([ASYNC] if rag.async_verify else []) + [SYNC, SEQUENTIAL] if rag.adaptive else [configured],
-                     window=rag.os3_window, shared=round_costs, key=rag.round_key,
-                     min_search_share=rag.min_search_share)
-    k_fetch = max(1, rag.prefetch)
-    prev: int | None = None  # true passage of the last committed step
-    committed = 0
-    fallback = ""
-    search_s = 0.0  # the last KB search's latency (a sequential step's or a verification's): what holding costs
-    base_prefill = [0.0, 0]  # ms and tokens of the sequential steps' prefills: the uncontended rate
-
-    def cache_hits(hits: list[Hits]) -> None:
-        for h in hits:
-            if len(h.ids):
-                cache.add(h.ids[:k_fetch], h.vectors[:k_fetch] if retr.dim else None)
-        stats.cache_size = len(cache)
-
-    def commit() -> list[int]:
-        nonlocal committed
-        toks = runner.out[committed:]
-        committed = len(runner.out)
-        return toks
-
-    while runner.finish is None:
-        if cancelled():
-            yield Emit([], FINISH_CANCELLED)
-            return
-        arm = SEQUENTIAL if fallback or len(cache) == 0 else gate.choose()
-        t_round, prefill_before, tokens_before = time.perf_counter(), stats.prefill_ms, stats.prefill_tokens
-        if arm == SEQUENTIAL:
-            # A sequential step: on the critical path RaLMSeq's retrieval, the same query and the same top-1
-            # (the KB's top-1 does not depend on k, which verification relies on too). When speculation may
-            # read the cache soon (the gate speculates, or probes at the next step) the search asks for the
-            # top-k_fetch: ~1 ms more than k = 1, where a second search running beside the step slowed its
-            # 2-thread forward passes by ~60 % on 2 cores (a 300-token prefill: 420-490 -> 700-750 ms next to
-            # one 100 K-passage search every 20 ms).
-            t0 = time.perf_counter()
-            q = retr.query(runner.window())
-            if q is None:
-                doc = prev
-            else:
-                fill = k_fetch > 1 and not fallback and gate.cache_wanted()
-                hits = yield call(retr.search, [q], k_fetch if fill else 1, sequential=True)  # KBUnavailable:
-                cache_hits(hits)  # fails the request; the top-1 at least: speculation can start next step
-                stats.prefetches += fill
-                doc = hits[0].top1
-            passage = yield from _passage(retr, doc)
-            r = time.perf_counter() - t0
-            search_s = r
-            stats.retrieval_ms += r * 1e3
-            stats.sequential_retrieval_ms += r * 1e3
-            stats.retrievals += 1
-            stats.strides.append(0)
-            yield from runner.step_passes(doc, passage)
-            base_prefill[0] += stats.prefill_ms - prefill_before  # nothing of this request's runs beside it
-            base_prefill[1] += stats.prefill_tokens - tokens_before
-            if q is not None and not fallback:
-                wall = time.perf_counter() - t_round
-                gate.record(SEQUENTIAL, round_cost(wall, (stats.prefill_ms - prefill_before) / 1e3, 1))
-                gate.record_search(r, wall)
-            prev = doc
-            yield Emit(commit(), runner.finish)
-            continue
-
-        # A round that only measures an arm (not measured yet, or a probe of a losing one) runs it as it would run:
-        # a one-step probe costs a step plus a whole search, never less than a sequential step, so where a search
-        # is expensive speculation lost every probe and was never chosen (300 K passages: 125-170 vs 115-130 ms per
-        # committed step; rounds at OS³'s stride 68-80).
-        s = sched.next_stride(async_verify=arm == ASYNC) if sched is not None else rag.spec_stride
-        stats.strides.append(s)
-        ckpts: list[Checkpoint] = []
-        queries: list[Query | None] = []
-        specs: list[int | None] = []
-        step_s: list[float] = []
-        ver: _Verification | None = None
-        r_round = 0.0
-        failure = ""
-        prev_spec = prev
-        held: list[int | None] = []  # a guessed passage change not acted on: its query is verified first
-        guess_waste: list[float] = []  # per step: its change guess's prefill times the chance it is wrong (s)
-
-        def abort() -> bool:  # between forward passes of the in-flight step
-            if not ver.done():
-                return False
-            true = ver.settle()
-            return true is None or first_mismatch(specs, true) is not None
-
-        for i in range(s):
-            if runner.finish is not None:
-                break
-            ck = runner.checkpoint()
-            t0 = time.perf_counter()
-            try:
-                q = retr.query(runner.window())
-                if q is None:
-                    d = prev_spec
-                elif retr.dim:  # ranked here against the cached vectors
-                    d = retr.speculate(q, cache)
-                else:  # ranked by the KB (ScoreCandidates)
-                    d = yield call(retr.speculate, q, cache)
-                expected = 0.0
-                if q is not None and rag.adaptive and rag.reuse_kv and d != runner.cache_doc:
-                    # The mean prefill so far, revisits included. Pricing each guess by what it would prefill (a
-                    # kept passage: only the output since) served slower from 4 clients.
-                    prefill_s = stats.prefill_ms / max(1, stats.prefills) / 1e3
-                    if gate.hold_change(prefill_s, search_s):
-                        queries.append(q)  # verified with the round; the step then runs with the KB's passage
-                        held.append(d)
-                        dt = time.perf_counter() - t0
-                        r_round += dt
-                        stats.speculation_retrieval_ms += dt * 1e3
-                        break
-                    expected = gate.change_waste(prefill_s)
-                passage = yield from _passage(retr, d, sequential=False)
-            except KBUnavailable as e:
-                failure = f"speculation: {e}"
-                dt = time.perf_counter() - t0
-                r_round += dt
-                stats.speculation_retrieval_ms += dt * 1e3
-                break
-            ckpts.append(ck)
-            queries.append(q)
-            specs.append(d)
-            guess_waste.append(expected)
-            if arm == ASYNC and i == s - 1:
-                ver = _Verification(retr, queries, k_fetch, prev).start()  # in flight during this step
-            dt = time.perf_counter() - t0
-            r_round += dt
-            stats.speculation_retrieval_ms += dt * 1e3
-            ok = yield from runner.step_passes(d, passage, abort if ver is not None else None)
-            if ok:
-                step_s.append(time.perf_counter() - t0)
-            prev_spec = d
-            if not ok:
-                break
-
-        true = None
-        if not failure and (ckpts or held):
-            t0 = time.perf_counter()
-            if ver is None:  # sync, or the output ended before the round's last step
-                ver = _Verification(retr, queries, k_fetch, prev)
-                yield from ver.run()
-            if not ver.done():
-                yield Wait(ver.future)
-            true = ver.settle()
-            dt = time.perf_counter() - t0
-            r_round += dt
-            stats.verification_wait_ms += dt * 1e3
-            if true is None:
-                failure = f"verification: {ver.error}"
-        if failure:
-            # Nothing unverified may be emitted: drop the whole round, go on with sequential retrieval.
-            if ver is not None and ver.future is not None:
-                ver.future.cancel()
-            if ckpts:
-                runner.restore(ckpts[0])
-            fallback = failure
-            stats.fallback, stats.fallback_reason = True, failure[:500]
-            stats.retrieval_ms += r_round * 1e3
-            continue
-
-        cache_hits(ver.reply_hits)
-        if ver.latency_s:
-            search_s = ver.latency_s
-        m = first_mismatch(specs, true)
-        matched = len(specs) if m is None else m
-        stats.speculative_steps += len(specs)
-        stats.speculation_hits += matched
-        for i, d in enumerate(specs):  # the change guesses acted on, scored
-            if d != (prev if i == 0 else specs[i - 1]) and (m is None or i <= m):
-                gate.record_change_guess(d == true[i])
-        if sched is not None and specs:
-            sched.record_verification(matched, len(specs))
-            sched.record_latency(speculation_s=sum(step_s) / len(step_s) if step_s else None,
-                                 verification_s=ver.latency_s)
-        waste = 0.0
-        wasted_prefill_ms = 0.0
-        after_miss_prefill_ms = 0.0  # prefills of the steps after the mismatch: thrown away whatever they guessed
-        if m is not None:
-            g_before = stats.generation_ms
-            wasted_prefill_ms = stats.prefill_ms - ckpts[m].prefill_ms
-            if m + 1 < len(ckpts):
-                after_miss_prefill_ms = stats.prefill_ms - ckpts[m + 1].prefill_ms
-            runner.restore(ckpts[m])
-            waste = (g_before - ckpts[m].generation_ms) / 1e3  # s
-            stats.wasted_generation_ms += waste * 1e3
-            stats.rollbacks += 1
-            t0 = time.perf_counter()
-            passage = yield from _passage(retr, true[m])  # KBUnavailable: fails the request (no fallback)
-            dt = time.perf_counter() - t0
-            r_round += dt
-            stats.verification_wait_ms += dt * 1e3
-            yield from runner.step_passes(true[m], passage)  # the passage is known now: not speculative
-        n_committed = len(specs) if m is None else m + 1
-        if held and m is None and runner.finish is None:
-            # The held step, with the passage the KB gave for its query (asked from the verified context).
-            doc = true[len(specs)]
-            gate.record_change_guess(held[0] == doc)
-            stats.held_changes += 1
-            stats.held_change_hits += held[0] == doc
-            t0 = time.perf_counter()
-            passage = yield from _passage(retr, doc)
-            dt = time.perf_counter() - t0
-            r_round += dt
-            stats.verification_wait_ms += dt * 1e3
-            yield from runner.step_passes(doc, passage)
-            n_committed += 1
-        prev = true[n_committed - 1]
-        stats.retrieval_ms += r_round * 1e3
-        stats.retrievals += n_committed
-        # With reuse_kv a change guess's prefill counts at its expected waste instead of what this one guess
-        # happened to waste: a wrong one throws away ~0.45 s, five times a 300 K search, and one such round kept
-        # an arm's windowed mean above the sequential one's until probes, doubling apart, replaced it.
-        # Prefills slowed by a search beside them (async verification; on 2 cores a 300 K search made them 25 %
-        # slower through the service) count only at the sequential steps' rate as RaLMSeq's work.
-        slow = prefill_slowdown(stats.prefill_ms - prefill_before, stats.prefill_tokens - tokens_before,
-                                *base_prefill)
-        round_prefill_s = (stats.prefill_ms - prefill_before) / 1e3 / slow
-        if rag.reuse_kv:
-            cost = round_cost(time.perf_counter() - t_round, round_prefill_s, n_committed,
-                              thrown_prefill_s=after_miss_prefill_ms / 1e3 / slow, guess_waste=guess_waste)
-        else:  # every step prefills: what a rollback threw away is the guess's cost as measured
-            cost = round_cost(time.perf_counter() - t_round, round_prefill_s, n_committed,
-                              thrown_prefill_s=wasted_prefill_ms / 1e3 / slow)
-        gate.record(arm, cost, n_committed)
-        yield Emit(commit(), runner.finish)
+    """RaLMSpec: the shared speculation round (augment/round.py) with RagRounds as its policy (ralm/rounds.py)."""
+    yield from run_rounds(RagRounds(runner, retr, rag, stats, cancelled, round_costs))
 
 
 # ---------------------------------------------------------------------------------------------------------------

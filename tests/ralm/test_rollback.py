@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 
 from generation_service.augment.kb_client import Hits
+from generation_service.augment.round import first_mismatch
 from generation_service.engine.passage_rows import passage_budget
 from generation_service.model.sampling import SamplingParams
-from generation_service.ralm.loop import RagParams, RagStats, StepRunner, first_mismatch, resolve_true
+from generation_service.ralm.loop import RagParams, RagStats, StepRunner
 from generation_service.ralm.retrieval import KBRetriever, Query
+from generation_service.ralm.rounds import resolve_true
 from tests.ralm.conftest import N_TOKENS, run_rag
 
 STRIDE = 2

@@ -38,6 +38,8 @@ class ToyPolicy:
     """Guesses the true sequence, except at the positions in `wrong`; arms[i] is the i-th round's kind (the last
     one repeats). Records what the round did."""
 
+    pipelines = True
+
     def __init__(self, truth: list[int], wrong: set[int], stride: int, arms: list[str], max_new: int, polls: int = 0):
         self.truth, self.wrong, self.stride, self.arms, self.max_new, self.polls = truth, wrong, stride, arms, \
             max_new, polls

@@ -16,7 +16,12 @@ Steps (every one timed; the summary at the end prints image sizes, build times a
  5. `up --scale retrieval=2 --wait`, a long GenerateStream, `docker kill` of the retrieval replica serving its
     drafts mid-stream: the stream completes with the autoregressive output, stats say degraded or the other
     replica took over;
- 6. `docker compose down -v`: no container, volume or network of the project is left.
+ 6. the gateway with the OpenAI Python SDK: `up --scale generation=2 --wait`, models, chat (greedy == the
+    worker's gRPC reply through the chat template), a completion, a stream with usage, logprobs, a wrong key
+    refused (401); prefix affinity: 8 long system prompts x 3 requests, each request's worker told by the workers'
+    /metrics; then the worker holding one prefix `docker kill`ed mid-stream: the stream ends with an error (no
+    hang) and the next requests succeed on the other worker;
+ 7. `docker compose down -v`: no container, volume or network of the project is left.
 
 Test traffic goes only to 127.0.0.1 ports the engine published for this project. Every RPC has a deadline and
 every wait a bound. Ends with "compose-test: N passed, M failed" (exit 1 if any failed).
@@ -54,9 +59,11 @@ from ragcore.wire import pack_tokens
 from retrieval_service.knowledge import fp16_scan
 
 ROOT = Path(__file__).resolve().parents[2]
-IMAGES = {"retrieval": ("Dockerfile.retrieval", "ragserve-retrieval:latest"),
-          "generation": ("Dockerfile.generation", "ragserve-generation:latest"),
-          "postgres": ("docker/postgres.Dockerfile", "ragserve-postgres:latest")}
+# RAGSERVE_IMAGE_TAG (as docker-compose.yml reads it): a run beside another tree's run on one engine keeps its own.
+IMAGE_TAG = os.environ.get("RAGSERVE_IMAGE_TAG", "latest")
+IMAGES = {"retrieval": ("Dockerfile.retrieval", f"ragserve-retrieval:{IMAGE_TAG}"),
+          "generation": ("Dockerfile.generation", f"ragserve-generation:{IMAGE_TAG}"),
+          "postgres": ("docker/postgres.Dockerfile", f"ragserve-postgres:{IMAGE_TAG}")}
 # A small knowledge base for the RAG check: stdlib docstrings only, 500 passages (encoding 2000 took 206 s in init
 # at nice 19 next to another job on 2 cores).
 KB_ARGS = "--no-site --no-rst --limit-passages 500"
@@ -153,10 +160,12 @@ class Stack:
         self.project = project
         self.compose = [*compose_command(), "-p", project, "-f", str(ROOT / "docker-compose.yml")]
         self.token = secrets.token_hex(24)
-        self.gen_port = free_loopback_port()
+        self.gateway_port = free_loopback_port()
+        self.api_key = "sk-e2e-" + secrets.token_hex(16)
         self.kb = kb
         self.workdir = workdir
-        self.env = dict(os.environ, RAGSERVE_AUTH_TOKEN=self.token, RAGSERVE_GENERATION_PUBLISH=str(self.gen_port))
+        self.env = dict(os.environ, RAGSERVE_AUTH_TOKEN=self.token, RAGSERVE_API_KEYS=self.api_key,
+                        RAGSERVE_GATEWAY_PUBLISH=str(self.gateway_port))
         if kb:
             self.env.update(RAGSERVE_KB="1", RAGSERVE_KB_ARGS=KB_ARGS, RAGSERVE_KB_URL=KB_URL)
 
@@ -284,8 +293,9 @@ def check_stack(stack: Stack, report: Report) -> dict:
     meta = [("authorization", f"Bearer {stack.token}")]
     gen_addr = stack.port("generation", 50052)
     ret_addr = stack.port("retrieval", 50051)
-    report.check("ports published on 127.0.0.1 only", gen_addr == f"127.0.0.1:{stack.gen_port}",
-                 f"generation {gen_addr}, retrieval {ret_addr}")
+    gw_addr = stack.port("gateway", 8000)
+    report.check("ports published on 127.0.0.1 only", gw_addr == f"127.0.0.1:{stack.gateway_port}",
+                 f"gateway {gw_addr}, generation {gen_addr}, retrieval {ret_addr}")
     # Dial "localhost:<port>" (loopback): TLS then checks the name 'localhost' in the certificate init made
     # (SAN: retrieval, generation, localhost, 127.0.0.1).
     gen_target, ret_target = (a.replace("127.0.0.1:", "localhost:") for a in (gen_addr, ret_addr))
@@ -461,6 +471,141 @@ def check_kill_mid_stream(stack: Stack, report: Report, conn: dict) -> None:
                               "killed_replica": f"{state['Status']} (exit {state['ExitCode']})"}
 
 
+# Prefix affinity: the gateway hashes a prompt's first --affinity-chars (1024) characters, about the worker's first
+# prefill chunk; system prompts longer than that make requests with different questions share a prefix.
+AFFINITY_PROMPTS = 8
+AFFINITY_REPEATS = 3
+QUESTIONS = ["Write a function that reverses a list.", "How do I read a file line by line?",
+             "Explain what a generator is.", "Sort a dict by its values."]
+
+
+def system_prompt(i: int) -> str:
+    rule = (f"Team {i} rule: code is reviewed by two people, uses type hints, has a docstring, handles errors "
+            f"explicitly and is covered by a test that fails before the fix. ")
+    return f"You are assistant number {i} of the platform team. " + rule * 8
+
+
+def served(workers: dict[str, str], tls: ssl.SSLContext) -> dict[str, float]:
+    """Generate + GenerateStream calls each worker container has handled (from its /metrics)."""
+    out = {}
+    for c, addr in workers.items():
+        m = scrape(addr, tls)
+        out[c] = handled(m, "Generate") + handled(m, "GenerateStream")
+    return out
+
+
+def check_gateway(stack: Stack, report: Report, conn: dict) -> None:
+    import openai
+
+    up_s = stack.up("--scale", "retrieval=2", "--scale", "generation=2")
+    workers = stack.containers("generation")
+    report.check("scaled to 2 workers behind the gateway, healthy", len(workers) == 2, f"{up_s:.1f} s")
+    if len(workers) != 2:
+        return
+    base = f"http://{stack.port('gateway', 8000)}/v1"
+    client = openai.OpenAI(base_url=base, api_key=stack.api_key, timeout=RPC_TIMEOUT_S, max_retries=0)
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "Write a Python function that returns the square of a number."}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0)
+    # The same request over gRPC (the worker applies the chat template to messages), greedy, same length.
+    direct = conn["client"].generate(messages=messages, decoding="ar", max_new_tokens=24, timeout=RPC_TIMEOUT_S)
+    report.check("OpenAI SDK chat through the gateway == the worker's greedy gRPC reply",
+                 chat.choices[0].message.content == direct.text and chat.usage.completion_tokens > 0,
+                 f"model {model}, {chat.usage.completion_tokens} tokens, finish {chat.choices[0].finish_reason}")
+    comp = client.completions.create(model=model, prompt=CODE_PROMPT, max_tokens=24, temperature=0)
+    ar = conn["client"].generate(CODE_PROMPT, decoding="ar", max_new_tokens=24, timeout=RPC_TIMEOUT_S)
+    report.check("OpenAI SDK completion == the worker's greedy gRPC reply", comp.choices[0].text == ar.text,
+                 f"{comp.usage.completion_tokens} tokens")
+    text, usage, chunks = "", None, 0
+    for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}):
+        chunks += 1
+        usage = chunk.usage or usage
+        text += "".join(c.delta.content or "" for c in chunk.choices)
+    report.check("OpenAI SDK stream == the same chat unstreamed, usage at the end",
+                 text == chat.choices[0].message.content and usage is not None
+                 and usage.completion_tokens == chat.usage.completion_tokens, f"{chunks} chunks")
+    lp = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
+                                        logprobs=True, top_logprobs=3)
+    content = lp.choices[0].logprobs.content if lp.choices[0].logprobs else []
+    report.check("OpenAI SDK logprobs", len(content) == lp.usage.completion_tokens
+                 and all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content),
+                 f"{len(content)} tokens, first {content[0].token!r} {content[0].logprob:.3f}" if content else "none")
+    try:
+        openai.OpenAI(base_url=base, api_key="sk-wrong", max_retries=0, timeout=30).models.list()
+        report.check("a wrong API key is refused (401)", False, "it was answered")
+    except openai.AuthenticationError as e:
+        report.check("a wrong API key is refused (401)", e.status_code == 401, str(e.status_code))
+
+    # Prefix affinity, observed on the workers: requests one at a time, the worker whose call count moved served it.
+    addrs = {c: stack.port_of(c, 9100) for c in workers}
+    placed: dict[int, list[str]] = {}
+    for i in range(AFFINITY_PROMPTS):
+        for r in range(AFFINITY_REPEATS):
+            before = served(addrs, conn["metrics_tls"])
+            client.chat.completions.create(model=model, max_tokens=2, temperature=0, messages=[
+                {"role": "system", "content": system_prompt(i)},
+                {"role": "user", "content": QUESTIONS[(i + r) % len(QUESTIONS)]}])
+            after = served(addrs, conn["metrics_tls"])
+            placed.setdefault(i, []).append(max(workers, key=lambda c: after[c] - before[c]))
+    on_home = sum(max(ws.count(w) for w in set(ws)) for ws in placed.values())
+    total = AFFINITY_PROMPTS * AFFINITY_REPEATS
+    spread = {c[:12]: sum(ws.count(c) for ws in placed.values()) for c in workers}
+    report.check("prefix affinity: a prompt's requests land on one worker", on_home >= 0.9 * total,
+                 f"{on_home}/{total} on their prefix's worker; requests per worker {spread}")
+    report.figures["affinity"] = {"on_home": on_home, "total": total, "per_worker": list(spread.values())}
+
+    # Kill the worker that holds prefix 0, mid-stream on that prefix.
+    victim = max(set(placed[0]), key=placed[0].count)
+    got: list[str] = []
+    outcome: list[str] = []
+    first = threading.Event()
+
+    def consume() -> None:
+        try:
+            for chunk in client.chat.completions.create(
+                    model=model, max_tokens=256, temperature=0, stream=True,
+                    messages=[{"role": "system", "content": system_prompt(0)},
+                              {"role": "user", "content": "Write a long, commented Python module for a to-do app."}]):
+                got.extend(c.delta.content or "" for c in chunk.choices)
+                if len(got) >= 8:
+                    first.set()
+            outcome.append("ended without an error")
+        except openai.APIError as e:
+            outcome.append(f"error: {type(e).__name__}: {str(e)[:200]}")
+        finally:
+            first.set()
+
+    t = threading.Thread(target=consume, daemon=True)
+    t.start()
+    first.wait(timeout=RPC_TIMEOUT_S)
+    at = len(got)
+    run(["docker", "kill", victim])
+    t0 = time.monotonic()
+    t.join(timeout=60)
+    ended_s = time.monotonic() - t0
+    report.check("a worker killed mid-stream: the stream ends with an error event, no hang",
+                 not t.is_alive() and bool(outcome) and outcome[0].startswith("error"),
+                 f"killed {victim[:12]} after {at} chunks; {outcome[0] if outcome else 'still streaming'} "
+                 f"{ended_s:.1f} s after the kill")
+    # New requests (the same prefix) go to the survivor: bounded retries while the gateway's health watch sees it.
+    ok, failed, deadline = 0, 0, time.monotonic() + 60
+    while ok < 5 and time.monotonic() < deadline:
+        try:
+            client.chat.completions.create(model=model, max_tokens=4, temperature=0, messages=[
+                {"role": "system", "content": system_prompt(0)}, {"role": "user", "content": QUESTIONS[0]}])
+            ok += 1
+        except openai.APIError:
+            failed += 1
+            if ok:
+                break  # a failure after the first success is a real failure
+            time.sleep(0.5)
+    report.check("after the kill, new requests succeed on the other worker", ok == 5,
+                 f"{ok} succeeded, {failed} failed before the gateway saw the worker gone")
+    report.figures["worker_kill"] = {"chunks_before_kill": at, "stream_end_s": round(ended_s, 2),
+                                     "failed_before_recovery": failed}
+
+
 def check_down(stack: Stack, report: Report) -> None:
     stack("down", "-v", "--remove-orphans", "--timeout", "40", timeout=300)
     left = {k: stack.all_ids(k) for k in ("container", "volume", "network")}
@@ -491,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
             for service, (_, tag) in IMAGES.items():
                 report.figures[f"image_mb_{service}"] = round(image_size(tag) / 1e6)
         stack = Stack(args.project, not args.no_kb, workdir)
-        log(f"compose project {stack.project}: generation on 127.0.0.1:{stack.gen_port}, knowledge base "
+        log(f"compose project {stack.project}: gateway on 127.0.0.1:{stack.gateway_port}, knowledge base "
             f"{'on (' + KB_ARGS + ')' if stack.kb else 'off'}")
         up_s = stack.up()
         report.figures["up_wait_s"] = round(up_s, 1)
@@ -510,6 +655,7 @@ def main(argv: list[str] | None = None) -> int:
         conn = check_stack(stack, report)
         check_init_idempotent(stack, report)
         check_kill_mid_stream(stack, report, conn)
+        check_gateway(stack, report, conn)
         conn["client"].close()
     except Exception as e:  # a broken step is a failed check; the stack still goes down below
         report.check("no step raised", False, f"{type(e).__name__}: {str(e)[:2000]}")

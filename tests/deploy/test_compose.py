@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import yaml
 
+from gateway.config import GatewayConfig
 from generation_service.config import GenerationConfig
 from ragcore.draft_tree import DraftTree
 from retrieval_service.config import RetrievalConfig
@@ -177,10 +178,43 @@ def test_published_ports_are_loopback_only_and_retrieval_can_scale(compose):
     for name, svc in services(compose):
         for p in svc.get("ports") or []:
             assert isinstance(p, str) and p.startswith("127.0.0.1:"), f"{name}: {p} is not bound to 127.0.0.1"
-    for p in compose["services"]["retrieval"]["ports"]:
-        assert p.startswith("127.0.0.1::"), f"retrieval: {p} fixes a host port, so replicas cannot scale"
-    gen = [interpolate(p) for p in compose["services"]["generation"]["ports"]]
-    assert "127.0.0.1:50052:50052" in gen  # the front door's documented default
+    for name in ("retrieval", "generation"):
+        for p in compose["services"][name]["ports"]:
+            assert p.startswith("127.0.0.1::"), f"{name}: {p} fixes a host port, so replicas cannot scale"
+    gateway = compose["services"]["gateway"]["ports"]
+    assert [interpolate(p) for p in gateway] == ["127.0.0.1:8000:8000"]  # the front door's documented default
+    assert [interpolate(p, {"RAGSERVE_GATEWAY_PUBLISH": "18000"}) for p in gateway] == ["127.0.0.1:18000:8000"]
+
+
+def _flag(argv: list[str], name: str) -> str:
+    assert name in argv, f"gateway command lacks {name}"
+    return argv[argv.index(name) + 1]
+
+
+def test_gateway_reaches_every_worker_by_dns_with_tls_and_token(compose, tmp_path):
+    gw = compose["services"]["gateway"]
+    argv = command_of(gw)
+    assert argv[:3] == ["python", "-m", "gateway.server"]
+    cfg = GatewayConfig.from_args(argv[3:])  # the gateway's own parser: every flag exists, every value is valid
+    assert cfg.workers_dns == "generation:50052" and cfg.port == 8000
+    # The secret's file holds RAGSERVE_API_KEYS as given: comma-separated keys are several keys.
+    keys = tmp_path / "ragserve_api_keys"
+    keys.write_text("sk-one,sk-two")
+    assert GatewayConfig(api_keys_file=str(keys)).keys() == {"sk-one", "sk-two"}
+    gen_port = GenerationConfig.from_env(env_of(compose["services"]["generation"])).port
+    assert _flag(argv, "--workers-dns") == f"generation:{gen_port}"  # every replica of --scale generation=N
+    assert "--workers" not in argv  # not a fixed list
+    assert _flag(argv, "--host") == "0.0.0.0" and _flag(argv, "--port") == "8000"
+    mounted = {f"/run/secrets/{s}" for s in gw["secrets"]}
+    assert _flag(argv, "--api-keys-file") in mounted and _flag(argv, "--worker-auth-token-file") in mounted
+    assert _flag(argv, "--worker-tls-ca") == "/certs/ca.pem" and "certs:/certs:ro" in gw["volumes"]
+    # Replicas are dialled by IP: the certificate's name (init.sh --hosts) must be checked instead.
+    hosts = re.search(r"--hosts (\S+)", (ROOT / "docker/init.sh").read_text()).group(1).split(",")
+    assert _flag(argv, "--worker-tls-server-name") == "generation" and "generation" in hosts
+    assert gw["depends_on"] == {"generation": {"condition": "service_healthy"}}
+    assert compose["secrets"]["ragserve_api_keys"] == {"environment": "RAGSERVE_API_KEYS"}
+    assert all(v.endswith(":ro") for v in gw["volumes"]) and not any(v.startswith("ca:") for v in gw["volumes"])
+    assert gw["image"] == compose["services"]["retrieval"]["image"]  # no third image to build
 
 
 def test_cpu_host_by_default_gpu_by_override(compose):
@@ -402,6 +436,42 @@ def test_healthcheck_is_valid_python_that_probes_grpc_health(compose, service, t
         running.stop(0)
     gone = subprocess.run([sys.executable, "-c", local], capture_output=True, text=True, timeout=60)
     assert gone.returncode != 0  # nothing listening is unhealthy, not a hang
+
+
+def test_gateway_healthcheck_is_valid_python_that_probes_ready(compose):
+    """The gateway's healthcheck passes on 200 from /ready and fails on 503 (no worker SERVING) and on nothing."""
+    import http.server
+    import threading
+
+    test = compose["services"]["gateway"]["healthcheck"]["test"]
+    assert test[:3] == ["CMD", "python", "-c"]
+    code = test[3]
+    imports = {n.names[0].name.split(".")[0] for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Import)}
+    assert imports <= {"sys", "urllib"}, imports
+    status = {"/ready": 200}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(status.get(self.path, 404))
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    local = code.replace("localhost:8000", f"127.0.0.1:{server.server_port}")
+    assert local != code
+    try:
+        ok = subprocess.run([sys.executable, "-c", local], capture_output=True, text=True, timeout=60)
+        assert ok.returncode == 0, ok.stderr
+        status["/ready"] = 503
+        assert subprocess.run([sys.executable, "-c", local], capture_output=True, timeout=60).returncode != 0
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert subprocess.run([sys.executable, "-c", local], capture_output=True, timeout=60).returncode != 0
 
 
 # ------------------------------------------------------------------------------------------ compose-test scripts

@@ -317,7 +317,7 @@ def check_stack(stack: Stack, report: Report) -> dict:
         worker = client.info()
         level = cpu_level()  # the image carries kernels for every level of q4_kernel.LEVELS: a CPU of one loads it
         report.check("worker loaded the image's prebuilt CPU kernels", (not level) or (
-            "prebuilt-" + level in worker.kernels and worker.fused == (worker.dtype in ("fp32", "q4_1", "q4_1_bf16"))),
+            "prebuilt-" + level in worker.kernels and worker.fused == (worker.dtype in ("fp32", "q4_1", "q4_1_bf16", "q4_1_i8"))),
             f"host level {level or 'none'}; kernels {worker.kernels or 'none'}; dtype {worker.dtype}, "
             f"fused {worker.fused}")
         # The retrieval image has no compiler: exact search over float16 vectors needs its prebuilt kernel.

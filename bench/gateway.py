@@ -201,8 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         result = run(worker, url, args.requests, args.streams, args.stream_tokens)
     finally:
         stop_processes(procs)
-    data = {"bench": "gateway", "machine": machine(), "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
-            "started": not args.worker, **result}
+    data = {"bench": "gateway", "command": " ".join(["python -m bench.gateway", *(argv if argv is not None else sys.argv[1:])]),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(), "loadavg_start": load_start,
+            "loadavg_end": os.getloadavg(), "started": not args.worker, **result}
     path = Path(args.json) if args.json else Path(__file__).parent / "results" / f"gateway-{cpu_class()}.json"
     write_json(path, data)
     r = result

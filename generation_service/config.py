@@ -48,8 +48,8 @@ FLAG_HELP = {
     "limit_stop_sequences": "most stop sequences per request",
     "max_batch": "requests decoded together in every forward pass (continuous batching)",
     "prefill_chunk": "prompt tokens a new request prefills per pass beside the running ones",
-    "prefill_slowdown": "while others decode, a pass carrying prompt rows may cost up to this many times their "
-                        "own pass (bounds their inter-token latency)",
+    "prefill_slowdown": "while others decode, a pass with prompt rows may cost up to this many times theirs (0 = "
+                        "off: whole chunks, outputs independent of load)",
     "kv_cache_mb": "memory for the running requests' KV caches, MB; a request that does not fit waits",
     "kv_cache_dtype": "how KV caches store keys/values: auto (fp16 where the fused forward runs, else the dtype's) | "
                       "fp16 | fp32",
@@ -146,7 +146,9 @@ class GenerationConfig(config_util.ShellConfig):
     prefill_chunk: int = 256
     # While others decode, a pass carrying prompt rows may take up to prefill_slowdown x their decode-only pass
     # (engine/prefill_share.py): their tokens keep coming during a long prefill, the prompt keeps most of each pass.
-    prefill_slowdown: float = 2.5
+    # Off by default: pieces sized by load make a prompt's rows depend on what else runs (the prompt linears'
+    # precision changes with a piece's size), so the same request could give another output under load.
+    prefill_slowdown: float = 0.0
     kv_cache_mb: int = 2048
     # fp16 halves what every decode row's attention reads (lean_llama.LeanLlama.set_kv_dtype); fp32 = exact fp32.
     kv_cache_dtype: str = "auto"
@@ -216,7 +218,7 @@ class GenerationConfig(config_util.ShellConfig):
             raise ValueError(f"stream_interval_ms: {self.stream_interval_ms} must be >= 0 (0 = every step)")
         if self.follow_wait_ms < 0:
             raise ValueError(f"follow_wait_ms: {self.follow_wait_ms} must be >= 0 (0 = never)")
-        if not 1.0 <= self.prefill_slowdown <= 100.0:
-            raise ValueError(f"prefill_slowdown: {self.prefill_slowdown} is outside [1, 100]")
+        if self.prefill_slowdown != 0 and not 1.0 <= self.prefill_slowdown <= 100.0:
+            raise ValueError(f"prefill_slowdown: {self.prefill_slowdown} is outside [1, 100] (0 = off)")
         if self.prefix_cache_mb < 0:
             raise ValueError(f"prefix_cache_mb: {self.prefix_cache_mb} must be >= 0 (0 = off)")

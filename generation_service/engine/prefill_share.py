@@ -35,7 +35,7 @@ ALPHA = 0.25  # weight of the newest measurement in the running means
 @dataclass
 class PrefillShare:
     chunk: int  # the most prompt rows a pass carries (prefill_chunk), and the prefix cache's grid
-    slowdown: float  # a mixed pass may take this many times the decoding rows' own pass (<= 1: min_rows only)
+    slowdown: float  # a mixed pass may take this many times the decoding rows' own pass (0: off, whole chunks)
     min_rows: int = 1  # the fewest prompt rows a pass carries while a prompt waits
     decode_factor: float = 1.0  # measured / calibrated ms of decode-only passes (running mean)
     row_ms: float | None = None  # ms a prompt row adds to a pass with decoding rows (running mean; None: unknown)
@@ -43,7 +43,7 @@ class PrefillShare:
     def rows(self, decode_ms: float, row_ms_guess: float) -> int:
         """Prompt rows the next pass may carry. decode_ms: the calibrated ms of its decoding rows alone (0 = none
         decode: a whole chunk); row_ms_guess: a prompt row's ms on the calibrated curve, until one was measured."""
-        if decode_ms <= 0:
+        if decode_ms <= 0 or self.slowdown <= 0:  # nothing decoding, or sharing off: a whole chunk
             return self.chunk
         row = self.row_ms if self.row_ms is not None else row_ms_guess * self.decode_factor
         spare = (self.slowdown - 1.0) * decode_ms * self.decode_factor

@@ -178,7 +178,7 @@ class Engine:
                  learn: Callable[[np.ndarray, list[int]], None] | None = None,
                  model_thread: ModelThread | None = None, threads: ThreadGovernor | None = None,
                  acceptance_path: Path | None = None, prefix_cache_mb: int = 0, stream_interval_ms: float = 0.0,
-                 follow_wait_ms: float = 0.0, live_pass_costs: bool = True, prefill_slowdown: float = 2.5):
+                 follow_wait_ms: float = 0.0, live_pass_costs: bool = True, prefill_slowdown: float = 0.0):
         """drafter(job): the job's Drafter (None = AR); loop(job): the request of a RAG / kNN-LM job (an object with
         effects(), final_chunk() and chunk: ralm.RagRequest, knnlm.KnnRequest); learn(prompt, completion): called
         (on a helper thread) for finished jobs that asked to learn; threads: picks torch's intra-op threads per

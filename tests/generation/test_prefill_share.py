@@ -66,3 +66,8 @@ def test_pieces_cover_the_prompt_on_the_grid(n, allowed, chunk):
         assert (done // chunk) == ((done + k - 1) // chunk)  # inside one grid chunk
         done += k
     assert done == n
+
+
+def test_sharing_off_is_always_a_whole_chunk():
+    share = PrefillShare(256, 0.0, row_ms=0.2)
+    assert [share.rows(d, 0.2) for d in (0.0, 5.0, 50.0)] == [256, 256, 256]  # Not pieces sized by load

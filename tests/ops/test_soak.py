@@ -58,3 +58,13 @@ def test_soak_smoke(tmp_path, tm, datastore):
         assert kind in r["by_kind"], kind
     assert set(r["by_kind"]["bad"]) <= EXPECTED["bad"]
     assert len(r["rss_mb"]) >= 2
+
+@pytest.mark.parametrize("rss, ok", [
+    ([(20.0, 1000.0), (60.0, 1040.0)], True),   # +4 %: within the bound
+    ([(20.0, 1000.0), (60.0, 1100.0)], False),  # +10 %: memory grew, Not a pass
+    ([(20.0, 1000.0), (60.0, 900.0)], True),    # -10 %: memory given back, Not a failure
+])
+def test_only_rss_growth_fails_the_run(rss, ok):
+    soak = Soak("127.0.0.1:1", "127.0.0.1:1", 1.0, 4, 1)
+    soak.greedy_reply(0, [1, 2], 0.1)
+    assert summarize(soak, rss, 60.0, 5.0)["ok"] is ok

@@ -88,6 +88,7 @@ class Encoder:
         # HF fast tokenizers raise "Already borrowed" when two threads encode at once.
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._cache_lock = threading.Lock()  # the cache's own: share_cache may give it to another copy
         self._cache_size = cache_size
 
     def encode(self, texts: Sequence[str], batch_size: int = 64) -> np.ndarray:
@@ -116,11 +117,16 @@ class Encoder:
                                        max_length=self.max_tokens)["input_ids"]
         return np.fromiter((len(i) for i in ids), np.int64, len(ids))
 
+    def share_cache(self, other: "Encoder") -> None:
+        """Answer queries through `other`'s cache: a text's vector must not depend on which copy of the model
+        encoded it (a batch's padding moves the last bits), so copies serving one knowledge base share one cache."""
+        self._cache, self._cache_lock, self._cache_size = other._cache, other._cache_lock, other._cache_size
+
     def encode_queries(self, texts: Sequence[str]) -> np.ndarray:
         """Like encode, through the LRU cache; one batched forward pass for the misses."""
         out = np.empty((len(texts), self.dim), np.float32)
         missing: dict[str, list[int]] = {}
-        with self._lock:
+        with self._cache_lock:
             for i, t in enumerate(texts):
                 v = self._cache.get(t)
                 if v is None:
@@ -131,7 +137,7 @@ class Encoder:
         if missing:
             keys = list(missing)
             vecs = self.encode(keys, batch_size=max(1, len(keys)))
-            with self._lock:
+            with self._cache_lock:
                 for t, v in zip(keys, vecs):
                     out[missing[t]] = v
                     if self._cache_size > 0:

@@ -446,6 +446,7 @@ class KnowledgeBase:
         with self._lock:
             if self.encoder is not None and self.express_encoder is None:
                 self.express_encoder = dense.Encoder(threads=threads, cache_size=cache_size, dtype=self.encoder.dtype)
+                self.express_encoder.share_cache(self.encoder)
                 self.express_encoder.encode(["warm up the encoder"])
 
     def express_tokens(self, texts: Sequence[str]) -> int:

@@ -11,6 +11,9 @@ from ragcore.model_files import default_model_dir, is_model_dir
 from ragcore.process import offline_process
 from retrieval_service.knowledge import sparse
 
+# A run that is over ends even when a test left a thread or a child behind (tests/exit_watchdog.py).
+pytest_plugins = ["tests.exit_watchdog"]
+
 # A test session is a process main: the settings each service's main makes (ragcore/process.py).
 offline_process()
 sparse.prepare_process()
@@ -64,11 +67,13 @@ def calibrated_home(tmp_path_factory):
     return Path(home), choice
 
 
-def pytest_collection_modifyitems(session, config, items):
-    # The AVX2 rerun of the fused-forward tests goes on beside the suite from here (tests/generation/avx2_rerun.py).
+def pytest_collection_finish(session):
+    # The AVX2 rerun of the fused-forward tests goes on beside the suite from here (tests/generation/avx2_rerun.py),
+    # once the items left after -m/--deselect are known. An xdist worker starts it only when it runs the test.
     from tests.generation import avx2_rerun
 
-    avx2_rerun.start_if_collected([item.nodeid for item in items])
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        avx2_rerun.start_if_collected([item.nodeid for item in session.items])
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -274,6 +274,7 @@ def test_a_noisy_measurement_is_taken_again_once_the_machine_is_quiet(name, monk
 
 
 @pytest.mark.model
+@pytest.mark.slow
 def test_real_calibration_measures_then_reuses_and_survives_a_corrupt_cache(calibrated_home, monkeypatch, tmp_path):
     from ragcore.model_files import default_model_dir
 

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.model
 LEVEL = avx2_rerun.LEVEL
 
 
+@pytest.mark.slow
 def test_fused_forward_tests_pass_on_the_avx2_build():
     reason = avx2_rerun.skip_reason()
     if reason is not None:

@@ -10,7 +10,7 @@ from generation_service.config import GenerationConfig
 from generation_service.engine import calibrate
 from ragcore.model_files import default_model_dir
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 
 @pytest.mark.parametrize("case, flags, expect", [

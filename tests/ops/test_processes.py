@@ -165,6 +165,7 @@ def test_gateway_started_last_and_serves_the_workers_answer(topology):
     assert _http(f"{url}/v1/completions", body, key="sk-wrong")[0] == 401  # the launcher's keys are enforced
 
 
+@pytest.mark.slow
 def test_sigterm_drains_the_worker(topology):
     topo, _ = topology
     gen = topo.get("generation")

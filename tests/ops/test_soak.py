@@ -1,4 +1,4 @@
-"""make soak at a tiny size (~20 s) against the in-process services: every kind of call runs, the expected
+"""make soak at a tiny size (~10 s) against the in-process services: every kind of call runs, the expected
 failures are expected, greedy replies repeat exactly, and the report says so."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def test_soak_smoke(tmp_path, tm, datastore):
     running, servicer = start_generation(tm, retrieval.address)
     out = tmp_path / "soak.json"
     try:
-        code = main(["--generation", running.address, "--retrieval", retrieval.address, "--minutes", "0.3",
+        code = main(["--generation", running.address, "--retrieval", retrieval.address, "--minutes", "0.15",
                      "--clients", "2", "--max-new-tokens", "4", "--prompts", "1", "--sample-s", "2",
                      "--json", str(out)])
     finally:

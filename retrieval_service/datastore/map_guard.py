@@ -30,12 +30,12 @@ import mmap
 import os
 import shutil
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import numpy as np
 
+from ragcore.files import compile_shared_library
 from ragcore.model_files import ragserve_home
 
 log = logging.getLogger(__name__)
@@ -58,17 +58,7 @@ def build() -> Path:
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         raise FileNotFoundError("no C compiler (gcc) on PATH")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp], check=True, capture_output=True, text=True)
-        os.chmod(tmp, 0o755)  # readable by the image's non-root user
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
+    return compile_shared_library([compiler, *_FLAGS], _SOURCE, out)
 
 
 @functools.lru_cache(maxsize=1)

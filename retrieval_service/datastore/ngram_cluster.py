@@ -55,7 +55,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ragcore.draft_tree import DraftTree
-from retrieval_service.datastore.ngram_redis import check_namespace
+from retrieval_service.datastore.ngram_redis import StoreHeaderFields, check_namespace
 from retrieval_service.datastore.ngram_store import (
     EmbeddedNgramStore,
     NgramStoreError,
@@ -148,7 +148,7 @@ class _Build:
         return f"{self.prefix}{last_token}}}:".encode()
 
 
-class ClusterNgramStore:
+class ClusterNgramStore(StoreHeaderFields):
     """Lookups against a store pushed with push_to_cluster. Thread-safe; lookups never raise StoreUnavailable
     (failed contexts degrade to empty drafts, or to `fallback`'s answer), only bad arguments raise."""
 
@@ -250,26 +250,6 @@ class ClusterNgramStore:
     @property
     def max_n(self) -> int:
         return self._ready().decoder.max_n
-
-    @property
-    def tokenizer_id(self) -> str:
-        return self.header["tokenizer_id"] if self.header else ""
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.header["vocab_size"]) if self.header else 0
-
-    @property
-    def num_records(self) -> int:
-        return int(self.header["num_records"]) if self.header else 0
-
-    @property
-    def bytes_on_disk(self) -> int:
-        return int(self.header.get("file_bytes", 0)) if self.header else 0
-
-    @property
-    def path(self) -> str:
-        return f"{self.url} {self.namespace}"
 
     def __repr__(self) -> str:
         return f"ClusterNgramStore(url={self.url!r}, namespace={self.namespace!r}, ngrams={self.num_records:,})"

@@ -61,7 +61,36 @@ def check_namespace(namespace: str) -> str:
     return namespace
 
 
-class RedisNgramStore:
+class StoreHeaderFields:
+    """What a server-held n-gram store reports from its build header (None until connected): the fields the
+    retrieval service shows, shared by the single-server and the cluster store."""
+
+    header: dict | None
+    url: str
+    namespace: str
+
+    @property
+    def tokenizer_id(self) -> str:
+        return self.header["tokenizer_id"] if self.header else ""
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.header["vocab_size"]) if self.header else 0
+
+    @property
+    def num_records(self) -> int:
+        return int(self.header["num_records"]) if self.header else 0
+
+    @property
+    def bytes_on_disk(self) -> int:
+        return int(self.header.get("file_bytes", 0)) if self.header else 0
+
+    @property
+    def path(self) -> str:
+        return f"{self.url} {self.namespace}"
+
+
+class RedisNgramStore(StoreHeaderFields):
     """Lookups against a store pushed with push_to_redis. Thread-safe (redis-py's connection pool)."""
 
     backend = "redis"
@@ -126,26 +155,6 @@ class RedisNgramStore:
     @property
     def max_n(self) -> int:
         return self._ready().max_n
-
-    @property
-    def tokenizer_id(self) -> str:
-        return self.header["tokenizer_id"] if self.header else ""
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.header["vocab_size"]) if self.header else 0
-
-    @property
-    def num_records(self) -> int:
-        return int(self.header["num_records"]) if self.header else 0
-
-    @property
-    def bytes_on_disk(self) -> int:
-        return int(self.header.get("file_bytes", 0)) if self.header else 0
-
-    @property
-    def path(self) -> str:
-        return f"{self.url} {self.namespace}"
 
     def __repr__(self) -> str:
         return f"RedisNgramStore(url={self.url!r}, namespace={self.namespace!r}, ngrams={self.num_records:,})"

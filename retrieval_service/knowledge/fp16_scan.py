@@ -23,7 +23,6 @@ import logging
 import os
 import shutil
 import subprocess
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from ragcore.encoder import METRICS, exact_scores
+from ragcore.files import compile_shared_library
 from ragcore.machine import best_level, cpu_info, prebuild_levels, usable_cores
 from ragcore.model_files import ragserve_home
 
@@ -67,18 +67,7 @@ def build(march: str = "native") -> Path:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise FileNotFoundError("no C++ compiler (g++) on PATH")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *_FLAGS, f"-march={march}", str(_SOURCE), "-o", tmp], check=True,
-                       capture_output=True, text=True)
-        os.chmod(tmp, 0o755)  # mkstemp's 0600 would hide a prebuilt copy from the image's non-root user
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
+    return compile_shared_library([compiler, *_FLAGS, f"-march={march}"], _SOURCE, out)
 
 
 def load(march: str = "native") -> ctypes.CDLL:

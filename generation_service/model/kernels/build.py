@@ -1,13 +1,15 @@
 """The CPU kernel extension: built once per machine, loaded, or reported missing.
 
-Three sources, one module: q4_kernel.cpp (linears straight from GGUF blocks, Q4_1 / Q8_0, and the same tiling over
+Four sources, one module: q4_kernel.cpp (linears straight from GGUF blocks, Q4_1 / Q8_0, and the same tiling over
 dense fp32 weights; on CPUs with AMX or AVX512-BF16 also the bf16-activation path of the q4_1_bf16 format),
-lean_forward.cpp (LeanForward: the whole decoder pass of model/lean_llama.py in one call) and claim_pool.cpp (the threads
-their loops run on: pieces claimed by whichever thread is free).
+lean_forward.cpp (LeanForward: the whole decoder pass of model/lean_llama.py in one call), int8_linear.cpp (the q4_1_i8
+format's int8-activation linears) and claim_pool.cpp (the threads their loops run on: pieces claimed by whichever
+thread is free).
 
 Built with torch's C++ extension loader (g++ and ninja) for this CPU (-march=native: AVX-512 here, AVX2 on an AVX2
 box, scalar elsewhere), into $RAGSERVE_HOME/kernels/<hash of source, torch version, compiler flags, CPU flags>/,
-so a second process loads the cached .so in well under a second. `make install` builds it (first build ~1 min);
+so a second process loads the cached .so instead of compiling again. `make install` builds it (the first build is
+the slow one);
 without a compiler `kernel()` returns None: the q4_1 format falls back to the exactly dequantized fp32 weights
 (same values, fp32 memory traffic) and the lean forward runs its ops from Python, with a warning.
 

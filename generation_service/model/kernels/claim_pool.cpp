@@ -2,8 +2,8 @@
 //
 // Why not at::parallel_for: it gives each of torch's OpenMP threads one fixed range and returns when every thread
 // has run its range. On a 2-core host the gRPC threads, the clients and the retrieval service take a core from one of
-// the pass's two threads for a scheduler slice now and then; a pass is ~150 loops, and each loop then waited for
-// the descheduled thread to come back and run its half (served passes ran 1.6-1.8x their calibrated cost on a Zen 4).
+// the pass's two threads for a scheduler slice now and then; a pass is some 150 loops, and each loop then waited for
+// the descheduled thread to come back and run its half (served passes ran well above their calibrated cost).
 // Here a loop is cut into a few pieces per thread, every thread (the caller included) claims the pieces of its own
 // share and then what is left of the others' (Slot below), and the loop ends when every piece is done: a thread that is away misses pieces instead
 // of holding the loop, and the caller never waits for a helper to wake up. Between passes a helper sleeps after a
@@ -43,8 +43,8 @@ inline void cpu_relax() {
 // owner claims from the front (next + 1), a thread that has finished its own share steals from the back (end - 1);
 // both are a compare-and-swap on the one word, so a claim succeeds only within the loop it read, however late the
 // claiming thread runs. Why per-thread shares and not one counter: a claim on a line the other core also writes
-// costs a cache-line transfer (~0.1 us); a 1-row pass is ~150 loops of ~10-50 us, and one shared counter made it
-// ~10 % slower on an idle Zen 4. An owner's claims stay in its own cache; lines move only when a thread steals.
+// costs a cache-line transfer; a 1-row pass is many short loops, and one shared counter made it measurably slower
+// even on an idle machine. An owner's claims stay in its own cache; lines move only when a thread steals.
 constexpr int kIdxBits = 20;
 constexpr uint64_t kIdxMask = (1ull << kIdxBits) - 1;
 constexpr uint64_t kEpochMask = (1ull << (64 - 2 * kIdxBits)) - 1;
@@ -85,9 +85,8 @@ class ClaimPool {
     // Every count reset before any share is published. Why: a helper still scanning the loop before (it finished its
     // pieces, then looks for others' to steal) may claim a piece of this loop as soon as one share is out, and counts
     // it in its own slot; were its slot reset after that (the caller descheduled between the two stores), the piece
-    // would never be counted and the caller would wait for it forever. A served worker on a 2-core Zen 5 once
-    // stopped answering with one core busy, as a caller spinning in the wait below would; this race is how the code
-    // before could get there (it reset each slot's count just before publishing that slot's share).
+    // would never be counted and the caller would wait for it forever, spinning in the wait below with one core busy
+    // (as a served worker did when each slot's count was reset just before publishing that slot's share).
     for (int t = 0; t < slots; ++t) slots_[t].done.store(0, std::memory_order_relaxed);
     for (int t = 0; t < slots; ++t) {  // contiguous shares, as at::parallel_for's
       const int64_t lo = t < threads ? n * t / threads : 0, hi = t < threads ? n * (t + 1) / threads : 0;

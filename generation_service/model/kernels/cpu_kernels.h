@@ -1,5 +1,5 @@
-// Declarations shared by the two translation units of the CPU kernel extension (generation_service/q4_kernel.py
-// compiles q4_kernel.cpp and lean_forward.cpp into one module).
+// Declarations shared by the translation units of the CPU kernel extension (generation_service/model/kernels/build.py
+// compiles q4_kernel.cpp, lean_forward.cpp, claim_pool.cpp and int8_linear.cpp into one module).
 #pragma once
 
 #include <torch/extension.h>
@@ -64,8 +64,8 @@ void claimed_for(int64_t n, const std::function<void(int64_t)>& piece);
 void set_claimed_loops(bool on);
 
 // Pieces per thread a claimed_range cuts its range into (at most). Why several: a thread that is away for a while
-// leaves most of its share to the others; why not many: each is a claim and a call, and a pass is ~150 loops, some of
-// them ~10 us at one row.
+// leaves most of its share to the others; why not many: each is a claim and a call, and a pass is some 150 loops,
+// many of them short at one row.
 constexpr int64_t kPiecesPerThread = 8;
 
 // f(a, b) over [begin, end) cut into claimed pieces of whole multiples of grain (as at::parallel_for, serial when

@@ -2,8 +2,8 @@
 // tensor ops per layer.
 //
 // Why: at one to a few dozen rows per pass a 135M-parameter step is dominated by per-op overhead, not arithmetic
-// (on a 2-core Zen 5: q4_1 step 17.6 ms, of which its linears are 6.9 ms; the rest is dispatch of small ops and
-// Python). Here each layer is five block_linear calls plus loops over the rows for the norms, RoPE, the KV write,
+// (from Python, the linears are the smaller part of a q4_1 step; the rest is dispatch of small ops and Python;
+// bench.step). Here each layer is five block_linear calls plus loops over the rows for the norms, RoPE, the KV write,
 // attention and SiLU; nothing is allocated per op except the linears' outputs.
 //
 // Math, per row, as lean_llama.py (and transformers' LlamaForCausalLM) does it in fp32:
@@ -200,10 +200,9 @@ inline void silu_mul(const float* g, const float* u, float* out, int64_t n) {
 
 // Another job's cache rows, prefetched into L2 a slice at a time while this job computes. Why: between two layers'
 // attention the linears stream ~90 MB of weights through the caches, so a pass's keys and values come from memory
-// and a job that reads its rows only as it needs them waits on them. Measured on Sapphire Rapids (2 threads) in a
-// kernel of the attention alone, with 92 MB streamed between its layers as the linears do: 8 sequences x 250 keys
-// 3.6 ms (1.6 ms with the rows in cache), 2.9 ms with the next job's rows requested during this one. Prefetches
-// change no value.
+// and a job that reads its rows only as it needs them waits on them; requesting the next job's rows during this one
+// hides part of that wait (most of the attention's time went to it, with the weights streamed between layers as the
+// linears do). Prefetches change no value.
 struct Ahead {
   const char* p = nullptr;
   int64_t bytes = 0, done = 0;
@@ -256,9 +255,8 @@ void attend_row(const float* q0, int64_t G, const KV* kh, const KV* vh, const in
   for (int64_t g = 0; g < G; ++g) mx[g] = Simd::set1(-std::numeric_limits<float>::infinity());
   // Block by block of kLanes keys, every query head. A float16 cache's keys are converted once per block into kb
   // for all G heads (the same values: the conversion is exact), not once per head: with the plan of the pass made
-  // once (attention_plan) and the prefetch above, the served pass of 8 sequences x 250 keys took 0.94x the time it
-  // took before, 16 x 500 keys 0.90x, a lone 20-node tree 0.96x (the two builds alternated in one process, the same
-  // logits bit for bit).
+  // once (attention_plan) and the prefetch above, served passes of batches and of a lone tree got faster, with the
+  // same logits bit for bit (bench.step).
   for (int64_t t0 = 0; t0 < n; t0 += kLanes) {
     const int64_t m = std::min<int64_t>(kLanes, n - t0);
     next_k.upto((t0 + kLanes) * row_bytes);

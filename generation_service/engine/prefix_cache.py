@@ -1,9 +1,9 @@
 """Prompt KV reuse across requests: a prompt the worker prefilled before skips its prefill.
 
 Load tests cycle through a prompt set, clients retry, chat requests share a long system prompt or few-shot
-preamble: on a CPU a 100-token prefill costs ~100 ms of the model thread, and at 8 concurrent clients prefill is
-about a third of the worker's time. The engine keeps the KV rows (and the last row's logits) of prompts it
-prefilled, and a later request whose prompt matches takes them instead of recomputing them.
+preamble: on a CPU a prompt's prefill costs the model thread many decode steps' worth, and with many concurrent
+clients prefill is a large share of the worker's time. The engine keeps the KV rows (and the last row's logits) of
+prompts it prefilled, and a later request whose prompt matches takes them instead of recomputing them.
 
 Exactness. A prompt's KV rows depend only on its tokens and on the chunks it is prefilled in: every prompt is
 prefilled in chunks of `chunk` rows from position 0 (steps.prefill_segments), whatever else shares the pass.

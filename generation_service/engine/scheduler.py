@@ -232,7 +232,7 @@ class Engine:
                 self.slab = KVSlab(len(lean.layers), lean.kv_heads, lean.head_dim, self.max_batch, cap, lean.kv_dtype,
                                    lean.device)
         # Which running request lives in each slot (None: free). A finished one leaves a hole the next one takes:
-        # moving the last user into it copied its whole KV (~3 ms at 8 clients under GIL contention, py-spy), and
+        # moving the last user into it copied its whole KV (slow under GIL contention with many clients, py-spy), and
         # the fused forward attends every cache wherever it lives (the unfused one masks holes).
         self._slot_users: list[_Running | None] = [None] * (self.slab.slots if self.slab is not None else 0)
         self.draft_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="draft")  # one call per retrieval client
@@ -266,9 +266,9 @@ class Engine:
 
     def _first_at_once(self, job, rows: int) -> StreamChunk | None:
         """A stream whose prompt the prefix cache holds whole gets its first token at submit, from the cached
-        logits, not after the pass in flight (at 8 clients that wait was most of the TTFT: up to a pass, ~3x the
-        solo one). The token is the one the engine would pick; the request goes on from that pick (job.early) when
-        it starts. -> the chunk to send now (None: nothing, or nothing yet: the engine sends it)."""
+        logits, not after the pass in flight (with many clients that wait was most of the TTFT: up to a pass,
+        several times the solo one). The token is the one the engine would pick; the request goes on from that pick
+        (job.early) when it starts. -> the chunk to send now (None: nothing, or nothing yet: the engine sends it)."""
         if self.prefix_cache is None or not job.stream or job.rag is not None or job.knnlm is not None:
             return None
         try:
@@ -332,8 +332,8 @@ class Engine:
     def _load_acceptance(self) -> None:
         """The evidence an earlier run of this worker kept: its first requests then size trees from what drafts
         of each kind were worth, not from raw shares (which a cold worker trusts until each cell has been tested;
-        in process the demo's first code completion ran 0.84x `ar` cold, 1.34x warm). A missing, unreadable or foreign
-        file starts empty."""
+        in process the demo's first code completion ran slower than `ar` cold and faster warm). A missing, unreadable
+        or foreign file starts empty."""
         if self.acceptance_path is None:
             return
         try:
@@ -616,7 +616,7 @@ class Engine:
     def _fetch_drafts(self, reqs: list[TreeRequest], allow_remote: bool) -> None:
         """Every decoding request's draft for this pass. Remote sources that can be asked together (one retrieval
         client) get one call for all of them on a helper thread, while the in-process drafts run here: one RPC's
-        overhead per pass instead of one per request (8 drafts: 1.4 ms instead of 4.8 on 2 cores)."""
+        overhead per pass instead of one per request."""
         batches: dict[object, list[tuple[TreeRequest, object]]] = {}
         alone: list[tuple[TreeRequest, object]] = []
         for req in reqs:
@@ -666,8 +666,8 @@ class Engine:
     def _send(self, run: _Running, chunk: StreamChunk) -> None:
         """Hand a chunk to the job's gRPC thread, or hold it: unary jobs get one merged chunk at the end, streams
         at most one every stream_interval (the first and the final one at once). Why: every chunk wakes a gRPC
-        thread that sends one message, and on a few cores those wake-ups take the model's cores: at 8 streams on 2
-        cores, one message per step cost ~20 % of the throughput unary calls got."""
+        thread that sends one message, and on a few cores those wake-ups take the model's cores: with many streams,
+        one message per step cost a marked share of the throughput unary calls got (bench.concurrency)."""
         run.observer.chunk(chunk)
         if run.job.params.logprobs is not None and chunk.token_ids:
             chunk.logprobs = self._logprobs(run, len(run.tokens), len(chunk.token_ids))

@@ -23,26 +23,26 @@ from typing import Callable, Mapping
 from generation_service.model.step_cost import StepCost
 
 # An arm's slowdown is its measured over its calibrated ms across its passes of the last WINDOW_MS of pass time:
-# a contended team's one pass (100-1000 ms) fills the window alone, so a real change of load is seen at once, while
-# one pass that lost its core for a scheduler slice is one pass among dozens. An average of per-pass ratios (EWMA,
-# 0.3 per pass) moved to one thread on such single passes: at one client (1-row passes of 3.6 ms, each delta
-# waking a gRPC thread) a 5x pass now and then made 25-35 % of the passes run on one thread, the mean pass
-# 4.6 ms against a median of 4.0.
+# a contended team's one pass is long enough to fill the window alone, so a real change of load is seen at once,
+# while one pass that lost its core for a scheduler slice is one pass among dozens. An average of per-pass ratios
+# (EWMA) moved to one thread on such single passes: at one client (short 1-row passes, each delta waking a gRPC
+# thread) an occasional slow pass sent a sizeable share of the passes to one thread, and the mean pass grew well
+# above the median.
 WINDOW_MS = 250.0
 # Fewer threads must be this much cheaper before the engine moves to them: the calibrated curves predict a pass
-# within ~30 % (prompt chunks of other sizes, attention over longer caches), and the counts' slowdowns are measured
-# at different moments. Back to more threads as soon as they are cheaper (the calibrated choice). Why not 1.5 as
-# before: with the kernels' claimed loops (claim_pool.cpp) a 2-thread team beside one busy process is ~2.3x slower,
-# no longer 20-100x, and one thread there is ~1.5x cheaper than two: at 1.5 the worker stayed on two, as slow as a
-# fixed two-thread worker (bench.contention).
+# only roughly (prompt chunks of other sizes, attention over longer caches), and the counts' slowdowns are measured
+# at different moments. Back to more threads as soon as they are cheaper (the calibrated choice). Why not a wider
+# margin such as 1.5: with the kernels' claimed loops (claim_pool.cpp) a 2-thread team beside one busy process is
+# only a few times slower, no longer orders of magnitude, and one thread there is cheaper than two but not by 1.5:
+# with that margin the worker stayed on two, as slow as a fixed two-thread worker (bench.contention).
 SWITCH_MARGIN = 1.25
 STALE_S = 1.0  # passes older than this leave the window: after a pause the next pass is measured alone
 EXPLORE_S = 4.0  # first retry of a losing count after this long; doubled each time it loses again
-MAX_EXPLORE_S = 32.0  # at most this long; a retry that loses costs one slow pass (up to ~1 s when contended)
+MAX_EXPLORE_S = 32.0  # at most this long; a retry that loses costs one slow pass (a long one when contended)
 # More threads are retried sooner while the machine shows the idle cores they need (the other load has gone):
 # after IDLE_RETRY_S, or IDLE_RETRY_SHARE of the backoff if longer (a burst of other load may be back by then):
-# at most 1 s on one thread once the cores are free (an eighth, up to 4 s, kept a worker whose neighbour had
-# stopped on one thread for 3 s requests). Behind a steadily busy neighbour the cores never look idle.
+# at most 1 s on one thread once the cores are free (a larger share kept a worker whose neighbour had stopped on
+# one thread for whole requests). Behind a steadily busy neighbour the cores never look idle.
 IDLE_RETRY_S = 0.5
 IDLE_RETRY_SHARE = 1 / 32
 IDLE_NEEDED = 0.75  # idle cores per extra thread

@@ -4,9 +4,8 @@ its per-op framework overhead.
 Why. On a 135M-parameter model a decode step is mostly overhead, not arithmetic: 30 layers x dozens of small ops,
 DynamicCache concatenation (every step copies the whole cache), repeat_kv copies of keys and values for grouped
 attention, and fp32 GEMMs that repack the weights on every call when more than one row comes in (MKL: a 2-row pass
-over the MLP up-projection costs 4x a 1-row one). Measured on a 2-core EPYC Zen 5 (bf16 / fp32, 200 cached tokens):
-AR step 43.6 -> 27.9 ms / 79 -> 59 ms, a 16-node tree pass 64.7 -> 50.8 ms / 141 -> 77 ms (under load; quiet
-figures in bench/results/step-*.json).
+over the MLP up-projection costs several times a 1-row one). Removing that overhead makes AR steps and tree passes
+clearly faster in bf16 and fp32 (bench.step, docs/benchmarks.md).
 
 What changes, per layer: q|k|v and gate|up are one GEMM each (fused weights); RoPE reads precomputed cos/sin
 tables; keys and values go into a preallocated per-request cache in place (KVCache), and tree rows that were not
@@ -19,16 +18,16 @@ attention) like transformers does.
 Fused pass. With fp32 activations (fp32 and q4_1 weights) passes of fewer than FUSED_MAX_ROWS rows run as one C++
 call (lean_forward.cpp, built with the block kernels by model/kernels/build.py): the same math without ~40 Python-level ops
 per layer, the linears through the block kernel's tiling (q4_1 blocks or dense fp32, so a row gets the same bits in
-a 1-row step and in a tree pass). Measured on the 2-core Zen 5 (bench/step.py, one run, interleaved): AR step q4_1
-8.4 -> 5.2 ms, fp32 39.0 -> 13.1 ms (llama.cpp on the same GGUF values: 6.3 / 14.2 ms). The ops below remain the
+a 1-row step and in a tree pass). That takes most of the per-op overhead out of an AR step, and bench.step compares
+it with llama.cpp's decode step on the same GGUF values. The ops below remain the
 path for bf16, for larger passes (prefill chunks) and when the extension cannot be built.
 
 Prefill in bf16 (set_prefill_bf16; the server turns it on where calibration measures it faster). A prompt's rows
 are computed once and never compared with anything, so their linears may run on bf16 copies of the weights with
-bf16 inputs (fp32 accumulation; norms, RoPE and attention stay fp32): on the 2-core Zen 4 (avx512_bf16) the
-linears of a 150-row chunk take 81 ms instead of 167 with fp32 oneDNN and ~250 with the q4_1 block kernel. Decode
-rows (AR steps and draft trees) keep fp32, so speculation stays lossless and a decode row is the same whether or
-not a prefill chunk shares its pass: a pass holding both runs as two, the decode rows first.
+bf16 inputs (fp32 accumulation; norms, RoPE and attention stay fp32): with native bf16 dot products the linears of a
+prompt chunk then cost well under fp32 oneDNN's or the q4_1 block kernel's (engine/calibrate.py decides per
+machine). Decode rows (AR steps and draft trees) keep fp32, so speculation stays lossless and a decode row is the
+same whether or not a prefill chunk shares its pass: a pass holding both runs as two, the decode rows first.
 
 Supported: model_type "llama" with default RoPE, no attention/MLP biases (SmolLM2, TinyLlama, Llama 2, ...).
 Anything else keeps the generic transformers path (LeanLlama.supports says why not).
@@ -501,7 +500,7 @@ class LeanLlama:
         keys, values = cache.k[i, :, :S].to(self.dtype), cache.v[i, :, :S].to(self.dtype)  # [Hkv, S, D]
         if plan.causal_sdpa:  # prefill from an empty cache: memory-efficient causal attention
             # 4D inputs with keys/values expanded per query head (as transformers' repeat_kv): with 3D inputs
-            # or enable_gqa SDPA falls back to its materializing math kernel on CPU (3.7x slower at 2000 tokens).
+            # or enable_gqa SDPA falls back to its materializing math kernel on CPU (much slower on long prompts).
             kx = keys[:, None].expand(Hkv, G, S, D).reshape(1, H, S, D)
             vx = values[:, None].expand(Hkv, G, S, D).reshape(1, H, S, D)
             o = F.scaled_dot_product_attention(qh.transpose(0, 1)[None], kx, vx, is_causal=True,

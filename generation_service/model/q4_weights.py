@@ -14,9 +14,8 @@ order (a permutation of whole rows: exact). Passes of DENSE_MIN_ROWS rows or mor
 arithmetic-bound and run the same values dequantized to fp32 through oneDNN (LeanLlamaQ4).
 
 Why not torch's int4 kernel (_weight_int4pack_mm_for_cpu): its scales and zero points are bf16 (8-bit mantissa),
-which cannot hold Q4_1's fp16 d and m, and it is fast only with bf16 activations. Measured on a 3072 x 576
-projection (Zen 5, 2 threads, loaded machine): bf16 activations 30 / 48 / 272 / 715 us for 1 / 4 / 16 / 64 rows,
-fp32 activations 1400 / 9756 / 31570 / 90225 us; our kernel (exact, fp32) 34 us for 1 row (66 on one thread).
+which cannot hold Q4_1's fp16 d and m, and it is fast only with bf16 activations: with fp32 activations it is
+many times slower than our exact fp32 kernel, which matches its bf16 speed at one row.
 
     lean = LeanLlamaQ4.from_gguf(hf_model, gguf_path)   # hf_model: the fp32 model loaded from the same weights
     logits = lean.forward(ids, positions, cache)         # the LeanLlama API, fp32 activations
@@ -60,14 +59,13 @@ FORMAT_I8 = "q4_1_i8"
 FORMATS = (FORMAT, FORMAT_BF16, FORMAT_I8)
 # In q4_1_bf16 on AVX512-BF16 (not AMX) the fused pass also holds the weights decoded to bf16 (2 bytes per
 # weight: 256 MiB for the default model) and passes of many rows read those instead of decoding every block:
-# the same values in the same sums, so the same bits (q4_kernel.cpp, linear_dense_bf16dp: ~4 ms less per pass of 12
-# to 32 rows on a 2-core Zen 4, where 16 rows took 19.5 ms). From how many rows is the machine's: more than 10 unless
+# the same values in the same sums, so the same bits (q4_kernel.cpp, linear_dense_bf16dp: passes of 12 to 32 rows
+# cost clearly less; bench.step). From how many rows is the machine's: more than 10 unless
 # set_wide_from says otherwise (the calibration measures it: where memory is fast against decoding, from 9).
 # On AMX it holds the weights again in q4_kernel.cpp's AMX group layout (the same bytes reordered: 92 MiB for the
 # default model), which every pass decodes in fewer instructions than the GGUF rows, to the same values.
-# Passes with at least this many rows use the dense fp32 copies (LeanLlamaQ4). Measured on a 2-core Zen 5 (min ms of
-# a whole pass, block kernel / oneDNN on the dequantized values): q=16 28.9 / 44.5, 64 91.7 / 102.7,
-# 128 176.2 / 177.3, 192 278.0 / 267.2.
+# Passes with at least this many rows use the dense fp32 copies (LeanLlamaQ4): below it the block kernel is faster
+# than oneDNN on the dequantized values, around it they are even, beyond it oneDNN wins (bench.step).
 DENSE_MIN_ROWS = 128
 # Passes of at least this many rows read the decoded bf16 copies unless set_wide_from says otherwise (the kernel's
 # kWideFromRows: the first count past one tile of blocks decoded on the fly).

@@ -104,9 +104,9 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
     """The first maximum of each row of logits [q, V] ([V]: a list of one), a NaN counting as the largest. On the CPU
     through the CPU kernels' argmax_rows (vectorized; only a big batch of rows spread over the threads) when they
     are loaded, else numpy: torch's argmax dispatches a parallel reduction, an order of magnitude slower per row
-    than numpy's, and with 8 requests decoding it took a tenth of the model thread (py-spy); numpy's single pass
-    over rows fresh from the forward still took a noticeable share."""
-    x = logits.float()  # exact; torch's bf16 argmax is a slow scalar loop (1.2 ms for 2 x 49152)
+    than numpy's, and with a batch of requests decoding it took a large share of the model thread (py-spy); numpy's
+    single pass over rows fresh from the forward still took a noticeable share."""
+    x = logits.float()  # exact; torch's bf16 argmax is a slow scalar loop
     if x.device.type != "cpu":
         return x.argmax(dim=-1).reshape(-1).tolist()
     k = _loaded_kernel()
@@ -118,8 +118,8 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
 def argmax_each(logits: list[torch.Tensor]) -> list[list[int]]:
     """argmax_rows of each of several logits tensors ([q_i, V] or [V]), as one kernel call when every one is
     contiguous float32 on the CPU. Why one call: a batched pass's commits each ran tensor ops that release the GIL,
-    and the model thread then waited to get it back from the gRPC threads (at 8 clients a no-op .float() before
-    the kernel took 2.5 % of the model thread, py-spy)."""
+    and the model thread then waited to get it back from the gRPC threads (with many clients even a no-op .float()
+    before the kernel showed in the model thread's profile, py-spy)."""
     k = _loaded_kernel()
     if k is not None and hasattr(k, "argmax_each") and all(
             t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in logits):

@@ -1,8 +1,8 @@
 """The target model: load any local Hugging Face causal LM (default SmolLM2-135M-Instruct), run forward passes.
 
-Which dtype and thread count serve best depends on the machine (bf16 is fast with AMX or avx512_bf16 and 7x slower
-per tree node on AVX2-only CPUs): the server measures and chooses (engine/calibrate.py); load_model takes what it is
-given. Nothing here contacts a model hub.
+Which dtype and thread count serve best depends on the machine (bf16 is fast with AMX or avx512_bf16 and many times
+slower per tree node on AVX2-only CPUs): the server measures and chooses (engine/calibrate.py); load_model takes what
+it is given. Nothing here contacts a model hub.
 
 Bit-identical rows. Lossless speculation needs the verifier's row for a position to equal what the AR loop computes
 for it. Measured on CPU bf16: linear layers give the same row for any M >= 2 but not for M = 1 (a different kernel),
@@ -134,8 +134,8 @@ def cap_blas_threads(threads: int, blas: int = 1) -> None:
 
     torch.set_num_threads only covers torch. numpy's OpenBLAS starts one spinning thread per core for every
     matrix-vector product the worker does (the kNN-LM cache look-up, draft scoring); on a 2-core machine shared
-    with the retrieval service those threads take the core its Search runs on (measured: capping them nearly
-    doubled kNN-LM speculation gains, bench/results/knnlm.json). The worker's numpy work is tiny vectors, so one
+    with the retrieval service those threads take the core its Search runs on (capping them raised kNN-LM
+    speculation's gains markedly: bench.knnlm, docs/benchmarks.md). The worker's numpy work is tiny vectors, so one
     BLAS thread is enough.
     """
     threadpool_limits(limits={"openmp": max(1, threads), "blas": max(1, blas)})

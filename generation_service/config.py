@@ -137,8 +137,8 @@ class GenerationConfig(config_util.ShellConfig):
     # Continuous batching (engine/scheduler.py): up to max_batch requests share every forward pass; a new prompt is
     # prefilled prefill_chunk tokens per pass beside them; their KV caches stay within kv_cache_mb (a request whose
     # cache does not fit waits; one that could never fit is refused). queue_size more may wait; beyond that,
-    # RESOURCE_EXHAUSTED. On 2 CPU cores a pass of 8 one-row sequences costs ~2.5x one (the weights are read once
-    # per pass), so throughput grows with the batch while each request slows down less than it would queue.
+    # RESOURCE_EXHAUSTED. A pass of 8 one-row sequences costs far less than 8 passes of one (the weights are read
+    # once per pass), so throughput grows with the batch while each request slows down less than it would queue.
     # prefix_cache_mb keeps finished prompts' KV rows (~23 KB per token in fp16 for the default model) for later
     # requests with the same prompt (engine/prefix_cache.py). stream_interval_ms bounds how often a stream's tokens
     # wake its gRPC thread (engine/scheduler.py Engine._send).
@@ -171,7 +171,7 @@ class GenerationConfig(config_util.ShellConfig):
     retrieval_tls_cert: str = ""
     retrieval_tls_key: str = ""
     # Characters of prompt / messages checked before tokenizing (bounds the CPU a bad request can take; tokenizing
-    # costs ~1.5 us per character here). 0 = 16 per prompt token (code averages ~3.5 characters per token).
+    # costs time per character). 0 = 16 per prompt token (code averages ~3.5 characters per token).
     limit_prompt_chars: int = 0
     # Chat messages per request, checked before the chat template is rendered.
     limit_messages: int = 1024

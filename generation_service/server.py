@@ -244,8 +244,8 @@ def parse_request(request: generation_pb2.GenerateRequest, tm, cfg: GenerationCo
     if len(given) != 1:
         raise InvalidArgument("prompt", f"give exactly one of prompt, messages, prompt_tokens (got {given or 'none'})")
     where = given[0]
-    # Counts and sizes first: tokenizing or rendering a template costs ~1.5 us per character or message, so a
-    # request is sized before any of that work (200,000 empty messages, a 1 MB prompt: refused in microseconds).
+    # Counts and sizes first: tokenizing or rendering a template costs time per character or message, so a
+    # request is sized before any of that work (a huge message list or prompt is refused before any is read).
     if len(request.messages) > cfg.limit_messages:
         raise InvalidArgument("messages", f"{len(request.messages)} messages exceeds the limit of {cfg.limit_messages}")
     if len(request.prompt_tokens) > cfg.limit_prompt_tokens:

@@ -56,8 +56,8 @@ ARMS = (ASYNC, SYNC, SEQUENTIAL)
 # kept trying it.
 MIN_SEARCH_SHARE = 0.2
 # Sequential steps the share is taken over (and the pooled share's decay per step): a step that prefills a new
-# passage takes ten times one that does not, so over 5 steps an HNSW search at 100 K passages (~5 ms beside
-# ~45 ms steps) was 4 % or 11 % of them depending on whether a prefill fell in the window.
+# passage takes many times one that does not, so over a few steps a search's share swung by a factor of two or more
+# depending on whether a prefill fell in the window.
 SEARCH_WINDOW = 32
 SEARCH_DECAY = 0.95
 
@@ -75,13 +75,13 @@ def async_by_default(cores: int | None = None) -> bool:
 
 MAX_PROBE = 64  # rounds between probes at most: costs drift (load, a KB growing), a probe must still come
 # A speculative arm replaces RaLMSeq's steps only when it measured at least this much cheaper per committed step.
-# Rounds' costs scatter by ~10 % (a prefill landing in one, the other process on the cores), so the cheapest mean
-# was often a speculative arm by chance: at 1 M passages with the float16 scan kernel, config A (async arm vs
-# sequential steps) ran a third of its rounds async and came out at 0.90x RaLMSeq.
+# Rounds' costs scatter (a prefill landing in one, the other process on the cores), so the cheapest mean was often
+# a speculative arm by chance: with a large KB and the float16 scan kernel, an async arm against sequential steps
+# ran a third of its rounds async and came out slower than RaLMSeq (bench.ralm).
 SWITCH_MARGIN = 0.05
 # A losing arm measured more than this factor of the winner's cost is probed only once the probe interval has
-# reached MAX_PROBE: a probe costs the arm's excess (at 1 M passages an async probe round ran 0.25 s per step
-# against 0.10 for sequential steps, and a wrong guess in it re-prefills a passage), and an arm that far behind
+# reached MAX_PROBE: a probe costs the arm's excess (with a large KB an async probe round cost a multiple of a
+# sequential step per step, and a wrong guess in it re-prefills a passage), and an arm that far behind
 # rarely turns out cheaper: early, frequent probes of such an arm were most of what a config lost to RaLMSeq.
 FAR_BEHIND = 1.25
 
@@ -225,8 +225,8 @@ class RoundGate:
         self.arms = tuple(arms)
         # Per arm, its last `window` rounds as (seconds, committed steps): an arm costs the ratio of the sums, so a
         # round that committed five steps counts five times a round that committed one. A mean of per-round
-        # figures let one bad short round (a wrong guess: 0.77 s for its one step, beside rounds of four steps
-        # at 0.07 s) outweigh the rest, and speculation that paid on the whole lost the gate for good (400 K).
+        # figures let one bad short round (a wrong guess: a long round for its one step, beside cheap rounds of
+        # four steps) outweigh the rest, and speculation that paid on the whole lost the gate for good.
         self.costs: dict[str, deque[tuple[float, float]]] = {a: deque(maxlen=window) for a in self.arms}
         self.schedule = shared.schedule(key, probe) if shared is not None else ProbeSchedule(probe)
         self.exploring = False  # the last choice only measures: an arm not measured yet, or a probe

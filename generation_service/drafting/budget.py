@@ -2,7 +2,8 @@
 
 A fixed budget costs the same on every step, but a tree's worth varies: a long confident match is worth a deep
 tree, two thousand scattered matches of a 2-token suffix are worth little more than an AR step, and what a pass
-with n more rows costs depends on the machine (engine/calibrate.py: +24 % for 16 nodes on one CPU, +560 % on another).
+with n more rows costs depends on the machine (engine/calibrate.py: 16 nodes add a fraction of an AR step on one CPU,
+several AR steps on another).
 
 Per step, from the drafter's per-source estimates (DraftTree.source_p; SOURCES = datastore, context, learned):
     p_s(node) = the share of source s's continuations that start with the node's path (its acceptance estimate)
@@ -19,11 +20,11 @@ step in which the estimate was tested and by IDLE_DECAY otherwise, so after a ba
 toward the prior and the source is tried again — rarely, so a source that stays wrong costs little.
 
 The pooled calibration. A request lives ~100 steps, too few to learn alpha from scratch, and the raw shares are
-far from calibrated: over 24 HumanEval + MT-Bench requests on the code datastore, datastore nodes of 2-3-token
-matches were accepted 0.03x as often as their share predicted and context nodes of 1-token matches 0.15x. Alone
-that costs little (a 4-row pass costs ~1.06 AR steps), but in a batch every extra row costs about what an AR token
-costs. So a worker pools the evidence of all its requests per (source, suffix bucket, depth bucket)
-(SharedCalibration), and a node's estimate is
+far from calibrated: on HumanEval and MT-Bench requests over the code datastore (bench.speculative), datastore
+nodes of 2-3-token matches and context nodes of 1-token matches were accepted a small fraction as often as their
+share predicted. Alone that costs little (a pass of a few rows costs little more than an AR step), but in a batch
+every extra row costs about what an AR token costs. So a worker pools the evidence of all its requests per (source,
+suffix bucket, depth bucket) (SharedCalibration), and a node's estimate is
     p(node) = min(1, max_s raw_s(node) * pooled_s(bucket, depth) * alpha_s(bucket))
 where alpha_s, this request's own correction, starts at 1 and measures accepted tokens against the pooled
 estimates. Without a pooled calibration (a request decoded alone in process) pooled = 1.
@@ -31,9 +32,10 @@ estimates. Without a pooled calibration (a request decoded alone in process) poo
 Skipping the draft RPC. A remote source (the retrieval service's datastore, its learned shards, CREST) whose
 drafts on two steps in a row gave no accepted token of its own (no node it decided was accepted: nodes the
 request's own tokens also predict do not count) is not asked for the next 1, 2, 4 ... 16 steps (one useless probe
-after a skipped stretch doubles it; reset by an accepted node). An RPC costs 0.5-2 ms against 20-70 ms steps, so
-a source that never helps costs at most a few percent, and one that does is asked every step. The request's own tokens are drafted in process meanwhile when the
-mode has them (`rest`). A curve on which no tree can ever pay (rel(n) >= 1 + n for every n) never drafts.
+after a skipped stretch doubles it; reset by an accepted node). An RPC costs a small fraction of a step, so a
+source that never helps costs at most a few percent, and one that does is asked every step. The request's own
+tokens are drafted in process meanwhile when the mode has them (`rest`). A curve on which no tree can ever pay
+(rel(n) >= 1 + n for every n) never drafts.
 
 The best n nodes by p form a connected subtree: every source's p of a child is at most its parent's (the child's
 continuations are a subset), so the max is too; ancestors are added anyway so any drafter's tree stays valid.
@@ -55,7 +57,7 @@ DECAY = 0.9  # per step in which an estimate was tested: it remembers about ten 
 IDLE_DECAY = 0.97  # per step without a test: evidence fades slowly, so a bad source is retried now and then
 SHARED_DECAY = 0.998  # per test of a pooled cell: it remembers the last ~500 trees that tested it
 # Per tree, for the pooled cells it did not test: a cell whose nodes stopped being chosen (its estimate fell) drifts
-# back toward 1 and is tried again, after ~1400 trees (about 30 s at 8 clients).
+# back toward 1 and is tried again, after ~1400 trees.
 SHARED_IDLE_DECAY = 0.9995
 SUFFIX_BUCKETS = np.array([2, 4, 8])  # matched-suffix lengths 1 | 2-3 | 4-7 | 8+ (0 = no match counts as 1)
 DEPTH_BUCKETS = np.array([2, 3, 5])  # a node's depth in its tree: 1 | 2 | 3-4 | 5+

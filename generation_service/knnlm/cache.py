@@ -25,8 +25,8 @@ NORM_ROWS = 2048  # rows per float32 temporary of squared_norms (4.7 MB at D = 5
 
 def _staging(rows: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
     """A [rows, dim] buffer of this thread, kept between calls: a fill gathers its keys into it. Why: a fresh
-    16 K x 576 array page-faults its 19 MB (float16) at every fill, ~7 ms. Per thread: caches fill on the
-    engine's model thread, one at a time, so one buffer serves all its requests."""
+    16 K x 576 array page-faults its 19 MB (float16) at every fill. Per thread: caches fill on the engine's model
+    thread, one at a time, so one buffer serves all its requests."""
     buf = getattr(_STAGING, "buf", None)
     if buf is None or buf.shape[0] < rows or buf.shape[1] != dim or buf.dtype != dtype:
         buf = _STAGING.buf = torch.empty((rows, dim), dtype=dtype)
@@ -35,7 +35,7 @@ def _staging(rows: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
 
 def squared_norms(keys: torch.Tensor) -> np.ndarray:
     """keys float16|float32 [m, D] -> ‖key‖² float32 [m], summed in float32. In slices of NORM_ROWS: one float32
-    copy of 16 K rows (38 MB) is fresh memory at every call, and faulting it in took 13 of its 15 ms."""
+    copy of 16 K rows (38 MB) is fresh memory at every call, and faulting it in took most of the call's time."""
     out = np.empty(len(keys), np.float32)
     for i in range(0, len(keys), NORM_ROWS):
         rows = keys[i:i + NORM_ROWS]
@@ -46,7 +46,7 @@ def squared_norms(keys: torch.Tensor) -> np.ndarray:
 def oldest(stamp: np.ndarray, m: int) -> np.ndarray:
     """stamp: int [C] fill rounds (-1 = empty) -> m slot indices with the smallest stamps (among equal stamps,
     the first slots). Two passes over the few distinct rounds, not np.argpartition: the stamps take a handful of
-    values, which made its selection ~1.8 ms per fill for 16 K slots.
+    values, which made its selection a visible cost per fill.
 
     oldest([3, -1, 2, 3, 2], 3) -> [1, 2, 4]
     """
@@ -129,7 +129,7 @@ class NeighbourCache:
         successors([5, 6]) with n = 3 -> [6, 7, 8, 9]   # not [5, 6, ...]: a retrieved entry is not its own successor
         """
         # The union of the runs [j+1, j+n] as pieces of consecutive ids, not np.unique over all m * n of them
-        # (0.9 vs 0.06 ms for 1024 neighbours, n = 10: 4 per 8-query round before fill_many stopped early).
+        # (an order of magnitude cheaper, and it runs several times per round).
         start = np.sort(np.asarray(retrieved, dtype=np.int64)) + 1  # [m] run starts, ascending
         end = np.minimum(start + self.next_n, self.ds.size)  # [m] exclusive, clipped at the datastore's end
         keep = start < end
@@ -190,7 +190,7 @@ class NeighbourCache:
             self._slot_of[old[old >= 0]] = -1
             self._slot_of[new] = slots
             keys = _staging(new.size, self.keys.shape[1], self.keys.dtype)
-            # [m, D], ascending ids: the memmap in order. torch's gather, not np.take: 1.3 vs 5.0 ms for 16 K rows.
+            # [m, D], ascending ids: the memmap in order. torch's gather, not np.take: several times faster.
             torch.index_select(self._ds_keys, 0, torch.from_numpy(new), out=keys)
             self.ids[slots] = new
             self._keys[slots] = keys.numpy()  # numpy's row writes: cheaper than index_copy_

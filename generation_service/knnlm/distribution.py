@@ -30,9 +30,8 @@ def interpolate(lm_logits: torch.Tensor, tokens: np.ndarray, probs: np.ndarray, 
     No neighbours (tokens empty): p = (1 − λ)·p_LM, whose argmax is the LM's.
 
     In numpy on the calling thread, not torch: torch splits ops over more than 32 K elements across its OpenMP
-    team, whose threads then spin ~2 ms (GOMP_SPINCOUNT) on the cores that the next LM pass and Search need.
-    Served on 2 cores (bench.knnlm --serve, alternated) both the baseline and OS³ were about a tenth faster than
-    with torch's softmax here."""
+    team, whose threads then spin (GOMP_SPINCOUNT) on the cores that the next LM pass and Search need. Served on
+    a small machine, both the baseline and OS³ were faster than with torch's softmax here (bench.knnlm --serve)."""
     lg = lm_logits.detach().cpu()
     if lg.dtype not in (torch.float32, torch.float64):
         lg = lg.float()

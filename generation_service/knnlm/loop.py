@@ -212,7 +212,7 @@ class StepClock:
     """Splits a speculation step run beside a Search in flight into the time a step takes alone (its round's
     cost) and the rest (the slowdown the Search beside it caused: the async round's cost). A sync round after
     an async one would otherwise pay for that Search, and the gate kept choosing async where sync rounds were
-    10-20 % faster per request (2 cores shared with the retrieval service)."""
+    faster per request (a small machine shared with the retrieval service)."""
 
     alone_s: float | None = None  # a step with an LM pass and no Search in flight, averaged (ALONE_DECAY)
 
@@ -459,7 +459,7 @@ def _speculative(loop: _Loop) -> Effects:
     verification, the next round's steps its rollback threw away, and, for an async round, how much its Search
     slowed the steps run beside it (their time over a step alone: StepClock). Not the wall time between
     settles: a lone async round between sync ones would then look like a sync round. Why a gate: on two cores
-    shared with the retrieval service an async round's passes run ~1.5x slower, and where a Search is cheap
+    shared with the retrieval service an async round's passes run markedly slower, and where a Search is cheap
     none of it pays.
 
     The tokens emitted are always the greedy picks of true distributions (real Search, LM logits) over a context

@@ -28,10 +28,10 @@ KNN_OS3 = OS3Config(gamma_max=KNN_GAMMA_MAX, s_init=4, overlap="round")  # async
 # served, one unlucky first round (a wrong early guess throws most of a round away) kept a stride-4 worker on
 # baseline steps for all of its next requests (no faster than the base).
 KNN_GATE_EXPLORE = 3
-# RoundGate's far_behind for kNN-LM: none. An arm's early rounds (short OS³ strides, a cold cache) cost 2-3x its
-# later ones, so a sync arm measured at 0.07 s per token in a worker's first request was never probed again while
-# async rounds at 0.03-0.05 won for 80 rounds; sync rounds measured later ran at 0.025. A kNN-LM round is
-# ~0.1-0.2 s, so a probe of the losing arm is cheap.
+# RoundGate's far_behind for kNN-LM: none. An arm's early rounds (short OS³ strides, a cold cache) cost a multiple
+# of its later ones, so a sync arm measured in a worker's first request was never probed again while async rounds
+# won round after round, though sync rounds measured later were the cheaper. A kNN-LM round is short, so a probe of
+# the losing arm is cheap.
 KNN_GATE_FAR_BEHIND = math.inf
 
 
@@ -60,8 +60,8 @@ class KnnLmOptions:
     cache_capacity: int = 8192  # cached entries kept (most recently filled first)
     # Successors of each query's best m neighbours enter the cache (0 = of all k). Why not all k: a guess is decided
     # by the closest neighbours (softmax over −‖q − key‖² / T), and a fill of every neighbour's successors (~10^4
-    # rows) cost ~3 ms a round, a look-up over 16 K entries 0.6 ms. See the README's kNN-LM limits for the replay
-    # and the served A/B that chose m = 64 in 8,192 entries.
+    # rows) cost several times a look-up over the whole cache. The replay (bench.knnlm_replay) and the served A/B
+    # (bench.knnlm) chose m = 64 in 8,192 entries (docs/benchmarks.md).
     cache_fill_top: int = 64
     ef_search: int = 0  # adr: HNSW efSearch (0 = server default; raised to k + margin by the service)
 

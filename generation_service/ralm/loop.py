@@ -25,8 +25,8 @@ RaLMSpec, rounds of s speculative steps:
                  model's cores an async verification slows the step it overlaps.
     sequential   a step of RaLMSpec without speculation (the first one, s = 0, after a KB failure) waits only for
                  RaLMSeq's own Search (same query, same top-1); when the next round may speculate, that Search
-                 asks for the top-`prefetch` to fill the cache (~1 ms more, where a second search beside the
-                 step slowed its forward passes by ~60 % on 2 cores).
+                 asks for the top-`prefetch` to fill the cache (a little more than top-1, where a second search
+                 beside the step slowed its forward passes badly on a small machine).
 Every committed step ran with the passage RaLMSeq would have retrieved and the same model computation (same KV
 reuse decisions, same kernels), so the output is identical; only committed tokens are ever emitted. If the KB
 fails during speculation the unverified steps are dropped and the request continues with sequential retrieval;
@@ -102,8 +102,8 @@ class RagParams:
     ef_search: int = 0  # adr: efSearch for every call of the request; 0 = ralm_retrieval.ADR_EF_SEARCH
     cache_capacity: int = 512
     os3_window: int = 5
-    # Cap on OS³'s accuracy estimate. 0.6 (the earlier default) held strides at 2 where guesses were right 70-90 %
-    # of the time; 300 K passages, edr, 4 questions: PSA 1.04x of RaLMSeq with 0.6, 1.10x with 0.9.
+    # Cap on OS³'s accuracy estimate. A low cap such as 0.6 held strides at 2 where guesses were mostly right, and
+    # speculation gained less over RaLMSeq than with 0.9 (bench.ralm).
     gamma_max: float = 0.9
     s_max: int = 16
     # Each round's kind (sequential s = 0 / sync / async) by measured cost (augment/round_gate.py); False = every round

@@ -85,8 +85,8 @@ def clear_stale_lock(out: Path, max_age_s: float = STALE_LOCK_S) -> bool:
 
     Why: torch's cpp_extension.load takes the lock while it builds and every other process waits for it to go
     (FileBaton, no timeout), so a build killed midway (Ctrl-C in `make install`, a test run stopped) left every
-    later start of the worker waiting forever. Seen: a clean clone's `make test` stuck 8 min on an AVX2 build's
-    lock left by an interrupted run until it was removed by hand."""
+    later start of the worker waiting forever. Seen: a clean clone's `make test` stuck on an AVX2 build's lock
+    left by an interrupted run until it was removed by hand."""
     lock = out / "lock"
     try:
         age = time.time() - lock.stat().st_mtime

@@ -15,8 +15,8 @@ Why no hashing and no sorting on the hot path: rows in (suffix-array) order put 
 contiguous block, so the trie is one linear pass that compares each row with the previous one (their common
 prefix = nodes reused, the rest = new nodes). Matches of one suffix are a contiguous suffix-array range whose
 continuations are already in that order; blocks from several shards / sources are merged as sorted runs.
-(A variant that builds only shared nodes and expands row tails lazily in a best-first search was measured
-~20% slower here on HumanEval contexts: the extra lcp pass and adjacency lists cost more than they save.)
+(A variant that builds only shared nodes and expands row tails lazily in a best-first search was slower on
+HumanEval contexts: the extra lcp pass and adjacency lists cost more than they save.)
 
 Worked example, rows (weight 1 each) "a b", "a c", "d" (already sorted):
     nodes (creation order): 0:a w2 d1, 1:b w1 d2 (parent 0), 2:c w1 d2 (parent 0), 3:d w1 d1
@@ -483,7 +483,7 @@ def gather(toks, sas, n_shards, sep, length, lows, highs, max_matches, continuat
     m = take.sum()
     run_starts = np.zeros(n_shards + 1, np.int64)
     # Two passes: all suffix-array reads first, then all token reads. Independent loads let the CPU keep many
-    # cache misses in flight (measured ~20% faster than reading each row right after its position).
+    # cache misses in flight (faster than reading each row right after its position).
     pos = np.empty(m, np.int64)
     r = 0
     for s in range(n_shards):

@@ -33,7 +33,7 @@ def exact_scores(queries: np.ndarray, cand: np.ndarray, metric: str = "ip") -> n
     q = np.asarray(queries, dtype=np.float64)  # [B, D]
     out = np.empty(cand.shape[:2], np.float32)  # [B, K]
     # A query and a slice of its candidates at a time, in place: the float64 copy of the whole [B, K, D] and its
-    # temporaries cost more than the arithmetic (8 queries x 1040 x 576: 12 of a Search's 59 ms). Same values:
+    # temporaries cost more than the arithmetic (a sizeable share of a Search with a batch of queries). Same values:
     # each row is still one pairwise float64 sum over D, and (c - q)^2 == (q - c)^2 exactly.
     for b in range(cand.shape[0]):
         for k0 in range(0, cand.shape[1], _SCORE_ROWS):
@@ -81,7 +81,7 @@ class Encoder:
         self.name = ENCODER_NAME
         self.dtype = dtype
         self.model = SentenceTransformer(str(model_dir), device="cpu", local_files_only=True)
-        if dtype == "bfloat16":  # ~2x faster on CPUs with avx512_bf16; cosine to float32 >= 0.99
+        if dtype == "bfloat16":  # faster on CPUs with avx512_bf16; cosine to float32 >= 0.99
             self.model.to(torch.bfloat16)
         self.model.eval()
         self.dim = int(self.model.get_embedding_dimension())

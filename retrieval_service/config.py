@@ -94,7 +94,7 @@ class RetrievalConfig(config_util.ShellConfig):
     # Suffix-array datastore directory (single shard or a directory of shards); "" = no datastore.
     datastore: str = ""
     # Read every byte of the datastore before SERVING: section checksums, suffix-array entries and tokens in range
-    # (with a warm page cache ~20 ms for the 55 MB stdlib store, ~0.1 s for 574 MB). Files that passed are remembered
+    # (cheap with a warm page cache, one sequential read). Files that passed are remembered
     # by identity (path, size, mtime, ctime, inode, header checksum) in verify_cache: "" = $RAGSERVE_HOME/cache/
     # verified-stores.json, "off" = verify at every start.
     datastore_verify: bool = True
@@ -142,7 +142,7 @@ class RetrievalConfig(config_util.ShellConfig):
     kb_threads: int = 2
     # Intra-op threads of faiss (OpenMP + its OpenBLAS) and of the query encoder (torch). Keep 1 unless the
     # cores are idle: an OpenMP barrier stalls for a scheduler slice when another process holds a core
-    # (on a shared 2-core machine an exact search of 1 query took tens of times longer with 2 threads than with 1).
+    # (on a shared small machine an exact search of 1 query took far longer with 2 threads than with 1).
     # Concurrent requests still run in parallel on the gRPC worker threads.
     kb_omp_threads: int = 1
     # HNSW efSearch when a request leaves it 0; exact re-scoring of k + margin candidates per query.
@@ -158,8 +158,8 @@ class RetrievalConfig(config_util.ShellConfig):
     kb_scan_threads: int = 0
     # Exact float16 scans of at least 64 K rows first pass over a projection of this many columns (principal
     # directions + the residual's norm) that bounds every row's score, then score only the rows whose bound
-    # reaches the k-th best: the same answer, bit for bit (fp16_scan.ScanBounds; the kNN-LM keys: 1 query
-    # 37 -> ~11 ms). Built at start (~10 s per 1 M x 576 rows; int8: 160 MB); 0 = score every row.
+    # reaches the k-th best: the same answer, bit for bit, in a fraction of a full scan's time on the kNN-LM keys
+    # (fp16_scan.ScanBounds). Built at start (one pass over the rows; int8: 160 MB); 0 = score every row.
     kb_scan_bounds: int = 160
     kb_query_cache: int = 4096
     # Max heap of the in-process JVM (Lucene); "" = the JVM default (1/4 of RAM).
@@ -186,7 +186,7 @@ class RetrievalConfig(config_util.ShellConfig):
     # a scan costs about the same for 1 and 4 queries, and the executor runs one call at a time.
     kb_coalesce: bool = True
     kb_nice: int = 10
-    # Seconds of JIT warm-up for the Lucene search/scoring paths before SERVING (cold calls are ~5x slower).
+    # Seconds of JIT warm-up for the Lucene search/scoring paths before SERVING (cold calls are much slower).
     kb_warmup_s: float = 10.0
     # Verify every KB file against kb.json's checksums before SERVING (remembered by identity in verify_cache).
     kb_verify: bool = True

@@ -172,13 +172,13 @@ def tokenize_documents(docs: Iterator[tuple[int, str]], tokenizer, *, batch_char
                        threads: int | None = None) -> Iterator[tuple[int, np.ndarray]]:
     """(index, text) -> (index, token ids) in order, in the smallest dtype that fits (uint16 / uint32).
 
-    Batches are encoded by the Rust tokenizer on `threads` Python threads (it releases the GIL); measured here,
-    one big batch kept ~0.7 of a core busy while two threads with small batches used ~1.6 cores.
+    Batches are encoded by the Rust tokenizer on `threads` Python threads (it releases the GIL): one big batch
+    kept less than a core busy, while two threads with small batches used most of two.
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         raise TypeError(f"tokenizer {type(tokenizer).__name__} has no fast (Rust) backend; batch encoding needs one")
-    encode = getattr(backend, "encode_batch_fast", backend.encode_batch)  # _fast skips offsets: ~25% quicker
+    encode = getattr(backend, "encode_batch_fast", backend.encode_batch)  # _fast skips offsets: quicker
     dtype = np.uint16 if len(tokenizer) < 0xFFFF else np.uint32
     threads = threads or os.cpu_count() or 1
 

@@ -1,8 +1,8 @@
 """Compact binary encoding of CREST draft trees, and trimming a stored tree to a smaller node budget.
 
 One precomputed tree is a *payload* (the same bytes in the embedded file and as a Redis value), optionally one
-zstd frame compressed with the store's shared dictionary (trained on the store's own trees: one ~300-byte tree
-alone compresses poorly, with a dictionary it shrinks to ~60 %). Raw payload, little-endian:
+zstd frame compressed with the store's shared dictionary (trained on the store's own trees: one small tree
+alone compresses poorly, with a dictionary it shrinks markedly). Raw payload, little-endian:
 
     u8      k            nodes (<= 255)
     u16     num_matches  datastore occurrences the tree was drafted from

@@ -30,7 +30,7 @@ import numpy as np
 from tqdm import tqdm
 
 _JIT = dict(nogil=True, cache=True)
-# Merged suffix-array entries per kernel call: a progress update every ~0.2 s.
+# Merged suffix-array entries per kernel call: progress updates frequent enough to watch, rare enough to cost nothing.
 _CHUNK = 2_000_000
 
 

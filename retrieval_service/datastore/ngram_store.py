@@ -19,7 +19,7 @@ Embedded file (little-endian; written to a temp file, fsynced, renamed):
         zdict    uint8  [D]  the zstd dictionary of the payloads (may be empty)
 
 Why open addressing in our own file rather than LMDB: one file that memory-maps as typed arrays, probed by one
-numba kernel that tries every suffix length without the GIL or a Python call per probe (~1 us for all five);
+numba kernel that tries every suffix length without the GIL or a Python call per probe (all five in one call);
 nothing to install; a deterministic layout covered by our own header and checksums (LMDB brings its own file
 format, a lock file, a B+tree walk of O(log n) pages per key and a cursor API per probe). The table is
 read-only after the build, so the usual weakness of open addressing (deletes, growth) does not arise. Linear
@@ -392,7 +392,7 @@ class EmbeddedNgramStore:
     @classmethod
     def open(cls, path: str | os.PathLike, expected_tokenizer_id: str | None = None,
              verify: bool = True) -> "EmbeddedNgramStore":
-        """Memory-map a store; verify=True checks every section's checksum (one read of the file, ~10 ms/100 MB)."""
+        """Memory-map a store; verify=True checks every section's checksum (one sequential read of the file)."""
         path = Path(path).expanduser()
         header, data_start = read_header(path)
         if expected_tokenizer_id is not None and header["tokenizer_id"] != expected_tokenizer_id:

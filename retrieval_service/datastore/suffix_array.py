@@ -84,9 +84,9 @@ class SuffixArrayDatastore:
 
     def _set_shards(self, shards: list[Shard]) -> None:
         # Shards reach the kernels as tuples of same-typed arrays (numba UniTuples): nothing to compile at open
-        # (a numba typed List JITs its own methods, ~5 s per process). A tuple's length is part of its type, so
-        # tuples are padded with empty arrays to a few fixed sizes: one cached specialisation serves 1 shard,
-        # one 2-4 shards, and so on, instead of one per shard count.
+        # (a numba typed List JITs its own methods in every process, which is slow). A tuple's length is part of
+        # its type, so tuples are padded with empty arrays to a few fixed sizes: one cached specialisation serves
+        # 1 shard, one 2-4 shards, and so on, instead of one per shard count.
         n = len(shards)
         slots = next((k for k in _SHARD_SLOTS if k >= n), None)
         if slots is None:
@@ -134,10 +134,10 @@ class SuffixArrayDatastore:
         """Memory-map a datastore directory (or one shard file) and check it before it serves.
 
         verify: read every byte once (shards.verify_shards: checksums, suffix-array entries and tokens in range;
-        with a warm page cache ~20 ms for the 55 MB stdlib store, ~0.1 s for the 574 MB code store, plus ~0.3 s
-        once per process to load the compiled checks), remembered by file identity in verify_cache (a JSON file;
-        None = verify every time). verify=False: the structural check only (sizes and a few values):
-        a store with garbage content would then serve garbage drafts (the kernels still refuse out-of-range reads).
+        cheap with a warm page cache, plus loading the compiled checks once per process), remembered by file
+        identity in verify_cache (a JSON file; None = verify every time). verify=False: the structural check only
+        (sizes and a few values): a store with garbage content would then serve garbage drafts (the kernels still
+        refuse out-of-range reads).
         """
         shards, _ = shards_mod.open_shards(path, expected_tokenizer_id)
         ds = cls(shards, Path(path).expanduser())

@@ -36,8 +36,8 @@ from retrieval_service.knowledge.kb import Hits, KBInputError, SearchResult, Sea
 log = logging.getLogger(__name__)
 # search(retriever, k, texts=..., vectors=..., index=..., ef_search=..., should_stop=...) -> SearchResult
 SearchFn = Callable[..., SearchResult]
-# The longest a search waits for the calls it expects, as a share of the group's last search (~11 ms for the 1 M
-# kNN-LM keys): a wait that pays saves a whole search for the calls it gathers.
+# The longest a search waits for the calls it expects, as a share of the group's last search: a wait that pays
+# saves a whole search for the calls it gathers.
 WAIT_SHARE = 0.5
 
 

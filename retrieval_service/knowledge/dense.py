@@ -83,8 +83,8 @@ def configure_faiss(threads: int, blas_threshold: int = 4) -> None:
 
     OpenMP's thread count is per thread: a thread started after this call (a gRPC handler) still gets one
     OpenMP thread per core unless it calls this itself (retrieval_service/server.py runs it in every handler
-    thread). On 2 cores a Search next to the worker's LM pass with 2 OpenMP threads took about twice its time
-    alone."""
+    thread). On a small machine a Search next to the worker's LM pass with 2 OpenMP threads took much longer
+    than alone."""
     faiss.omp_set_num_threads(max(1, threads))
     threadpool_limits(limits=max(1, threads), user_api="blas")
     faiss.cvar.distance_compute_blas_threshold = max(1, blas_threshold)

@@ -26,9 +26,9 @@ namespace {
 
 constexpr int kGroup = 8;     // queries multiplied with one widened row chunk
 constexpr int kBlock = 512;   // rows scored before a selection step (their halves stay in L2 for the next group)
-// Rows ahead whose lines are prefetched into L2, in address order. Without it a batch of 8 queries ran at a third of
-// the FMA rate on AMD Zen 4 (210 ms for 1 M x 576, 91 ms with the rows in L1): the arithmetic between lines leaves
-// too few misses in flight for the hardware prefetcher, which also loses track of rows read side by side.
+// Rows ahead whose lines are prefetched into L2, in address order. Without it a batch of queries ran far below the
+// FMA rate (and far slower than with the rows in L1): the arithmetic between lines leaves too few misses in flight
+// for the hardware prefetcher, which also loses track of rows read side by side.
 constexpr int kAhead = 32;
 
 // Prefetch of `rows` rows starting `kAhead` rows past x. A prefetch never faults, so the ones past the end of the
@@ -97,8 +97,8 @@ void dots_rows(const uint16_t* x, int d, int dv, const float* q, float* out, int
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 // out[b * stride] = q_b . x0 for NB (<= 4) queries. Two accumulators per query over alternating
-// chunks: one chain of dependent FMAs per query (the old code) made a single query latency-bound (68 ms for 1 M x
-// 576 on a Zen 4 core at this level, 45 at AVX-512). Each (query, row) sums in the same order whatever the batch,
+// chunks: one chain of dependent FMAs per query made a single query latency-bound (far slower at this level than
+// at AVX-512). Each (query, row) sums in the same order whatever the batch,
 // so a query's scores do not depend on the queries beside it.
 template <int NB>
 inline void dots_row_avx2(const uint16_t* x0, int d, int dv, const float* q, float* out, int64_t stride) {
@@ -131,9 +131,8 @@ inline void dots_row_avx2(const uint16_t* x0, int d, int dv, const float* q, flo
 template <int NB>
 void dots(const uint16_t* x, int64_t rows, int d, const float* q, float* out, int64_t stride) {
 #if defined(__AVX512F__)
-    // Two rows per query chunk loaded (R x NB accumulators of 32 registers). 4 rows for up to 4 queries measured
-    // slower on Zen 4 (1 M x 576, one core, 2/3/4 queries: 66/74/85 ms against 42/48/62 with 2), 3 rows for more
-    // queries too (8: 116 against 109).
+    // Two rows per query chunk loaded (R x NB accumulators of 32 registers). 4 rows for up to 4 queries were
+    // clearly slower, and 3 rows for more queries slightly slower, than 2.
     constexpr int R = NB == 1 ? 1 : 2;
     const int dv = d - d % 16;
     int64_t r = 0;
@@ -257,7 +256,7 @@ void bound_dots(int nb, const int8_t* p, int64_t blocks, int pairs, const int32_
         constexpr int NB = decltype(nbc)::value;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
         // One block for more than 4 queries: with two, GCC spilled accumulators to the stack and copied the rest
-        // every column pair (Zen 5: 8 / 16 queries 0.85 / 0.88x the time with one).
+        // every column pair (one block is clearly faster for 8 and 16 queries).
         constexpr int RB = NB <= 2 ? 4 : NB <= 4 ? 2 : 1;
 #else
         constexpr int RB = 1;
@@ -265,8 +264,8 @@ void bound_dots(int nb, const int8_t* p, int64_t blocks, int pairs, const int32_
         const int64_t step = (int64_t)pairs * 2 * kLanes;  // bytes per block
         int64_t i = 0;
         for (; i + RB <= blocks; i += RB) {
-            // The blocks 4 ahead into L1: without it the widening loads waited on memory (AMD Zen 5, 1 M rows of
-            // 160 columns: a bounded search of 1 / 8 queries 0.90 / 0.88x the time with it, in-process).
+            // The blocks 4 ahead into L1: without it the widening loads waited on memory (a bounded search is
+            // faster with it, for one query and for a batch).
             const char* ahead = (const char*)(p + (i + 4) * step);
             for (int64_t b = 0; b < RB * step; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
             block_dots<NB, RB>(p + i * step, pairs, q, out + i * kLanes, stride);
@@ -318,7 +317,8 @@ struct TopK {
     }
 
     // Once the buffer has filled, few rows beat the bar: a vector compare per 8 or 16 rows skips the rest (a
-    // bounded search offers N bounds per query, ~15 % of its time one row at a time). NaN compares false.
+    // bounded search offers N bounds per query: one row at a time, offering was a sizeable share of its time).
+    // NaN compares false.
     void offer(const float* scores, int64_t rows, int64_t first_id) {
         int64_t r = 0;
 #if defined(__AVX512F__)
@@ -420,8 +420,8 @@ inline float row_score(const uint16_t* x0, int d, const float* q, const float* s
 
 // Scores of kPairs (row, query) pairs, each bit for bit row_score's (the same chains of FMAs in column order, the
 // same reduction). Why: one pair's chains are FMA-latency-bound (36 dependent FMAs for d = 576 at AVX-512), and a
-// bounded search scores ~19 K rows per query; independent pairs side by side keep the FMA ports busy (Zen 5, 1 M
-// kNN-LM keys: 8 queries 0.90x the time with 4 pairs, 0.88x with 8).
+// bounded search scores many thousands of rows per query; independent pairs side by side keep the FMA ports busy
+// (8 pairs a little faster than 4).
 constexpr int kPairs = 8;
 #if defined(__AVX512F__)
 constexpr int kPairLanes = 16;  // row_score's dv: the columns its vector loop covers
@@ -517,8 +517,8 @@ class PairScorer {
 
 // Prefetch into L1 of the row `ahead` rows after i in ids (rows by id are scattered: the hardware prefetcher cannot
 // guess them). kAheadRows where a row costs a dot product per query it passed for; kAheadRowsLight where it costs
-// little arithmetic (widening, exact re-scoring), so more misses must be in flight: the exact scores of 1 / 8
-// queries x 1040 scattered rows of the 1 M kNN-LM keys took 0.59 / 0.55x the time with 8 ahead instead of 4 (Zen 5).
+// little arithmetic (widening, exact re-scoring), so more misses must be in flight: exact scores of scattered rows
+// took little more than half the time with 8 ahead instead of 4.
 constexpr int kAheadRows = 4;
 constexpr int kAheadRowsLight = 8;
 inline void prefetch_id_ahead(const uint16_t* x, int d, const int64_t* ids, int64_t i, int64_t cnt,
@@ -540,8 +540,8 @@ TopK above(const Hit& tau, int64_t k) {
 }
 
 // A bounded search streams its bounds (stream_floats) above this many bytes of them, else stores them plainly
-// (4 MB for one query over 1 M rows stay in cache until step 3). Zen 5, 1 M x 384 KB (k = 16), all streamed
-// against all plain: 1 / 4 / 8 / 16 queries 1.03 / 0.92 / 0.92 / 0.92x the time.
+// (4 MB for one query over 1 M rows stay in cache until step 3): streamed, a single query's search was no faster,
+// batches of queries were.
 constexpr int64_t kStreamBytes = int64_t(8) << 20;
 
 // dst[0, cnt) = src[0, cnt), with non-temporal stores where dst is aligned. Why: a bounded search writes nq x n
@@ -560,7 +560,7 @@ inline void stream_floats(float* dst, const float* src, int64_t cnt) {
 }
 
 // Bit l set for each of the kLanes values v[l] >= bar (NaN: not set). Written out: GCC compared them one at a time
-// (Zen 5, 1 M x 384 KB, k = 16: 1 / 4 / 8 / 16 queries 0.98 / 0.99 / 0.95 / 0.94x the time with this).
+// (this helps batches of queries most).
 inline uint32_t lanes_at_least(const float* v, float bar) {
 #if defined(__AVX512F__)
     return _mm512_cmp_ps_mask(_mm512_loadu_ps(v), _mm512_set1_ps(bar), _CMP_GE_OQ);
@@ -829,9 +829,8 @@ int fp16_topk_bounded(const uint16_t* x, int64_t n, int d, const float* q, int n
     // 5. Score the rows that passed, for the other queries: per slice, each row that passed for any of them is read
     // once and scored for every query it passed for (row_score: the same bits as scoring it query by query). The
     // queries of one batch are often alike (a kNN-LM round's are consecutive states of one text), so their rows
-    // overlap (8 such queries over 1 M keys: 1.2x as many (query, row) pairs as distinct rows, 2x over 100 K), and
-    // one address-ordered pass over a slice's rows for all queries beat one pass per query: 8 / 16 queries took
-    // 0.90 / 0.87x the time (Zen 5, 1 M x 576 kNN-LM keys, interleaved).
+    // overlap (more (query, row) pairs than distinct rows, the more so on a smaller store), and one address-ordered
+    // pass over a slice's rows for all queries beat one pass per query for batches of 8 and 16.
     std::vector<std::vector<std::pair<int64_t, std::vector<std::vector<Hit>>>>> found(threads);
     parallel_chunks(nslices, threads, [&](int64_t i, int slot) {
         const int64_t lo = i * slice, rows = std::min(n, lo + slice) - lo;
@@ -890,7 +889,7 @@ int fp16_topk_bounded(const uint16_t* x, int64_t n, int d, const float* q, int n
 }
 
 // out[i] = row ids[i] of x widened to float32 ([cnt, d]; exact: every float16 is a float32), for exact re-scoring
-// of candidates: numpy widens float16 one value at a time (~1 ns each, 8 queries x 1040 rows x 576: ~5 ms).
+// of candidates: numpy widens float16 one value at a time, which for a batch's candidates adds up.
 // Returns 0, or -1 when an id is outside [0, n).
 int fp16_rows_f32(const uint16_t* x, int64_t n, int d, const int64_t* ids, int64_t cnt, float* out) {
     if (n < 0 || d <= 0 || cnt < 0) return -1;
@@ -906,9 +905,8 @@ int fp16_rows_f32(const uint16_t* x, int64_t n, int d, const int64_t* ids, int64
 // out[b * cnt + i] = the exact score of row ids[b * cnt + i] for query b, bit for bit as ragcore.encoder's
 // exact_scores (numpy, float64) computes it from the widened row: ip sum(x * q), l2 -sum((x - q)^2), each product
 // or square in float64 and the sum numpy's pairwise one (pairwise_sum), rounded once to float32. Why here: numpy
-// gathers, widens and copies the rows to float64 first (8 queries x 1040 candidates of the 1 M x 576 kNN-LM keys,
-// Zen 5: ~6 ms, ~1.2 ms for one query; this 3-4 ms and 0.4 ms, the rest of it memory latency of scattered rows;
-// 2.1 and 0.26 ms with rows prefetched 8 ahead).
+// gathers, widens and copies the rows to float64 first; here the same scores cost a fraction of that, the rest of
+// it the memory latency of scattered rows, which prefetching rows ahead hides in part.
 // l2: 1 for -|x - q|^2, 0 for q.x. Returns 0, or -1 on bad arguments or an id outside [0, n).
 int fp16_exact_scores(const uint16_t* x, int64_t n, int d, const float* q, int nq, const int64_t* ids, int64_t cnt,
                       int l2, float* out) {

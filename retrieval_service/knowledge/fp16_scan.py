@@ -5,7 +5,7 @@ for a batch (its fp16 scalar quantizer scans once per query; IndexFlat needs a f
 What it gains over the alternatives: see dense.py's FP16_SCAN note.
 
 Built with g++ for this CPU (-march=native) into $RAGSERVE_HOME/kernels/fp16scan-native-<hash of source, flags,
-CPU flags>/ on first use (~2 s; `make install` does it), written atomically so concurrent processes can race
+CPU flags>/ on first use (once; `make install` does it), written atomically so concurrent processes can race
 safely, and called through ctypes (which drops the GIL for the call). The container image, which has no compiler,
 carries builds for PREBUILT levels and loads the best one its CPU runs. Without either, `library()` is None and
 dense.py keeps faiss.
@@ -270,7 +270,7 @@ class Fp16Scan:
     values; ties go to the smaller id.
 
     threads (config kb_scan_threads): threads of one search, 0 = one per core this process may use. A batch is
-    compute-bound (2 threads take about half the time of 1), and the kernel shares rows out in chunks, so a thread
+    compute-bound (it scales with the threads given), and the kernel shares rows out in chunks, so a thread
     that finds its core busy (a generation worker's pass beside the search) scans less and the others take its
     share: served kNN-LM on 2 cores was faster with 2 fixed threads than with 1, also with async verification (LM
     passes beside the search). A snapshot of idle cores (/proc/loadavg) chose 1 thread for most searches: the

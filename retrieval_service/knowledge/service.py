@@ -13,8 +13,8 @@ Isolation: the knowledge-base work (encode, search, score, pack) runs on its own
 threads, at a lower CPU priority), not on the gRPC handler threads, so a burst of heavy Searches queues there
 while the latency-critical Draft calls keep a core. A KB call waiting for its result still holds a gRPC handler
 thread, so at most `kb_workers + kb_queue` KB calls are admitted, and never more than `workers - 2`: two handler
-threads always remain for Draft (measured with 8 clients searching flat out and 8 handler threads: Draft p50
-~300 ms when KB calls could take every handler thread, sub-millisecond with the cap). Beyond the cap a KB call
+threads always remain for Draft (with clients searching flat out, Draft's median latency grew by orders of
+magnitude when KB calls could take every handler thread, and stayed low with the cap). Beyond the cap a KB call
 gets RESOURCE_EXHAUSTED at once.
 
 Express lane: a text Search small enough (kb.EXPRESS_TOKENS encoder tokens at most, bounded from its length) runs

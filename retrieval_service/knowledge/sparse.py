@@ -250,7 +250,7 @@ class BM25Index:
         return vals[pos], rank[pos]
 
     def warmup(self, rounds: int = 2000, seconds: float = 10.0) -> None:
-        """Let the JIT compile the search and scoring paths before SERVING (the first calls are ~5x slower)."""
+        """Let the JIT compile the search and scoring paths before SERVING (the first calls are much slower)."""
         queries = ["python json decoder", "how to read a file line by line", "thread pool executor map",
                    "sort a list by key", "regular expression match groups", "tensor shape broadcasting"]
         ids = np.arange(min(self.n, 20), dtype=np.int64)

@@ -1,7 +1,8 @@
 """Offline drafting simulator: tune drafting knobs without a GPU.
 
-Greedy autoregressive outputs (128 new tokens) of the first N HumanEval prompts are generated once with the
-serving model (transformers `generate`, bf16, raw prompt as a code completion) and cached as JSON under var/.
+Greedy autoregressive outputs (128 new tokens, --new-tokens) of the first N HumanEval prompts are generated once with
+the serving model (transformers `generate`, bf16 or --dtype, raw prompt as a code completion) and cached as JSON
+under var/.
 Then, for each output, the simulator replays speculative decoding: draft from prompt + output[:pos], accept the
 longest tree path equal to the true continuation, advance by accepted + 1. M = output tokens / steps (the mean
 accepted length per verification step, bonus token included) is what a lossless verifier would achieve.
@@ -28,6 +29,7 @@ from ragcore.draft_tree import DraftTree
 _CACHE = Path("var") / "draft_simulation"
 BUDGETS = (16, 32, 64)
 SOURCES = ("datastore", "context", "merged")
+_TORCH_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
 
 def humaneval_prompts(n: int) -> list[str]:
@@ -39,9 +41,10 @@ def humaneval_prompts(n: int) -> list[str]:
         return [json.loads(line)["prompt"] for line in itertools.islice(f, n)]
 
 
-def greedy_outputs(model_dir: Path, n: int, new_tokens: int = 128) -> list[dict]:
+def greedy_outputs(model_dir: Path, n: int, new_tokens: int = 128, dtype: str = "bf16") -> list[dict]:
     """[{prompt_ids, output_ids}] for the first n prompts; generated once, cached under var/."""
-    cache = _CACHE / f"humaneval_greedy_{model_dir.name}_{new_tokens}.json"
+    # bf16 keeps the name it always had: caches generated before the choice existed stay valid.
+    cache = _CACHE / f"humaneval_greedy_{model_dir.name}_{new_tokens}{'' if dtype == 'bf16' else '_' + dtype}.json"
     items: list[dict] = json.loads(cache.read_text()) if cache.exists() else []
     if len(items) >= n:
         return items[:n]
@@ -51,7 +54,7 @@ def greedy_outputs(model_dir: Path, n: int, new_tokens: int = 128) -> list[dict]
     from ragcore.model_files import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, _TORCH_DTYPES[dtype])).eval()
     for i, prompt in enumerate(humaneval_prompts(n)):
         if i < len(items):
             continue
@@ -135,7 +138,7 @@ def merged_variant(ds, ctx: np.ndarray, max_nodes: int, mode: str, w_ctx: float,
     mode "normalized": rows weigh w_src / rows_src (what ds.draft does), times (L_src / 16) ** gamma;
     mode "counts": every datastore row weighs 1 and every context row w_ctx (raw counts, no normalisation).
     """
-    from retrieval_service.datastore import kernels
+    from ragcore import draft_kernels as kernels
 
     _, toks, sas, buckets, n_shards, _, sep = ds._state
     length, lows, highs = kernels.search(toks, sas, buckets, n_shards, ctx, 16, 2)
@@ -198,20 +201,26 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=12, help="first N HumanEval prompts (default 12)")
+    ap.add_argument("--new-tokens", type=int, default=128,
+                    help="greedy output tokens per prompt, cached per length (default %(default)s)")
     ap.add_argument("--model", default=str(default_model_dir()), help="model directory (greedy outputs, tokenizer)")
+    ap.add_argument("--dtype", choices=sorted(_TORCH_DTYPES), default="bf16",
+                    help="model dtype of the greedy outputs, cached per dtype (default %(default)s; transformers' "
+                         "bf16 on a CPU without bf16 matmuls is much slower than fp32)")
     ap.add_argument("--datastore", default=str(ragserve_home() / "datastores" / "code"),
                     help="suffix-array datastore the drafts come from (default: the code datastore)")
     ap.add_argument("--tune", action="store_true", help="also sweep merge weights and context knobs")
     ap.add_argument("--json", default=None, help="write results here")
     args = ap.parse_args(argv)
-    if args.prompts < 1:
-        ap.error(f"--prompts must be >= 1, got {args.prompts}")
+    if args.prompts < 1 or args.new_tokens < 1:
+        ap.error(f"--prompts and --new-tokens must be >= 1, got {args.prompts} and {args.new_tokens}")
 
-    items = greedy_outputs(resolve_model_dir(args.model), args.prompts)
+    items = greedy_outputs(resolve_model_dir(args.model), args.prompts, args.new_tokens, args.dtype)
     ds = SuffixArrayDatastore.open(args.datastore)
     ds.warmup()
     print(f"{len(items)} HumanEval outputs ({sum(len(i['output_ids']) for i in items)} tokens); {ds}")
-    results = {"prompts": len(items), "datastore": str(ds.path), "datastore_tokens": ds.num_tokens}
+    results = {"prompts": len(items), "new_tokens": args.new_tokens, "dtype": args.dtype, "datastore": str(ds.path),
+               "datastore_tokens": ds.num_tokens}
     results["defaults"] = table(items, ds)
     print_table(results["defaults"], title="defaults (merged weights / context knobs as shipped):")
     rest = {k: simulate(items, lambda c, b=b: ds.draft(c, max_nodes=b, sampling="first"))["M"] for k, b in

@@ -17,6 +17,7 @@ import pytest
 from bench import crest
 from ragcore.model_files import default_model_dir, is_model_dir, load_tokenizer, tokenizer_identity
 from retrieval_service.datastore.suffix_array import SuffixArrayDatastore
+from tests.bench.threads import torch_threads
 
 pytestmark = pytest.mark.model
 
@@ -43,11 +44,12 @@ def test_crest_main_writes_a_record(tmp_path):
         pytest.skip(f"default model not prepared at {default_model_dir()} (make model)")
     ds = code_datastore(tmp_path / "code")
     out, plot = tmp_path / "crest.json", tmp_path / "crest.png"
-    assert crest.main(["--workload", "humaneval", "--json", str(out), "--plot", str(plot), "--limit", "1",
-                       "--max-new-tokens", str(NEW_TOKENS), "--datastore", str(ds.path), "--max-n", str(MAX_N),
-                       "--fractions", "0.5,1", "--crest-max-fraction", "0.5", "--crest-extra", "",
-                       "--single-max-fraction", "0.5", "--dtype", "fp32", "--threads", "1", "--real-prompts", "1",
-                       "--real-max-new-tokens", str(NEW_TOKENS), "--cache", str(tmp_path / "cache")]) == 0
+    with torch_threads():
+        assert crest.main(["--workload", "humaneval", "--json", str(out), "--plot", str(plot), "--limit", "1",
+                           "--max-new-tokens", str(NEW_TOKENS), "--datastore", str(ds.path), "--max-n", str(MAX_N),
+                           "--fractions", "0.5,1", "--crest-max-fraction", "0.5", "--crest-extra", "",
+                           "--single-max-fraction", "0.5", "--dtype", "fp32", "--threads", "1", "--real-prompts",
+                           "1", "--real-max-new-tokens", str(NEW_TOKENS), "--cache", str(tmp_path / "cache")]) == 0
     rec = json.loads(out.read_text())
     assert plot.stat().st_size > 0
     assert (rec["prompts"], rec["max_new_tokens"], rec["dtype"]) == (1, NEW_TOKENS, "fp32")

@@ -10,10 +10,10 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from bench import draft_simulation
 from ragcore.model_files import default_model_dir, is_model_dir
+from tests.bench.threads import torch_threads
 
 pytestmark = pytest.mark.model
 
@@ -27,15 +27,10 @@ def test_draft_simulation_main_writes_a_record(tmp_path, monkeypatch):
         pytest.skip(f"default model not prepared at {default_model_dir()} (make model)")
     monkeypatch.setattr(draft_simulation, "_CACHE", tmp_path / "cache")  # not the checkout's var/
     out = tmp_path / "sim.json"
-    # fp32: transformers' bf16 decode costs seconds per token on a CPU without bf16 matmuls. One torch thread: the
-    # suite runs two workers on two cores, and oversubscribed torch threads spin-wait for each other.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    # fp32: transformers' bf16 decode costs seconds per token on a CPU without bf16 matmuls.
+    with torch_threads(1):
         draft_simulation.main(["--prompts", "1", "--new-tokens", str(NEW_TOKENS), "--dtype", "fp32", "--datastore",
                                str(STDLIB), "--tune", "--json", str(out)])
-    finally:
-        torch.set_num_threads(threads)
     rec = json.loads(out.read_text())
     cached = json.loads(next((tmp_path / "cache").glob(f"humaneval_greedy_*_{NEW_TOKENS}_fp32.json")).read_text())
     assert len(cached) == 1 and 1 <= len(cached[0]["output_ids"]) <= NEW_TOKENS

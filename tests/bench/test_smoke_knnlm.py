@@ -10,9 +10,9 @@ import os
 
 import numpy as np
 import pytest
-import torch
 
 from bench import knnlm
+from tests.bench.threads import torch_threads
 from tests.conftest import real_model
 from tests.knnlm.conftest import DOC_TOKENS, OVERLAP, WINDOW, doc_texts
 
@@ -35,24 +35,19 @@ def test_knnlm_main_writes_a_record(tmp_path, monkeypatch):
     tokenizer = tm.tokenizer
     tokens = lambda t: np.asarray(tokenizer(t, add_special_tokens=False)["input_ids"][:DOC_TOKENS],  # noqa: E731
                                   np.int32)
-    # One torch thread for the keys: the suite runs two workers on two cores, and oversubscribed torch threads
-    # spin-wait for each other.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         path = build_datastore(tmp_path / "knn", [(f"doc{i}", tokens(t)) for i, t in enumerate(doc_texts()[:DOCS])],
                                tm, window=WINDOW, overlap=OVERLAP, chunk_entries=100, hnsw_m=8,
                                hnsw_ef_construction=40, progress=False)
-    finally:
-        torch.set_num_threads(threads)
     del tm  # the bench loads the model it serves
     save_held_out(path, [(f"held{i}", tokens(t)) for i, t in enumerate(held_out_texts())])
     monkeypatch.chdir(tmp_path)  # the retrieval service's log goes to ./var
     out = tmp_path / "knnlm.json"
-    knnlm.main(["--datastore", str(path), "--retrievers", "edr", "--k", "8", "--configs", ",".join(CONFIGS),
-                "--limit", "1", "--prompt-tokens", "16", "--max-new-tokens", str(NEW_TOKENS), "--dtype", "fp32",
-                "--threads", "1", "--ppl-tokens", "32", "--ppl-window", "16", "--ppl-k", "8", "--ppl-batch", "16",
-                "--json", str(out)])
+    with torch_threads():
+        knnlm.main(["--datastore", str(path), "--retrievers", "edr", "--k", "8", "--configs", ",".join(CONFIGS),
+                    "--limit", "1", "--prompt-tokens", "16", "--max-new-tokens", str(NEW_TOKENS), "--dtype",
+                    "fp32", "--threads", "1", "--ppl-tokens", "32", "--ppl-window", "16", "--ppl-k", "8",
+                    "--ppl-batch", "16", "--json", str(out)])
     rec = json.loads(out.read_text())
     cells = rec["retrievers"]["edr"]["8"]
     assert set(cells) == set(CONFIGS)  # Not a config left out

@@ -13,6 +13,7 @@ import pytest
 
 from bench import online_learning
 from ragcore.model_files import default_model_dir, is_model_dir
+from tests.bench.threads import torch_threads
 
 pytestmark = pytest.mark.model
 
@@ -25,8 +26,9 @@ def test_online_learning_main_writes_a_record(tmp_path):
     if not is_model_dir(default_model_dir()):
         pytest.skip(f"default model not prepared at {default_model_dir()} (make model)")
     out = tmp_path / "online.json"
-    online_learning.main(["--workload", "mtbench", "--limit", "1", "--max-new-tokens", str(NEW_TOKENS),
-                          "--dtype", "fp32", "--threads", "1", "--datastore", str(STDLIB), "--json", str(out)])
+    with torch_threads():
+        online_learning.main(["--workload", "mtbench", "--limit", "1", "--max-new-tokens", str(NEW_TOKENS),
+                              "--dtype", "fp32", "--threads", "1", "--datastore", str(STDLIB), "--json", str(out)])
     rec = json.loads(out.read_text())
     assert (rec["limit"], rec["max_new_tokens"], rec["dtype"]) == (1, NEW_TOKENS, "fp32")
     assert set(rec["passes"]) == {"1", "2"}

@@ -6,18 +6,16 @@ datastore's kernels directly: the first thing to break when they change)."""
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 
 from bench import draft_simulation
-from ragcore.model_files import default_model_dir, is_model_dir
+from ragcore.model_files import default_model_dir, is_model_dir, ragserve_home
 from tests.bench.threads import torch_threads
 
 pytestmark = pytest.mark.model
 
-STDLIB = Path(os.environ.get("RAGSERVE_HOME", Path.home() / ".cache" / "ragserve")) / "datastores" / "stdlib"
+STDLIB = ragserve_home() / "datastores" / "stdlib"
 NEW_TOKENS = 12
 
 

@@ -6,18 +6,16 @@ pass, which repeats them, drafting them from it."""
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 
 from bench import online_learning
-from ragcore.model_files import default_model_dir, is_model_dir
+from ragcore.model_files import default_model_dir, is_model_dir, ragserve_home
 from tests.bench.threads import torch_threads
 
 pytestmark = pytest.mark.model
 
-STDLIB = Path(os.environ.get("RAGSERVE_HOME", Path.home() / ".cache" / "ragserve")) / "datastores" / "stdlib"
+STDLIB = ragserve_home() / "datastores" / "stdlib"
 NEW_TOKENS = 12
 
 

@@ -139,6 +139,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fill-tops", default="",
                     help="comma list of cache_fill_top values (successors of each query's best m neighbours only; "
                          "0 = all), replayed at stride 4 and 8 with each of --capacities (default: none)")
+    ap.add_argument("--dtype", default="auto",
+                    help="the LM's weights: auto = what the server would serve (this machine's calibration, measured "
+                         "where the cache lacks it), or a fixed dtype loaded without calibrating (default %(default)s)")
     ap.add_argument("--json", default="", help="write the results here (atomic; '' = none)")
     args = ap.parse_args(argv)
     strides = [int(s) for s in args.strides.split(",") if s.strip()]
@@ -148,13 +151,18 @@ def main(argv: list[str] | None = None) -> None:
 
     from bench.knnlm import RetrievalProcess, _atomic_json
     from generation_service.engine.calibrate import calibrated_model
+    from generation_service.model.target import load_model
 
     t_start = time.time()
     ds = open_datastore(args.datastore)
     held = load_held_out(args.datastore)
     prompts = [d[: args.prompt_tokens].astype(np.int64) for d in held if len(d) >= args.prompt_tokens][: args.prompts]
     opts = KnnLmOptions(k=args.k, lam=args.lam, temperature=args.temperature, speculate=False)
-    tm, choice = calibrated_model("", "cpu", "auto", 0)  # what the server would serve
+    if args.dtype == "auto":
+        tm, choice = calibrated_model("", "cpu", "auto", 0)  # what the server would serve
+        model_dtype = choice.curve.dtype
+    else:
+        tm, model_dtype = load_model("", dtype=args.dtype, device="cpu"), args.dtype
     proc = RetrievalProcess(Path(args.datastore), "edr", 1, Path("var"))
     try:
         proc.wait()
@@ -184,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     print("costs (median s): " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in costs.items()))
     if args.json:
         result = {"command": "python -m bench.knnlm_replay " + " ".join(argv if argv is not None else sys.argv[1:]),
-                  "machine": machine(), "loadavg_end": list(os.getloadavg()), "model_dtype": choice.curve.dtype,
+                  "machine": machine(), "loadavg_end": list(os.getloadavg()), "model_dtype": model_dtype,
                   "setup": {"prompts": len(prompts), "prompt_tokens": args.prompt_tokens,
                             "new_tokens": args.new_tokens, "k": args.k, "lambda": args.lam,
                             "temperature": args.temperature, "datastore_entries": ds.size},

@@ -169,17 +169,21 @@ def warm_page_cache(directory: str) -> float:
 
 
 def run_workload(name: str, datastore: str, methods: list[str], limit: int, max_new: int, crest: str,
-                 bar: tqdm, dtype: str = "") -> dict:
+                 bar: tqdm, dtype: str = "", target: str = "") -> dict:
+    """target: a running worker's address to measure instead of starting the services ('' = start them)."""
     requests = REQUESTS[name](limit)
-    warm_s = warm_page_cache(datastore)
-    state = Path(tempfile.mkdtemp(prefix="bench-serving-")) / "launcher.json"
+    warm_s = warm_page_cache(datastore) if not target else 0.0
     extra = ["--crest", crest] if crest else []
     methods = [m for m in methods if m != "crest" or crest]
     t_up = time.perf_counter()
-    topo = launcher.up(datastore=datastore, state=state, extra_retrieval=extra, dtype=dtype)  # default worker flags
+    started = not target
+    if started:
+        state = Path(tempfile.mkdtemp(prefix="bench-serving-")) / "launcher.json"
+        topo = launcher.up(datastore=datastore, state=state, extra_retrieval=extra, dtype=dtype)  # default flags
+        target = topo.get("generation").address
     up_s = time.perf_counter() - t_up
     try:
-        with GenerationClient(topo.get("generation").address) as client:
+        with GenerationClient(target) as client:
             info = client.info()
             # The first request after start against the same request once warm (recorded apart, issue: first
             # request not slower than 2x a warm one).
@@ -197,7 +201,8 @@ def run_workload(name: str, datastore: str, methods: list[str], limit: int, max_
             ttft = ttft_study(client) if name == "humaneval" else None
             warm = run_request(client, requests[0], methods[0], max_new)
     finally:
-        launcher.down(state=state)
+        if started:
+            launcher.down(state=state)
     return {"datastore": datastore, "page_cache_warm_s": warm_s, "start_s": up_s, "worker": worker_info_dict(info),
             "per_prompt": per_prompt, "summary": summarize(per_prompt, methods), "ttft_by_prompt_length": ttft,
             "first_request": first_vs_warm(methods[0], first, warm)}
@@ -376,6 +381,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="datastore served for mtbench and docs-chat (default: the docs datastore)")
     ap.add_argument("--crest-code", default="", help="CREST store served for humaneval ('' = no crest method)")
     ap.add_argument("--crest-docs", default="", help="CREST store served for mtbench and docs-chat")
+    ap.add_argument("--target", default="",
+                    help="measure the worker at this address instead of starting the services (its datastore, "
+                         "dtype and flags are its own: --*-datastore name it in the record only, --dtype is not "
+                         "applied; '' = start them, the benchmark of record)")
     ap.add_argument("--inprocess", action="store_true",
                     help="also time our AR loop in this process on each workload's prompts (same dtype/threads)")
     ap.add_argument("--json", default="",
@@ -393,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--methods must include ar (every ratio is against it)")
     stores = {"code": args.code_datastore, "docs": args.docs_datastore}
     crest = {"code": args.crest_code, "docs": args.crest_docs}
-    for w in workloads:
+    for w in workloads if not args.target else []:
         if not (Path(stores[WORKLOADS[w]]) / "datastore.json").exists():
             raise SystemExit(f"{w}: datastore {stores[WORKLOADS[w]]} is not built (make bench-datastores)")
     json_path = Path(args.json) if args.json else Path(__file__).parent / "results" / f"serving-{cpu_class()}.json"
@@ -407,13 +416,14 @@ def main(argv: list[str] | None = None) -> int:
         for w in workloads:
             kind = WORKLOADS[w]
             res = run_workload(w, stores[kind], methods, args.limit, args.max_new_tokens, crest[kind], bar,
-                               args.dtype)
+                               args.dtype, args.target)
             ar_ms = res["summary"]["ar"]["decode_ms_per_token"]
-            serving = next(c for c in res["worker"]["candidates"]
-                           if (c["dtype"], c["threads"]) == (res["worker"]["dtype"], res["worker"]["threads"]))
-            res["ar_vs_inprocess"] = {"calibrated_ar_step_ms": serving["step_ms"][0],
-                                      "server_ar_decode_ms_per_token": ar_ms,
-                                      "ratio_vs_calibrated_step": ar_ms / serving["step_ms"][0]}
+            res["ar_vs_inprocess"] = {"server_ar_decode_ms_per_token": ar_ms}
+            serving = next((c for c in res["worker"]["candidates"]  # none where the worker was not calibrated
+                            if (c["dtype"], c["threads"]) == (res["worker"]["dtype"], res["worker"]["threads"])), None)
+            if serving is not None:
+                res["ar_vs_inprocess"] |= {"calibrated_ar_step_ms": serving["step_ms"][0],
+                                           "ratio_vs_calibrated_step": ar_ms / serving["step_ms"][0]}
             if args.inprocess:
                 inproc = inprocess_ar(res["worker"], REQUESTS[w](args.limit), args.max_new_tokens)
                 res["ar_vs_inprocess"] |= {"inprocess_ar_decode_ms_per_token": inproc["decode_ms_per_token"],

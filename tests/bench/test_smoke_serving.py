@@ -1,7 +1,7 @@
-"""bench.serving at a tiny size through its entry point: the services started as a user starts them
-(tools.launcher, the worker at fp32), one MT-Bench prompt with ar and pld for 8 tokens. The record holds the worker's
-calibration block, per-prompt rows for both methods, the summary, the first-vs-warm request and the comparison with
-the calibrated AR step."""
+"""bench.serving at a tiny size through its entry point: one MT-Bench prompt with ar and pld for 8 tokens, against
+an in-process worker (--target; the real model, fp32) and, in the slow tier, against the services started as a user
+starts them (tools.launcher). The record holds the worker block, per-prompt rows for both methods, the summary, the
+first-vs-warm request and the comparison with the AR step."""
 
 from __future__ import annotations
 
@@ -10,32 +10,57 @@ import json
 import pytest
 
 from bench import serving
+from generation_service.config import GenerationConfig
 from ragcore.model_files import ragserve_home
+from tests.conftest import real_model
 
-# The bench starts retrieval and a worker as processes (imports, model load, warm-up) and stops them: half a
-# minute on 2 cores before any request, beyond the fast tier's budget.
-pytestmark = [pytest.mark.model, pytest.mark.slow]
+pytestmark = pytest.mark.model
 
 STDLIB = ragserve_home() / "datastores" / "stdlib"
+ARGS = ["--workloads", "mtbench", "--methods", "ar,pld", "--limit", "1", "--max-new-tokens", "8"]
 
 
-@pytest.mark.skipif(not (STDLIB / "datastore.json").exists(), reason="stdlib datastore not prepared (make datastore)")
-def test_serving_runs_every_method(tmp_path, capsys):
-    out = tmp_path / "serving.json"
-    assert serving.main(["--workloads", "mtbench", "--methods", "ar,pld", "--limit", "1", "--max-new-tokens", "8",
-                         "--docs-datastore", str(STDLIB), "--dtype", "fp32", "--json", str(out)]) == 0
-    res = json.loads(out.read_text())
+def check_record(res: dict) -> dict:
     assert list(res["workloads"]) == ["mtbench"]  # Not humaneval or docs-chat: only the workload asked for
     w = res["workloads"]["mtbench"]
-    assert w["worker"]["dtype"] == "fp32" and w["worker"]["candidates"]
+    assert w["worker"]["dtype"] == "fp32"
     [row] = w["per_prompt"]
     assert set(row) == {"ar", "pld"}
     for name, r in row.items():
-        assert r["tokens"] > 0 and r["finish"] and r["ms_per_token"] > 0 and r["ttft_ms"] > 0, name
+        assert r["tokens"] == 8 and r["finish"] and r["ms_per_token"] > 0 and r["ttft_ms"] > 0, name
     assert set(w["summary"]) == {"ar", "pld"} and w["summary"]["ar"]["speedup_vs_ar"] == 1.0
     assert w["summary"]["pld"]["identical_to_ar"] == 1  # greedy fp32: pld reproduces ar
     assert w["first_request"]["method"] == "ar" and w["first_request"]["same_tokens"]
     assert w["ttft_by_prompt_length"] is None  # the TTFT study runs with humaneval only
-    assert w["ar_vs_inprocess"]["calibrated_ar_step_ms"] > 0
+    assert w["ar_vs_inprocess"]["server_ar_decode_ms_per_token"] > 0
     assert res["machine"]["cpu"] and len(res["loadavg_end"]) == 3
+    return w
+
+
+def test_serving_against_an_in_process_worker(tmp_path, capsys):
+    from generation_service.server import build_server
+
+    tm = real_model("fp32")
+    cfg = GenerationConfig(port=0, retrieval="", kb_target="", dtype="fp32", acceptance_state="off")
+    running, servicer = build_server(cfg, tm=tm)
+    try:
+        out = tmp_path / "serving.json"
+        assert serving.main([*ARGS, "--target", running.address, "--json", str(out)]) == 0
+    finally:
+        running.stop(0)
+        servicer.worker.stop()
+    w = check_record(json.loads(out.read_text()))
+    assert w["page_cache_warm_s"] == 0.0  # the target's datastore is its own: not read here
+    assert "calibrated_ar_step_ms" not in w["ar_vs_inprocess"]  # an uncalibrated worker: nothing to hold it against
     assert "first request after start (ar)" in capsys.readouterr().out
+
+
+# Starting and stopping retrieval and a worker as processes (imports, model load, warm-up) takes half a minute on
+# 2 cores before any request, beyond the fast tier's budget.
+@pytest.mark.slow
+@pytest.mark.skipif(not (STDLIB / "datastore.json").exists(), reason="stdlib datastore not prepared (make datastore)")
+def test_serving_against_the_launched_services(tmp_path):
+    out = tmp_path / "serving.json"
+    assert serving.main([*ARGS, "--docs-datastore", str(STDLIB), "--dtype", "fp32", "--json", str(out)]) == 0
+    w = check_record(json.loads(out.read_text()))
+    assert w["worker"]["candidates"] and w["ar_vs_inprocess"]["calibrated_ar_step_ms"] > 0

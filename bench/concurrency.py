@@ -192,7 +192,7 @@ def worker_cpu_ms_per_token(cores: dict[str, float], seconds: float, tokens: int
     """Worker CPU time per streamed token over the cell. Against the calibrated step (GetInfo) it shows CPU
     burnt without progress: OpenMP threads spinning at a barrier while their sibling waits for a core on a
     crowded machine use a full core and produce little."""
-    return round(cores.get("generation", 0.0) * seconds * 1e3 / tokens, 1) if tokens else None
+    return round(cores["generation"] * seconds * 1e3 / tokens, 1) if tokens and "generation" in cores else None
 
 
 def run_cell(target: str, method: str, level: int, feed: PromptFeed, max_new: int, warmup_s: float,
@@ -355,6 +355,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prompts", type=int, default=40, help="prompts of each kind in the mix (default 40)")
     ap.add_argument("--datastore", default=str(ragserve_home() / "datastores" / "code"),
                     help="datastore the retrieval service serves (default: the code datastore)")
+    ap.add_argument("--target", default="",
+                    help="measure the worker at this address instead of starting the services (its datastore, "
+                         "dtype and flags are its own; no per-process CPU shares; '' = start them, the benchmark "
+                         "of record)")
     ap.add_argument("--json", default="",
                     help="write the results here (atomic); default bench/results/concurrency-<cpu class>.json")
     ap.add_argument("--plot", default="", help="PNG plot path (default: the JSON path with .png)")
@@ -366,7 +370,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--rounds {args.rounds} must be >= 1")
     if args.duration_s <= 0 or args.warmup_s < 0:
         ap.error(f"--duration-s {args.duration_s} must be > 0 and --warmup-s {args.warmup_s} >= 0")
-    if not (Path(args.datastore) / "datastore.json").exists():
+    if not args.target and not (Path(args.datastore) / "datastore.json").exists():
         ap.error(f"--datastore {args.datastore} is not built (make bench-datastores)")
     return args
 
@@ -392,14 +396,15 @@ def main(argv: list[str] | None = None) -> int:
                            "max_new_tokens": args.max_new_tokens, "prompts": len(prompts),
                            "worker_args": args.worker_args,
                            "mix": "HumanEval raw prompt + 4 spaces / MT-Bench first turn, alternating"},
-              "page_cache_warm_s": warm_page_cache(args.datastore), "cells": [], "skipped": [], "by_method": {},
+              "page_cache_warm_s": warm_page_cache(args.datastore) if not args.target else 0.0, "cells": [], "skipped": [], "by_method": {},
               "targets": evaluate_targets({})}
-    state = Path(tempfile.mkdtemp(prefix="bench-concurrency-")) / "launcher.json"
-    topo = launcher.up(datastore=args.datastore, state=state, dtype=args.dtype,  # default flags unless told
-                       extra_generation=shlex.split(args.worker_args))
+    target, pids, state = args.target, {}, None
+    if not target:
+        state = Path(tempfile.mkdtemp(prefix="bench-concurrency-")) / "launcher.json"
+        topo = launcher.up(datastore=args.datastore, state=state, dtype=args.dtype,  # default flags unless told
+                           extra_generation=shlex.split(args.worker_args))
+        target, pids = topo.get("generation").address, {p.name: p.pid for p in topo.procs}
     try:
-        target = topo.get("generation").address
-        pids = {p.name: p.pid for p in topo.procs}
         with GenerationClient(target) as client:
             result["worker"] = worker_info_dict(client.info())
             for m in args.methods:  # load kernels, page in what drafting touches: not recorded
@@ -430,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
                 result["loadavg_end"] = os.getloadavg()
                 write_json(json_path, result)  # after every cell: a stopped run keeps what it measured
     finally:
-        launcher.down(state=state)
+        if state is not None:
+            launcher.down(state=state)
     if result["cells"]:
         w = result["worker"]
         plot(result["by_method"], plot_path,

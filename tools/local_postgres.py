@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 SYSTEM_USER = "pgserver"
+SETPRIV = "setpriv"  # util-linux: on every Debian, slim images included
 # Durability settings a disposable test/benchmark server can drop (a crash loses the data anyway).
 FAST_SETTINGS = {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
 
@@ -89,8 +90,14 @@ class LocalPostgres:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "*") else self.host
         return f"postgresql://postgres@{host}:{self.port}/postgres"
 
-    def _run_as(self) -> dict:
-        return {"user": self._user} if self._user else {}
+    def _as_user(self, args: list[str]) -> list[str]:
+        """args run as the system user under root: setpriv changes user and then execs them (same pid, so kill()
+        reaches the server). Not subprocess's user=: that forks the caller (no vfork), and a fork of a process with
+        gRPC threads running can crash the child in gRPC's fork handlers before the exec (initdb "died with
+        SIGSEGV" in a test process serving gRPC)."""
+        if not self._user:
+            return args
+        return [SETPRIV, f"--reuid={self._user}", f"--regid={self._user}", "--init-groups", "--", *args]
 
     def init(self) -> None:
         if (self.data / "PG_VERSION").is_file():
@@ -98,9 +105,9 @@ class LocalPostgres:
         self.data.mkdir(parents=True, exist_ok=True)
         if self._user:
             _open_to(self._user, self.data)
-        subprocess.run([str(self._bin / "initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust",
-                        "--encoding=UTF8", "--no-sync", "--no-instructions"], check=True, capture_output=True,
-                       **self._run_as())
+        subprocess.run(self._as_user([str(self._bin / "initdb"), "-D", str(self.data), "-U", "postgres",
+                                      "--auth=trust", "--encoding=UTF8", "--no-sync", "--no-instructions"]),
+                       check=True, capture_output=True)
 
     def _trust_same_network(self) -> None:
         """initdb lets in loopback clients only; a server listening on a container network also trusts the hosts
@@ -124,8 +131,8 @@ class LocalPostgres:
             args += ["-c", f"{k}={v}"]
         log = open(self.data / "server.log", "ab")
         # Its own session: kill() takes the postmaster and every backend at once.
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     **self._run_as())
+        self.proc = subprocess.Popen(self._as_user(args), stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
         log.close()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -252,7 +252,9 @@ def test_a_call_that_was_busy_until_its_time_ran_out_says_resource_exhausted(ser
             client.call("Draft", _request())
         assert e.value.kind == "unavailable", case
         assert expected in str(e.value) and not_expected not in str(e.value), (case, str(e.value))
-        assert client.calls == busy + 1, case
+        # Every busy reply asked again while time was left; on a loaded machine the back-offs can spend the 0.3 s
+        # before the last ask, and the answer must still name the load.
+        assert (2 if busy else 1) <= client.calls <= busy + 1, case
         assert all(r.down_until == 0.0 for r in client.replicas), case
     finally:
         ds.busy, ds.stall_s = 0, 0.0

@@ -21,6 +21,7 @@ def test_back_after(rounds, killed_at, first, stable):
     assert back_after(rounds, killed_at) == (first, stable)
 
 
+@pytest.mark.slow
 def test_smoke_run_writes_a_passing_record(tmp_path):
     if binaries() is None:
         pytest.skip("redis-server / redis-cli not found (`make system-packages`)")

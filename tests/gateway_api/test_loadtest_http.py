@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.model
+@pytest.mark.slow
 def test_locust_http_user_drives_the_gateway(gateway, tmp_path):
     prefix = tmp_path / "smoke"
     run = subprocess.run(

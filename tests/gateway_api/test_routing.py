@@ -87,6 +87,7 @@ def _ask(gw, model_id, system: str, user: str, **extra) -> httpx.Response:
                                                          {"role": "user", "content": user}], **extra})
 
 
+@pytest.mark.slow
 def test_prefix_affinity_two_workers(fleet, model_id):
     gw, a, b = fleet
     order = [(r, i) for r in range(10) for i in range(len(SYSTEMS))]  # interleaved, as traffic arrives

@@ -31,6 +31,7 @@ def test_fused_forward_tests_pass_on_the_avx2_build():
     assert q4_kernel.build(LEVEL).isa() == "avx2"  # built by the run (~30 s the first time per source version)
 
 
+@pytest.mark.slow
 def test_prebuild_of_a_level_this_cpu_lacks_compiles_without_loading(monkeypatch, capsys):
     """The image build prebuilds every level on whatever CPU builds it: loading a level that CPU lacks ran
     AVX-512 code on an AVX2-only CI host (SIGILL, exit 132); the build must only compile it."""

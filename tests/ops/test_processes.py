@@ -62,6 +62,7 @@ def _generate(client: GenerationClient, prompt: str, mode: str):
     return client.generate(prompt, max_new_tokens=N_TOKENS, decoding=mode, ignore_eos=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_replicas_are_used_round_robin(topology):
     topo, _ = topology
     gen = topo.get("generation")
@@ -72,6 +73,7 @@ def test_replicas_are_used_round_robin(topology):
     assert len(counts) == 2 and all(n > 0 for n in counts), counts  # Not every draft on one replica
 
 
+@pytest.mark.slow
 def test_retrieval_killed_during_load_degrades_and_recovers(topology):
     topo, state = topology
     gen = topo.get("generation")
@@ -145,6 +147,7 @@ def _http(url: str, body: dict | None = None, key: str = API_KEY) -> tuple[int, 
         return e.code, json.loads(e.read() or b"{}")
 
 
+@pytest.mark.slow
 def test_gateway_started_last_and_serves_the_workers_answer(topology):
     topo, _ = topology
     assert [p.name for p in topo.procs] == ["retrieval", "retrieval-1", "generation", "gateway"]  # dependency order

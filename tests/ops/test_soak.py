@@ -35,6 +35,7 @@ def test_a_different_greedy_reply_or_an_unexpected_code_fails_the_run():
     assert not r["ok"] and r["unexpected_errors"] == 1
 
 
+@pytest.mark.slow
 def test_soak_smoke(tmp_path, tm, datastore):
     from retrieval_service.config import RetrievalConfig
     from retrieval_service.server import build_server

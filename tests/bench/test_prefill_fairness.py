@@ -7,27 +7,18 @@ import json
 
 import pytest
 
-from generation_service.config import GenerationConfig
-from tests.conftest import real_model
+from tests.bench.workers import in_process_worker
 
 pytestmark = pytest.mark.model
 
 
 def test_prefill_fairness_smoke(tmp_path):
     from bench.prefill_fairness import main
-    from generation_service.server import build_server
 
-    tm = real_model("fp32")
-    cfg = GenerationConfig(port=0, retrieval="", kb_target="", dtype="fp32", acceptance_state="off",
-                           prefill_chunk=64, default_decoding="ar")
-    running, servicer = build_server(cfg, tm=tm)
-    try:
-        out = tmp_path / "pf.json"
-        assert main(["--target", running.address, "--prompt-tokens", "200", "--streams", "2", "--stream-tokens",
-                     "12", "--rounds", "2", "--json", str(out)]) == 0
-    finally:
-        running.stop(0)
-        servicer.worker.stop()
+    out = tmp_path / "pf.json"
+    with in_process_worker(prefill_chunk=64, default_decoding="ar") as address:
+        assert main(["--target", address, "--prompt-tokens", "200", "--streams", "2", "--stream-tokens", "12",
+                     "--rounds", "2", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert [r["order"] for r in result["rounds"]] == [["streams", "long", "loaded"], ["loaded", "long", "streams"]]
     for r in result["rounds"]:

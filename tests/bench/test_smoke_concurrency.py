@@ -10,9 +10,8 @@ import json
 import pytest
 
 from bench import concurrency
-from generation_service.config import GenerationConfig
 from ragcore.model_files import ragserve_home
-from tests.conftest import real_model
+from tests.bench.workers import in_process_worker
 
 pytestmark = pytest.mark.model
 
@@ -34,17 +33,9 @@ def check_record(res: dict, out_dir) -> dict:
 
 
 def test_concurrency_against_an_in_process_worker(tmp_path, capsys):
-    from generation_service.server import build_server
-
-    tm = real_model("fp32")
-    cfg = GenerationConfig(port=0, retrieval="", kb_target="", dtype="fp32", acceptance_state="off")
-    running, servicer = build_server(cfg, tm=tm)
-    try:
-        out = tmp_path / "conc.json"
-        assert concurrency.main([*ARGS, "--target", running.address, "--json", str(out)]) == 0
-    finally:
-        running.stop(0)
-        servicer.worker.stop()
+    out = tmp_path / "conc.json"
+    with in_process_worker() as address:
+        assert concurrency.main([*ARGS, "--target", address, "--json", str(out)]) == 0
     cell = check_record(json.loads(out.read_text()), tmp_path)
     # No service processes of its own to account: Not a 0 ms/token that reads as a free worker.
     assert cell["cpu_cores_used"] == {} and cell["worker_cpu_ms_per_token"] is None

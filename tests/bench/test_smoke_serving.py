@@ -10,9 +10,8 @@ import json
 import pytest
 
 from bench import serving
-from generation_service.config import GenerationConfig
 from ragcore.model_files import ragserve_home
-from tests.conftest import real_model
+from tests.bench.workers import in_process_worker
 
 pytestmark = pytest.mark.model
 
@@ -38,17 +37,9 @@ def check_record(res: dict) -> dict:
 
 
 def test_serving_against_an_in_process_worker(tmp_path, capsys):
-    from generation_service.server import build_server
-
-    tm = real_model("fp32")
-    cfg = GenerationConfig(port=0, retrieval="", kb_target="", dtype="fp32", acceptance_state="off")
-    running, servicer = build_server(cfg, tm=tm)
-    try:
-        out = tmp_path / "serving.json"
-        assert serving.main([*ARGS, "--target", running.address, "--json", str(out)]) == 0
-    finally:
-        running.stop(0)
-        servicer.worker.stop()
+    out = tmp_path / "serving.json"
+    with in_process_worker() as address:
+        assert serving.main([*ARGS, "--target", address, "--json", str(out)]) == 0
     w = check_record(json.loads(out.read_text()))
     assert w["page_cache_warm_s"] == 0.0  # the target's datastore is its own: not read here
     assert "calibrated_ar_step_ms" not in w["ar_vs_inprocess"]  # an uncalibrated worker: nothing to hold it against

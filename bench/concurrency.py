@@ -396,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
                            "max_new_tokens": args.max_new_tokens, "prompts": len(prompts),
                            "worker_args": args.worker_args,
                            "mix": "HumanEval raw prompt + 4 spaces / MT-Bench first turn, alternating"},
-              "page_cache_warm_s": warm_page_cache(args.datastore) if not args.target else 0.0, "cells": [], "skipped": [], "by_method": {},
+              "page_cache_warm_s": warm_page_cache(args.datastore) if not args.target else 0.0,
+              "cells": [], "skipped": [], "by_method": {},
               "targets": evaluate_targets({})}
     target, pids, state = args.target, {}, None
     if not target:

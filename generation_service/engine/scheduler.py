@@ -67,7 +67,7 @@ from generation_service.model.lean_llama import KVSlab, capacity_for
 from generation_service.model.sampling import argmax_each, token_logprobs
 from generation_service.model.step_cost import StepCost
 from generation_service.model.target import TargetModel, forward_batch, forward_batch_hidden, new_cache
-from ragcore.errors import ResourceExhausted, ServiceError
+from ragcore.errors import ResourceExhausted, ServiceError, Unavailable
 from ragcore.files import write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -257,6 +257,8 @@ class Engine:
                                     f"of {self.kv_budget_rows} (kv_cache_mb); shorten the prompt or max_new_tokens")
         piece = self._first_at_once(job, rows)
         with self._submitting:
+            if self._stop.is_set():  # nothing would take it off the queue
+                raise Unavailable("the worker is stopping")
             if self.jobs.full():  # checked before the first token goes out: a refused request gets none
                 raise queue.Full
             if piece is not None:
@@ -370,6 +372,27 @@ class Engine:
             self._admit(block=not self.running)
             if self.running:
                 self._step()
+        self._end_remaining()
+
+    def _end_remaining(self) -> None:
+        """The loop stopped with requests running or queued: each gets UNAVAILABLE, so no gRPC handler waits for
+        chunks that will never come (a process exiting would wait on those handler threads forever)."""
+        stopped = Unavailable("the worker stopped before the request finished")
+        for run in list(self.running):
+            self._fail(run, stopped)
+        with self._submitting:  # submit() refuses from here on: nothing joins the queue after it is drained
+            queued = [self._waiting] if self._waiting is not None else []
+            self._waiting = None
+            while True:
+                try:
+                    job = self.jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    queued.append(job)
+        for job in queued:
+            job.chunks.put(stopped)
+            job.chunks.put(None)
 
     def _admit(self, block: bool) -> None:
         while len(self.running) < self.max_batch and not self._stop.is_set():

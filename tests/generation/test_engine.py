@@ -494,3 +494,26 @@ def test_a_long_prompt_shares_passes_with_decoding_requests(tm32, monkeypatch):
         if g != w:
             div = first_divergence(tm32, prompt, w, g)
             assert div is not None and div.near_tie, div
+
+
+def test_stopping_the_engine_ends_every_request_it_holds(tm32):
+    """A request running and one queued when the engine stops each get UNAVAILABLE then the end of their chunks
+    (Not a handler waiting forever: a process would not exit); a request submitted afterwards is refused."""
+    from ragcore.errors import Unavailable
+
+    prompts = [encode(tm32, t) for t in humaneval_prompts(2)]
+    engine = _engine(tm32, {}, max_batch=1)
+    running = _job(prompts[0], SamplingParams(max_new_tokens=400, ignore_eos=True))
+    queued = _job(prompts[1], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    engine.submit(running)
+    engine.submit(queued)
+    assert running.chunks.get(timeout=120) is not None  # it has started: its first token is out
+    engine.stop()
+    for job in (running, queued):
+        items = []
+        while (item := job.chunks.get(timeout=30)) is not None:
+            items.append(item)
+        assert isinstance(items[-1], Unavailable), items[-1:]
+        assert not any(getattr(i, "finish_reason", None) for i in items)  # Not a finished reply
+    with pytest.raises(Unavailable):
+        engine.submit(_job(prompts[1], SamplingParams(max_new_tokens=4)))

@@ -3,21 +3,21 @@
 One loop on the model thread (engine/model_thread.py). Between passes requests join (admission: at most
 `max_batch` running, their KV caches within `kv_cache_mb`; the rest wait in a bounded queue, beyond it
 RESOURCE_EXHAUSTED) and leave (finished, cancelled, past their deadline: the slot is free at the next pass).
-Two kinds of request share the passes:
+Two kinds of request share the passes, both seen through one protocol (engine/scheduled.py's ScheduledRequest):
 
-    draft-tree modes    ar, pld, rest-ds, rest, crest: a TreeRequest (engine/requests.py) per request
+    draft-tree modes    ar, pld, rest-ds, rest, crest: a TreeRequest (engine/requests.py) per request (TreeRun)
     RAG and kNN-LM      RaLMSeq/RaLMSpec (ralm.RagRequest), kNN-LM (knnlm.KnnRequest): a decoding loop over
-                        effects (engine/effects.py) stepped by an EffectRun. Its forward passes are Pass effects
-                        that join the shared pass; its blocking retrieval calls are Call effects run on the
+                        effects (engine/effects.py) stepped by an EffectRun (LoopRun). Its forward passes are Pass
+                        effects that join the shared pass; its blocking retrieval calls are Call effects run on the
                         retrieval pool while everyone else decodes; it waits on in-flight searches (Wait) without
                         holding anybody up; the engine sleeps only when every request waits on retrieval.
 
 One step:
 
     advance     every RAG / kNN-LM loop runs until it needs rows of the next pass or waits on retrieval
-    drafts      every decoding tree request's drafter is asked at once (remote drafts: one DraftBatch call per
-                retrieval client); in a batch, engine/draft_gate.py decides from measured step rates whether to draft
-                remotely, in process only, or not at all
+    drafts      every decoding tree request's drafter (its drafting facet) is asked at once (remote drafts: one
+                DraftBatch call per retrieval client); in a batch, engine/draft_gate.py decides from measured step
+                rates whether to draft remotely, in process only, or not at all
     sizes       draft_budget.batch_sizes: the nodes worth verifying across the whole batch, best first, from the
                 calibrated pass cost of the batch's decoding rows — trees shrink as the batch grows
     one pass    forward_batch over [last + tree] of every decoding tree request, every loop's AR rows, and prefill
@@ -53,15 +53,16 @@ from generation_service import metrics
 from generation_service.drafting.budget import SharedCalibration, batch_sizes
 from generation_service.engine.admission import FollowWait
 from generation_service.engine.draft_gate import LOCAL, NONE, REMOTE, DraftGate
-from generation_service.engine.effects import EffectRun, Emit, LoopRequest, Pass, on_done
+from generation_service.engine.effects import LoopRequest
 from generation_service.engine.model_thread import ModelThread
 from generation_service.engine.pass_costs import PassCosts
 from generation_service.engine.passage_rows import passage_budget
 from generation_service.engine.prefill_share import PrefillShare
 from generation_service.engine.prefix_cache import PrefixCache
 from generation_service.engine.requests import FirstPick, TreeRequest, pick_first
-from generation_service.engine.speculative import FINISH_CANCELLED, StreamChunk, TextOutput
-from generation_service.engine.steps import SpeculationStats, is_prefill, prefill, tree_segment
+from generation_service.engine.scheduled import DraftStep, LoopRun, ScheduledRequest, Step, TreeRun
+from generation_service.engine.speculative import StreamChunk, TextOutput
+from generation_service.engine.steps import SpeculationStats, prefill, tree_segment
 from generation_service.engine.threads import IdleMeter, ThreadGovernor
 from generation_service.model.lean_llama import KVSlab, capacity_for
 from generation_service.model.sampling import argmax_each, token_logprobs
@@ -129,7 +130,7 @@ def measure_segment_ms(tm: TargetModel, reps: int = 5, slab: KVSlab | None = Non
     return max(0.0, (many - one) / 3)
 
 
-def _draft_together(group: list[tuple[TreeRequest, object]]) -> None:
+def _draft_together(group: list[tuple[DraftStep, object]]) -> None:
     """One propose_batch call for requests whose sources share a batch_key; each request takes its own tree."""
     sources = [source for _, source in group]
     t = time.perf_counter()
@@ -149,25 +150,14 @@ class _Running:
     kv_rows: int
     observer: metrics.GenerationObserver
     t0: float = field(default_factory=time.perf_counter)
-    req: TreeRequest | None = None  # draft-tree modes
+    request: ScheduledRequest | None = None  # None until it starts (a first token may go out before)
     out: TextOutput | None = None
-    # RAG / kNN-LM: the request (ralm.RagRequest | knnlm.KnnRequest: final chunk) and its loop being stepped
-    loop_request: LoopRequest | None = None
-    loop: EffectRun | None = None
-    waking: object = None  # the future the engine's wake-up is registered on
     closed: bool = False
     held: list[StreamChunk] = field(default_factory=list)  # chunks not handed to the gRPC thread yet
     last_put: float | None = None  # perf_counter() when a chunk was last handed over (None: never)
     tokens: list[int] = field(default_factory=list)  # output tokens sent so far
     first: FirstPick | None = None  # its first step, taken at submit from a prompt cached whole
     first_sent: bool = False  # ... and already handed to its gRPC thread
-
-    def prefill_rows(self) -> int:
-        """Rows of the prefill chunk this request wants in the next pass (0: none)."""
-        if self.req is not None:
-            return self.req.next_prefill_rows
-        p = self.loop.pending if self.loop is not None else None
-        return p.segment.ids.shape[0] if isinstance(p, Pass) and is_prefill(p.segment) else 0
 
 
 class Engine:
@@ -428,30 +418,32 @@ class Engine:
         run = getattr(job, "early", None) or _Running(job, rows, metrics.GenerationObserver(job.decoding,
                                                                                              job.submitted))
         try:
-            if job.rag is not None or job.knnlm is not None:
-                run.loop_request = self._loop_request(job)
-                run.loop = EffectRun(run.loop_request.effects())
-                run.out = TextOutput(self.tm.tokenizer, job.prompt_ids, job.params.stop, run.loop_request.chunk)
-            else:
-                cache = None
-                free = self._slot_users.index(None) if None in self._slot_users else -1
-                if self.slab is not None and rows <= self.slab.capacity and free >= 0:
-                    cache = self.slab.cache(free)
-                run.req = TreeRequest(self.tm, job.prompt_ids, job.params, drafter=self._drafter(job),
-                                      draft_budget=job.budget, stats=SpeculationStats(decoding=job.decoding),
-                                      prefill_chunk=self.prefill_chunk, cache=cache, calibration=self.calibration,
-                                      prefix_cache=self.prefix_cache, first=run.first)
-                if cache is not None:
-                    self._slot_users[free] = run
-                if run.out is None:
-                    run.out = TextOutput(self.tm.tokenizer, job.prompt_ids, job.params.stop)
+            run.request = self._new_request(run, rows)
+            if run.out is None:
+                run.out = TextOutput(self.tm.tokenizer, job.prompt_ids, job.params.stop, run.request.chunk)
         except Exception as e:
             self._fail(run, e, started=False)
             return
         self._kv_used += rows
         self.running.append(run)
-        if run.req is not None and run.req.first_step is not None and not run.first_sent:
-            self._feed(run, run.req.first_step)  # the whole prompt was in the prefix cache
+        if run.request.first_step is not None and not run.first_sent:
+            self._feed(run, run.request.first_step)  # the whole prompt was in the prefix cache
+
+    def _new_request(self, run: _Running, rows: int) -> ScheduledRequest:
+        """The job's request: a RAG / kNN-LM loop, or a draft-tree request (in a free slab slot if it fits one)."""
+        job = run.job
+        if job.rag is not None or job.knnlm is not None:
+            return LoopRun(self._loop_request(job))
+        cache = None
+        free = self._slot_users.index(None) if None in self._slot_users else -1
+        if self.slab is not None and rows <= self.slab.capacity and free >= 0:
+            cache = self.slab.cache(free)
+        req = TreeRequest(self.tm, job.prompt_ids, job.params, drafter=self._drafter(job), draft_budget=job.budget,
+                          stats=SpeculationStats(decoding=job.decoding), prefill_chunk=self.prefill_chunk, cache=cache,
+                          calibration=self.calibration, prefix_cache=self.prefix_cache, first=run.first)
+        if cache is not None:
+            self._slot_users[free] = run
+        return TreeRun(req)
 
     def _step(self) -> None:
         self._wake.clear()  # a completion from here on makes the wait below return at once
@@ -460,88 +452,86 @@ class Engine:
                 self._flush(run)
         for run in list(self.running):
             if run.job.is_cancelled():
-                if run.req is not None:
-                    self._feed(run, run.req.cancel())
-                else:
-                    run.loop.close()  # its finally blocks cancel what it has in flight
-                    self._loop_output(run, [], FINISH_CANCELLED)
-        for run in [r for r in self.running if r.loop is not None]:
+                self._feed(run, run.request.cancel())
+        for run in list(self.running):
             self._advance(run)
-        trees = [r for r in self.running if r.req is not None]
-        ready = [r for r in self.running if r.loop is not None and isinstance(r.loop.pending, Pass)]
-        if not trees and not ready:  # every request waits on retrieval
+        ready = [r for r in self.running if r.request.in_pass]
+        if not ready:  # every request waits on retrieval
             self._wake.wait(0.05)
             return
         try:
-            self._pass(trees, ready)
+            self._pass(ready)
         except Exception as e:  # a failed pass fails the requests in it; the engine keeps serving
-            for run in trees + ready:
+            for run in ready:
                 self._fail(run, e)
 
     def _advance(self, run: _Running) -> None:
-        """Step a RAG / kNN-LM loop until it needs the next pass or waits on retrieval (never blocks)."""
-        emitted: list[Emit] = []
+        """Let a request run on until it needs the next pass or waits on retrieval (never blocks): a RAG / kNN-LM
+        loop's searches and the output it commits between passes."""
         try:
-            run.loop.advance(self.retrieval_pool.submit, emitted.append)
+            steps = run.request.advance(self.retrieval_pool.submit)
         except Exception as e:
             self._fail(run, e)
             return
-        for e in emitted:
+        for step in steps:
             if not run.closed:
-                self._loop_output(run, e.tokens, e.finish)
+                self._feed(run, step)
         if run.closed:
             return
-        if run.loop.finished:
+        if run.request.ended:
             self._fail(run, RuntimeError("the decode loop ended without a final chunk"))
-        elif run.loop.future is not None and run.waking is not run.loop.future:
-            run.waking = run.loop.future
-            on_done(run.waking, self._wake.set)
+        else:
+            run.request.wake_on(self._wake.set)
 
-    def _pass(self, trees: list[_Running], ready: list[_Running]) -> None:
+    def _pass(self, ready: list[_Running]) -> None:
         """One batched forward pass: every decoding request's rows (tree requests: the last token + the chosen
         draft nodes; RAG / kNN-LM loops: their AR step), and prefill pieces of the longest-waiting requests
         (_choose_prefills), so a long prompt never stalls the others for long."""
         t0 = time.perf_counter()
-        decoding = [r for r in trees if not r.req.prefilling]
-        loop_rows = [r for r in ready if not r.prefill_rows()]
+        decoding = [r for r in ready if not r.request.prefill_rows()]
+        drafted = [r for r in decoding if r.request.drafting is not None]  # their trees are sized here
+        fixed = [r for r in decoding if r.request.drafting is None]  # their loops chose their rows
+        steps = [r.request.drafting for r in drafted]
         # Alone, a request decides for itself (its sizer); in a batch the gate measures how drafting pays.
-        gated = len(decoding) > 1 and any(r.req.drafter is not None for r in decoding)
+        gated = len(steps) > 1 and any(s.drafter is not None for s in steps)
         arm = REMOTE
         if gated:
-            remote = any(getattr(r.req.drafter, "remote", False) for r in decoding)
-            arm = self.gate.choose(len(decoding), (REMOTE, LOCAL, NONE) if remote else (LOCAL, NONE))
+            remote = any(getattr(s.drafter, "remote", False) for s in steps)
+            arm = self.gate.choose(len(steps), (REMOTE, LOCAL, NONE) if remote else (LOCAL, NONE))
         if arm == NONE:
-            for r in decoding:
-                r.req.skip_draft()
+            for s in steps:
+                s.skip_draft()
         else:
-            self._fetch_drafts([r.req for r in decoding], arm == REMOTE)
+            self._fetch_drafts(steps, arm == REMOTE)
         cost = self.step_cost
-        if len(decoding) == 1 and not loop_rows:
-            decoding[0].req.choose(cost=cost)  # alone: the solo decision
-        elif decoding:
+        fixed_segments = [r.request.decode_segment() for r in fixed]
+        if len(steps) == 1 and not fixed:
+            steps[0].choose(cost=cost)  # alone: the solo decision
+        elif steps:
             # Sized against the decoding rows only. A prefill chunk's rows emit no token, so counted in they make
             # the pass's tokens per ms tiny and any node look worth its row (trees of 64 nodes beside a 200-row
             # chunk); but the chunk's cost is spent either way, while a node's row costs what it costs in any
             # pass: it must pay against the decoding rows' own rate.
-            sized = [r for r in decoding if r.req.sizer is not None]
-            base = len(decoding) * self.tm.min_rows + sum(r.loop.pending.segment.ids.shape[0] for r in loop_rows)
-            counts = batch_sizes([r.req.p for r in sized], cost, base, len(decoding) + len(loop_rows),
-                                 self.segment_ms, base_tokens=len(decoding) + len(loop_rows))
-            for r, n in zip(sized, counts):
-                r.req.choose(n)
-            for r in decoding:
-                if r.req.sizer is None:
-                    r.req.choose()
-        decode_segments = [r.req.decode_segment() for r in decoding] + [r.loop.pending.segment for r in loop_rows]
-        decode_ms, prefills = self._choose_prefills(trees + ready, decode_segments, cost)
-        pre_trees = [(r, n) for r, n in prefills if r.req is not None]
-        loops = loop_rows + [r for r, _ in prefills if r.loop is not None]
-        segments = (decode_segments + [r.loop.pending.segment for r in loops[len(loop_rows):]]
-                    + [r.req.prefill_segment(n) for r, n in pre_trees])
+            sized = [s for s in steps if s.sizer is not None]
+            base = len(steps) * self.tm.min_rows + sum(seg.ids.shape[0] for seg in fixed_segments)
+            counts = batch_sizes([s.p for s in sized], cost, base, len(decoding), self.segment_ms,
+                                 base_tokens=len(decoding))
+            for s, n in zip(sized, counts):
+                s.choose(n)
+            for s in steps:
+                if s.sizer is None:
+                    s.choose()
+        decode_segments = [r.request.decode_segment() for r in drafted] + fixed_segments
+        decode_ms, prefills = self._choose_prefills(ready, decode_segments, cost)
+        # The prompt chunks of requests that bring their own rows before the pieces sized here, the order passes
+        # have always had: a row's place in the pass can change how batched kernels round it.
+        prefills.sort(key=lambda p: p[0].request.drafting is not None)
+        members = drafted + fixed + [r for r, _ in prefills]
+        segments = decode_segments + [r.request.prefill_segment(n) for r, n in prefills]
         pass_rows = sum(int(s.ids.shape[0]) for s in segments)
         n_threads = self._set_threads(pass_rows)
         t_pass = time.perf_counter()
-        if any(r.loop.pending.hidden for r in loops):
+        if any(r.request.wants_hidden for r in members):
             logits, hidden = forward_batch_hidden(self.tm, segments)
         else:
             logits, hidden = forward_batch(self.tm, segments), [None] * len(segments)
@@ -573,17 +563,17 @@ class Engine:
             if self.follow.gaps:
                 log.info("engine: arrivals after %d passes: %s", self.passes, self.follow.report())
         self.peak_batch = max(self.peak_batch, len(segments))
-        emitted = 0
-        greedy = [r.req.sampler.greedy for r in decoding]
+        greedy = [s.sampler.greedy for s in steps]
         picks = iter(argmax_each([lg for g, lg in zip(greedy, logits) if g]))  # one call, the GIL kept
-        for r, lg, g in zip(decoding, logits, greedy):
-            step = r.req.commit(lg, next(picks) if g else None)
-            emitted += len(step[0])
-            self._feed(r, step)
-        for r, lg, h in zip(loops, logits[len(decoding):], hidden[len(decoding):]):
-            r.loop.passed(lg, h)
-        if gated and not prefills and not loop_rows:  # other rows in the pass would blur the rate
-            n = len(decoding)
+        tops = [next(picks) if g else None for g in greedy] + [None] * (len(members) - len(steps))
+        emitted = 0
+        for r, lg, h, top in zip(members, logits, hidden, tops):
+            step = r.request.commit(lg, h, top)
+            if step is not None:
+                emitted += len(step[0])
+                self._feed(r, step)
+        if gated and not prefills and not fixed:  # other rows in the pass would blur the rate
+            n = len(steps)
             cost = self.tm.step_cost  # a generic curve (no calibration) has no ms to compare with: raw rates
             ar_ms = 0.0
             if self.threads is not None:  # at the count and slowdown this pass ran with
@@ -591,17 +581,13 @@ class Engine:
             elif cost.measured:
                 ar_ms = float(cost.pass_ms(n * self.tm.min_rows)) + n * self.segment_ms
             self.gate.record(n, arm, emitted, (time.perf_counter() - t0) * 1e3, ar_ms)
-        for (r, _), lg in zip(pre_trees, logits[len(decoding) + len(loops):]):
-            step = r.req.prefilled(lg)
-            if step is not None:
-                self._feed(r, step)
 
     def _choose_prefills(self, runs: list[_Running], decode_segments: list, cost: StepCost
                          ) -> tuple[float, list[tuple[_Running, int]]]:
         """The prompt pieces this pass carries beside the decoding rows, the longest-waiting request first (at least
         one piece): a whole chunk when nothing decodes, else as many rows as the prefill share allows
         (engine/prefill_share.py). -> (calibrated ms of the decoding rows alone (0: none), [(request, rows)])."""
-        waiting = sorted((r for r in runs if r.prefill_rows()), key=lambda r: r.t0)
+        waiting = sorted((r for r in runs if r.request.prefill_rows()), key=lambda r: r.t0)
         if not waiting:
             return 0.0, []
         decode_ms = 0.0
@@ -613,7 +599,7 @@ class Engine:
         budget = self.prefill_share.rows(decode_ms, row_guess)
         chosen: list[tuple[_Running, int]] = []
         for r in waiting:
-            n = r.req.prefill_rows(budget) if r.req is not None else r.prefill_rows()  # a loop's chunk is whole
+            n = r.request.prefill_rows(budget)
             if chosen and n > budget:
                 break
             chosen.append((r, budget))
@@ -636,12 +622,12 @@ class Engine:
             torch.set_num_threads(n)
         return n
 
-    def _fetch_drafts(self, reqs: list[TreeRequest], allow_remote: bool) -> None:
+    def _fetch_drafts(self, reqs: list[DraftStep], allow_remote: bool) -> None:
         """Every decoding request's draft for this pass. Remote sources that can be asked together (one retrieval
         client) get one call for all of them on a helper thread, while the in-process drafts run here: one RPC's
         overhead per pass instead of one per request."""
-        batches: dict[object, list[tuple[TreeRequest, object]]] = {}
-        alone: list[tuple[TreeRequest, object]] = []
+        batches: dict[object, list[tuple[DraftStep, object]]] = {}
+        alone: list[tuple[DraftStep, object]] = []
         for req in reqs:
             source = req.draft_source(allow_remote) if req.drafter is not None else None
             if source is not None:
@@ -661,29 +647,15 @@ class Engine:
 
     # ---------------------------------------------------------------------------------------------- output
 
-    def _feed(self, run: _Running, step: tuple[list[int], str | None]) -> None:
+    def _feed(self, run: _Running, step: Step) -> None:
+        """A request's output step (tokens, finish) -> chunks; the final one from the request's stats."""
         tokens, finish = step
         piece, done = run.out.feed(tokens, finish)
         if piece is not None:
             self._send(run, piece)
-        if done is None and run.req.finish is not None:
-            done = run.req.finish
         if done is not None:
             finish, ids, delta, n = run.out.final(done)
-            stats = run.req.stats
-            stats.total_ms = (time.perf_counter() - run.t0) * 1e3
-            self._send(run, StreamChunk(ids, delta, finish_reason=finish, stats=stats,
-                                        prompt_tokens=len(run.job.prompt_ids), completion_tokens=n))
-            self._close(run, finish)
-
-    def _loop_output(self, run: _Running, tokens: list[int], finish: str | None) -> None:
-        """A RAG / kNN-LM loop's committed tokens (its Emit) -> chunks; the final one from the request's stats."""
-        piece, done = run.out.feed(tokens, finish)
-        if piece is not None:
-            self._send(run, piece)
-        if done is not None:
-            finish, ids, delta, n = run.out.final(done)
-            self._send(run, run.loop_request.final_chunk(finish, ids, delta, n, (time.perf_counter() - run.t0) * 1e3))
+            self._send(run, run.request.final_chunk(finish, ids, delta, n, (time.perf_counter() - run.t0) * 1e3))
             self._close(run, finish)
 
     def _send(self, run: _Running, chunk: StreamChunk) -> None:
@@ -700,10 +672,10 @@ class Engine:
             self._flush(run)
 
     def _logprobs(self, run: _Running, start: int, n: int) -> list:
-        """The log-probabilities of output tokens start..start+n (a tree request's; a first token sent at submit,
+        """The log-probabilities of output tokens start..start+n (the request's; a first token sent at submit,
         before its request exists: from the cached logits it was picked from)."""
-        if run.req is not None:
-            return run.req.logprobs[start:start + n]
+        if run.request is not None:
+            return run.request.logprobs(start, n)
         first = run.first
         return token_logprobs(first.hit.logits.view(1, -1), [first.token], run.job.params.logprobs)[start:start + n]
 
@@ -746,6 +718,5 @@ class Engine:
         for slot, user in enumerate(self._slot_users):
             if user is run:
                 self._slot_users[slot] = None
-        if run.loop is not None and not run.loop.finished:
-            run.loop.close()  # a stop sequence ended it, or it failed: cancel what it has in flight
+        run.request.close()  # a stop sequence ended it, or it failed: what it has in flight stops
 

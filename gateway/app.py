@@ -195,6 +195,18 @@ class WorkerStream:
             self.call.cancel()  # no-op once it finished; else the worker drops the request at its next step
 
 
+async def _all(coros: list, return_exceptions: bool = False) -> list:
+    """asyncio.gather, without its task per call when there is one call (the common n=1 request)."""
+    if len(coros) == 1:
+        try:
+            return [await coros[0]]
+        except Exception as e:
+            if not return_exceptions:
+                raise
+            return [e]
+    return await asyncio.gather(*coros, return_exceptions=return_exceptions)
+
+
 async def _until_disconnect(request: Request) -> None:
     while True:
         message = await request.receive()
@@ -233,7 +245,7 @@ async def _completion(request: Request, chat: bool) -> Response:
             return await _stream(request, gw, p, model, endpoint, t0)
         served: list[str] = []
         calls = [gw.generate(r, p.key[pi], served) for pi, choices in enumerate(p.requests) for r in choices]
-        flat = await _or_disconnect(request, asyncio.gather(*calls))
+        flat = await _or_disconnect(request, _all(calls))
         n = len(p.requests[0])
         results = [flat[i * n:(i + 1) * n] for i in range(len(p.requests))]
         out = openai_api.reply(p, model, results)
@@ -252,7 +264,7 @@ async def _stream(request: Request, gw: Gateway, p: Parsed, model: str, endpoint
     opened: list[WorkerStream] = []
     try:
         jobs = [gw.open_stream(r, p.key[pi]) for pi, choices in enumerate(p.requests) for r in choices]
-        results = await _or_disconnect(request, asyncio.gather(*jobs, return_exceptions=True))
+        results = await _or_disconnect(request, _all(jobs, return_exceptions=True))
         opened = [s for s in results if isinstance(s, WorkerStream)]
         for r in results:
             if isinstance(r, BaseException):

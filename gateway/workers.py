@@ -37,6 +37,7 @@ class Worker:
     serving: bool = False
     inflight: int = 0
     model: str = ""  # the worker's model directory (GetInfo), once it answered
+    model_id: str = ""  # its last path component: the id clients name (derived once, read on every request)
     watch: asyncio.Task | None = None
     closed: bool = False
 
@@ -154,6 +155,7 @@ class WorkerPool:
         try:
             info = await w.stub.GetInfo(generation_pb2.WorkerInfoRequest(), timeout=5.0, metadata=self.metadata)
             w.model = info.model
+            w.model_id = PurePath(info.model).name or info.model
         except grpc.aio.AioRpcError as e:
             log.warning("worker %s GetInfo: %s", w.address, e.details())
 
@@ -172,8 +174,8 @@ class WorkerPool:
         if self.cfg.model_name:
             return self.cfg.model_name
         for w in self.workers.values():
-            if w.model:
-                return PurePath(w.model).name or w.model
+            if w.model_id:
+                return w.model_id
         return ""
 
     def pick(self, key: str, exclude: set[str] = frozenset()) -> tuple[Worker, str] | None:

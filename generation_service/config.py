@@ -48,8 +48,8 @@ FLAG_HELP = {
     "limit_stop_sequences": "most stop sequences per request",
     "max_batch": "requests decoded together in every forward pass (continuous batching)",
     "prefill_chunk": "prompt tokens a new request prefills per pass beside the running ones",
-    "prefill_slowdown": "while others decode, a pass with prompt rows may cost up to this many times theirs (0 = "
-                        "off: whole chunks, outputs independent of load)",
+    "prefill_slowdown": "while others decode, a pass with prompt rows may cost up to this many times theirs, where "
+                        "the format's rows are pass-invariant (q4_1_i8, q4_1_bf16); 0 = off: whole chunks",
     "kv_cache_mb": "memory for the running requests' KV caches, MB; a request that does not fit waits",
     "kv_cache_dtype": "how KV caches store keys/values: auto (fp16 where the fused forward runs, else the dtype's) | "
                       "fp16 | fp32",
@@ -146,9 +146,10 @@ class GenerationConfig(config_util.ShellConfig):
     prefill_chunk: int = 256
     # While others decode, a pass carrying prompt rows may take up to prefill_slowdown x their decode-only pass
     # (engine/prefill_share.py): their tokens keep coming during a long prefill, the prompt keeps most of each pass.
-    # Off by default: pieces sized by load make a prompt's rows depend on what else runs (the prompt linears'
-    # precision changes with a piece's size), so the same request could give another output under load.
-    prefill_slowdown: float = 0.0
+    # Only where the served format's rows are pass-invariant (q4_1_i8, q4_1_bf16 on the fused forward): there a
+    # prompt cut into pieces by load gets the same bits as one prefilled alone. Elsewhere a piece's size would change
+    # the prompt linears' rounding, so the same request could answer differently under load: whole chunks there.
+    prefill_slowdown: float = 2.5
     kv_cache_mb: int = 2048
     # fp16 halves what every decode row's attention reads (lean_llama.LeanLlama.set_kv_dtype); fp32 = exact fp32.
     kv_cache_dtype: str = "auto"

@@ -174,7 +174,8 @@ class TreeRequest:
         n = self.prefill_rows(self._chunk if allowed is None else allowed)
         a = self._done
         self._piece = n
-        if n < min(MIN_ROWS, self._chunk - (self._base + a) % self._chunk, self._rest.shape[0] - a):
+        if not self.tm.rows_pass_invariant and n < min(MIN_ROWS, self._chunk - (self._base + a) % self._chunk,
+                                                       self._rest.shape[0] - a):
             # Smaller than the piece a prefill alone would run and below the prefill linears' precision threshold:
             # its rows are not what a fresh prefill of this prompt computes, so the prefix cache must not hand them
             # to a later request (engine/prefix_cache.py).

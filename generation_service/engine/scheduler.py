@@ -182,7 +182,8 @@ class Engine:
         (engine/admission.py; 0 = never); live_pass_costs: size trees on the calibrated pass-cost curve corrected
         by the measured decode passes (engine/pass_costs.py), not on the start-up curve alone; prefill_slowdown: a
         pass carrying prompt rows beside decoding ones may take up to this many times the decoding rows' own pass
-        (engine/prefill_share.py)."""
+        (engine/prefill_share.py), where the model's rows are pass-invariant (TargetModel.rows_pass_invariant: then
+        no output depends on how a prompt was cut); elsewhere prompts are prefilled a whole chunk per pass."""
         self.tm = tm
         self.threads = threads
         self.live_cost = PassCosts(tm.step_cost) if live_pass_costs and tm.step_cost.measured else None
@@ -209,7 +210,7 @@ class Engine:
         self._load_acceptance()
         self.passes = 0  # batched passes run (stats, tests)
         # Prompt rows a pass carries beside decoding ones (engine/prefill_share.py); the last few such passes' rows.
-        self.prefill_share = PrefillShare(self.prefill_chunk, prefill_slowdown)
+        self.prefill_share = PrefillShare(self.prefill_chunk, prefill_slowdown if tm.rows_pass_invariant else 0.0)
         self.mixed_prefill_rows: deque[int] = deque(maxlen=4096)
         self.peak_batch = 0  # most sequences in one pass so far
         # The running requests' caches, in slots of one slab (the unfused forward attends neighbouring slots in one

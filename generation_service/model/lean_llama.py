@@ -253,6 +253,12 @@ class LeanLlama:
     def from_model(cls, model, dtype: torch.dtype) -> "LeanLlama | None":
         return None if cls.supports(model) else cls(model, dtype)
 
+    def rows_pass_invariant(self) -> bool:
+        """Whether every row's logits are the same bits in any pass, prompt rows included, so that a prompt
+        prefilled in pieces of any size equals one prefilled in whole chunks. Not here: passes past fused_max_rows
+        leave the fused forward, and the dense linears round differently by row count (LeanLlamaQ4 overrides)."""
+        return False
+
     def new_cache(self, capacity: int = 256) -> KVCache:
         return KVCache(len(self.layers), self.kv_heads, self.head_dim, capacity, self.kv_dtype, self.device)
 

@@ -317,6 +317,12 @@ class LeanLlamaQ4(LeanLlama):
         log.info("%s: %s (%.0f MB)", FORMAT_I8 if self.i8 else FORMAT_BF16, what, size / 2**20)
         return size
 
+    def rows_pass_invariant(self) -> bool:
+        """With bf16 or int8 activations every pass runs fused, its linears compute each row alone, and where the
+        per-row attention kernel is built every row attends in it (lean_forward.cpp)."""
+        k = kernel()
+        return (self.bf16 or self.i8) and self.fused is not None and k is not None and k.row_attention() != ""
+
     def has_decoded_copies(self) -> bool:
         """Whether the fused pass holds the weights decoded to bf16, which set_wide_from decides the use of."""
         k = kernel()

@@ -105,6 +105,12 @@ class TargetModel:
         return "lean" if self.lean is not None else "hf"
 
     @property
+    def rows_pass_invariant(self) -> bool:
+        """Whether a row's logits are the same bits in any pass, prompt rows too (LeanLlama.rows_pass_invariant):
+        then prefill may be cut into pieces by load without changing any output."""
+        return self.lean is not None and self.lean.rows_pass_invariant()
+
+    @property
     def dtype_name(self) -> str:
         return self.weights or {v: k for k, v in DTYPES.items()}[self.dtype]
 

@@ -445,20 +445,26 @@ def test_where_the_worker_keeps_its_acceptance_evidence(tm32, setting, expected)
         GenerationConfig(acceptance_state=" ")
 
 
-def test_a_long_prompt_shares_passes_with_decoding_requests(tm32, monkeypatch):
-    """While a request decodes, a long prompt is prefilled in pieces the prefill share allows (here the smallest:
-    slowdown 1, one row), not a whole chunk per pass; without decoding rows it goes a whole chunk at a time. Both
-    outputs equal their solo runs (up to a near-tie); the prompt prefilled in 1-row pieces stays out of the prefix
-    cache."""
+@pytest.mark.parametrize("fixture, shared", [
+    ("tmq4i8", True),  # rows pass-invariant: pieces by load, outputs exactly the solo ones, prefix cache kept
+    ("tm32", False),   # fp32's prompt linears round by row count: whole chunks beside the decoding request
+])
+def test_a_long_prompt_shares_passes_with_decoding_requests(fixture, shared, request, monkeypatch):
+    """While a request decodes, a long prompt is prefilled in the pieces the prefill share allows (here the
+    smallest: slowdown 1, one row) where the model's rows are pass-invariant, and then both outputs are exactly
+    their solo runs and the prompt still goes to the prefix cache; on a format whose rows are not, sharing is off
+    (whole chunks beside the decoding request). Without decoding rows a prompt goes a whole chunk at a time."""
     from generation_service.engine import scheduler
 
+    tm = request.getfixturevalue(fixture)
+    assert tm.rows_pass_invariant == shared
     chunk = 256
-    long_prompt = (encode(tm32, humaneval_prompts(4)[3]) * 8)[:700]
-    short_prompt = encode(tm32, "def add(a, b):")
+    long_prompt = (encode(tm, humaneval_prompts(4)[3]) * 8)[:700]
+    short_prompt = encode(tm, "def add(a, b):")
     long_params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     short_params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     mt = ModelThread("test-solo")
-    want = [mt.call(lambda p=p, q=q: [t for out, _ in decode(tm32, p, q, prefill_chunk=chunk) for t in out])
+    want = [mt.call(lambda p=p, q=q: [t for out, _ in decode(tm, p, q, prefill_chunk=chunk) for t in out])
             for p, q in ((short_prompt, short_params), (long_prompt, long_params))]
     mt.stop(wait=True)
     passes: list[tuple[int, int]] = []  # per pass: (decoding segments, prompt rows)
@@ -470,7 +476,7 @@ def test_a_long_prompt_shares_passes_with_decoding_requests(tm32, monkeypatch):
         return real(tm, segments)
 
     monkeypatch.setattr(scheduler, "forward_batch", recording)
-    engine = _engine(tm32, {}, prefill_chunk=chunk, prefill_slowdown=1.0, prefix_cache_mb=64)
+    engine = _engine(tm, {}, prefill_chunk=chunk, prefill_slowdown=1.0, prefix_cache_mb=64)
     try:
         short = _job(short_prompt, short_params)
         engine.submit(short)
@@ -485,14 +491,17 @@ def test_a_long_prompt_shares_passes_with_decoding_requests(tm32, monkeypatch):
     mixed = [rows for dec, rows in passes if dec and rows]
     alone = [rows for dec, rows in passes if not dec and rows]
     assert alone[0] == len(short_prompt)
-    assert mixed and max(mixed) == 1, mixed  # one row beside the decoding request; Not 256-row chunks
-    if engine.prefix_cache is not None:  # rows from 1-row pieces are Not handed to later requests
-        assert engine.prefix_cache.lookup(np.asarray(long_prompt)) is None
-        assert engine.prefix_cache.lookup(np.asarray(short_prompt)) is not None
     assert sum(mixed) + sum(alone) == len(long_prompt) + len(short_prompt)  # every prompt row once
+    if shared:
+        assert mixed and max(mixed) == 1, mixed  # one row beside the decoding request; Not 256-row chunks
+        assert [got_short, got_long] == want  # exactly, no near-tie allowance
+        if engine.prefix_cache is not None:  # rows from 1-row pieces are what a fresh prefill computes
+            assert engine.prefix_cache.lookup(np.asarray(long_prompt)) is not None
+        return
+    assert mixed and max(mixed) == chunk, mixed  # whole chunks; Not pieces
     for prompt, w, g in zip((short_prompt, long_prompt), want, (got_short, got_long)):
         if g != w:
-            div = first_divergence(tm32, prompt, w, g)
+            div = first_divergence(tm, prompt, w, g)
             assert div is not None and div.near_tie, div
 
 

@@ -10,9 +10,11 @@
 //   rms(x) = w * (x * 1 / sqrt(mean(x^2) + eps));  rope(t) = t * cos + rotate_half(t) * sin
 //   attention: query head h reads kv head h / G; scores * scale + mask (additive; none = causal over the new rows),
 //   softmax in fp32; out = probs @ values;  mlp = down(silu(gate) * up).
-// Decode rows (AR steps, draft trees) attend in the per-row vector kernel (AVX-512 or AVX2), else in scalar loops;
-// prompt chunks with q * S small in the loops, longer ones through ATen's matmul (blocked GEMM), as the Python path
-// does. exp (softmax, SiLU) is a polynomial here, so its values differ from torch's in the last bits.
+// Every row, decode or prompt, attends in the per-row vector kernel (AVX-512 or AVX2) where it is built, so a row's
+// result does not depend on the pass it is in: a prompt prefilled in pieces of any size gets the same bits as one
+// prefilled in whole chunks. Without it (scalar builds) decode rows and short prompt chunks take scalar loops,
+// longer prompt chunks ATen's matmul (blocked GEMM), as the Python path does. exp (softmax, SiLU) is a polynomial
+// here, so its values differ from torch's in the last bits.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -524,14 +526,20 @@ class LeanForward {
     for (; j < n; ++j) out[j] = c10::Half(std::min(std::max(x[j], -65504.0f), 65504.0f));
   }
 
-  // Which rows take the vectorized row kernel (attend_row): every decode row (an AR step, a draft tree: a mask, or a
-  // single row) where it is built for this head size. Their results are then the same bits in any pass, whatever
-  // the other rows, for every weight format; prompt chunks keep the rule below. Returns, per row of the pass, the
-  // keys it attends (offsets into idx; rows not taking the kernel get none) and whether its mask adds non-zero values.
+  // The keys each row attends in the vectorized row kernel (attend_row), where it is built for this head size: every
+  // row of the pass, decode rows (an AR step, a draft tree) and prompt rows alike, so a row's result is the same bits
+  // in any pass whatever the other rows, for every weight format. A row without a mask (an AR step, a prompt row)
+  // attends the whole prefix up to itself: its keys are the first ones of one shared 0, 1, 2, ... list, so a long
+  // prompt's chunk does not copy thousands of key indices per row. A masked row (a tree node) lists the keys its mask
+  // keeps. Without the row kernel no row gets keys.
   struct KeyLists {
-    std::vector<int64_t> idx, off;  // keys of row n: idx[off[n] .. off[n + 1])
+    std::vector<int64_t> idx, off;  // keys of masked row n: idx[off[n] .. off[n + 1])
     std::vector<float> add;         // their additive mask values, parallel to idx
     std::vector<char> has_add;      // per row: some kept mask value is not 0
+    std::vector<int64_t> iota;      // 0, 1, 2, ...: the keys of every unmasked row
+    std::vector<int64_t> prefix;    // per row: the number of keys when they are the whole prefix (0: see idx)
+    const int64_t* keys(int64_t row) const { return prefix[row] > 0 ? iota.data() : idx.data() + off[row]; }
+    int64_t count(int64_t row) const { return prefix[row] > 0 ? prefix[row] : off[row + 1] - off[row]; }
   };
 
   bool row_kernel() const {
@@ -546,33 +554,32 @@ class LeanForward {
     KeyLists kl;
     kl.off.assign(N + 1, 0);
     kl.has_add.assign(N, 0);
+    kl.prefix.assign(N, 0);
     if (!row_kernel()) return kl;
+    int64_t longest = 0;
     for (const Segment& s : segs) {
-      const bool decode_rows = s.mask.defined() || s.q == 1;
+      const int64_t S = s.past + s.q;
       for (int64_t r = 0; r < s.q; ++r) {
         const int64_t row = s.start + r;
         kl.off[row] = (int64_t)kl.idx.size();
-        if (decode_rows) {
-          const int64_t S = s.past + s.q;
-          if (!s.mask.defined()) {
-            for (int64_t t = 0; t <= s.past + r; ++t) {
+        if (!s.mask.defined()) {
+          kl.prefix[row] = s.past + r + 1;
+          longest = std::max(longest, kl.prefix[row]);
+        } else {
+          const float* m = s.mask.data_ptr<float>() + r * S;
+          // A value this negative makes exp() exactly 0 after the max is subtracted: the key contributes nothing.
+          for (int64_t t = 0; t < S; ++t)
+            if (m[t] > -1e30f) {
               kl.idx.push_back(t);
-              kl.add.push_back(0.0f);
+              kl.add.push_back(m[t]);
+              kl.has_add[row] |= m[t] != 0.0f;
             }
-          } else {
-            const float* m = s.mask.data_ptr<float>() + r * S;
-            // A value this negative makes exp() exactly 0 after the max is subtracted: the key contributes nothing.
-            for (int64_t t = 0; t < S; ++t)
-              if (m[t] > -1e30f) {
-                kl.idx.push_back(t);
-                kl.add.push_back(m[t]);
-                kl.has_add[row] |= m[t] != 0.0f;
-              }
-          }
         }
         kl.off[row + 1] = (int64_t)kl.idx.size();
       }
     }
+    kl.iota.resize(longest);
+    for (int64_t t = 0; t < longest; ++t) kl.iota[t] = t;
     return kl;
   }
 
@@ -591,11 +598,11 @@ class LeanForward {
     int64_t work = 0;
     for (size_t j = 0; j < segs.size(); ++j) {
       const int64_t S = segs[j].past + segs[j].q;
-      // Decode rows (an AR step, a draft tree) always take the row kernel or the loops, never the matmul, whose
-      // rows differ from an AR step's in the last bits (and bf16 activations round those into visible ones): a row
-      // gets the same bits in any pass. Prompt chunks (causal, several rows) may take the matmul.
-      const bool decode_rows = segs[j].mask.defined() || segs[j].q == 1;
-      if (segs[j].q * S * H > kLoopAttentionWork && !decode_rows) {
+      // With the row kernel every row takes it. Without, decode rows (an AR step, a draft tree) take the loops, never
+      // the matmul, whose rows differ from an AR step's in the last bits (and bf16 activations round those into
+      // visible ones): a row gets the same bits in any pass. Long prompt chunks (causal) then take the matmul.
+      const bool per_row = row_kernel() || segs[j].mask.defined() || segs[j].q == 1;
+      if (segs[j].q * S * H > kLoopAttentionWork && !per_row) {
         plan.matmul[j] = 1;
         continue;
       }
@@ -611,10 +618,10 @@ class LeanForward {
     return plan;
   }
 
-  // Layer i's attention of every segment -> o [N, H D]. Decode rows: attend_row per (row, kv head), spread over the
-  // threads. Other short segments: the scalar loops, one job per (row, kv head); each job's G query heads read each
-  // key and value row once, and a row's result does not depend on the other rows of the pass (the same loop order
-  // for every row). Long prompt chunks: ATen's blocked matmul.
+  // Layer i's attention of every segment -> o [N, H D]. With the row kernel: attend_row per (row, kv head) for every
+  // row, spread over the threads. Without: the scalar loops, one job per (row, kv head); each job's G query heads
+  // read each key and value row once, and a row's result does not depend on the other rows of the pass (the same
+  // loop order for every row); long prompt chunks ATen's blocked matmul.
   template <typename KV>
   void attend_all(size_t i, const std::vector<Segment>& segs, const KeyLists& kl, const AttentionPlan& plan,
                   const float* qkv, int64_t wq, float* o) const {
@@ -645,11 +652,11 @@ class LeanForward {
         const KV* vh;
         const int64_t S = cache_rows(job, kh, vh);
         const float* q0 = qkv + (s.start + r) * wq + h * G * D;  // query heads h G .. h G + G - 1
-        const int64_t row = s.start + r, nk = kl.off[row + 1] - kl.off[row];
+        const int64_t row = s.start + r, nk = kl.count(row);
 #if defined(RAGSERVE_ROW_KERNEL)
         if (nk > 0) {
           p.resize(G * nk);
-          const int64_t* keys = kl.idx.data() + kl.off[row];
+          const int64_t* keys = kl.keys(row);
           const float* add = kl.has_add[row] ? kl.add.data() + kl.off[row] : nullptr;
           float* out = o + row * H * D + h * G * D;
           Ahead next_k, next_v;  // the rows of this thread's next job (all its segment's: a bound on its keys)

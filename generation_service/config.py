@@ -48,8 +48,8 @@ FLAG_HELP = {
     "limit_stop_sequences": "most stop sequences per request",
     "max_batch": "requests decoded together in every forward pass (continuous batching)",
     "prefill_chunk": "prompt tokens a new request prefills per pass beside the running ones",
-    "prefill_slowdown": "while others decode, a pass with prompt rows may cost up to this many times theirs, where "
-                        "the format's rows are pass-invariant (q4_1_i8, q4_1_bf16); 0 = off: whole chunks",
+    "prefill_slowdown": "while others decode, a pass with prompt rows may cost this many times theirs (q4_1_i8, "
+                        "q4_1_bf16: rows pass-invariant); 0 = off",
     "kv_cache_mb": "memory for the running requests' KV caches, MB; a request that does not fit waits",
     "kv_cache_dtype": "how KV caches store keys/values: auto (fp16 where the fused forward runs, else the dtype's) | "
                       "fp16 | fp32",

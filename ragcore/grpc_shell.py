@@ -165,6 +165,13 @@ def _log_failed(call: Call) -> None:
             call.details.replace("\n", " ")[:300])
 
 
+def _health_watch(method: str, handler: grpc.RpcMethodHandler) -> bool:
+    """A grpc.health.v1 Watch stream: every health-checking client channel (ragcore/replicated.py) keeps one open.
+    The health servicer answers it without a handler thread (experimental_non_blocking); any wrapper would make
+    it hold one of the pool's threads for the stream's whole life."""
+    return handler.response_streaming and method.startswith(HEALTH_PREFIX)
+
+
 class ShellInterceptor(grpc.ServerInterceptor):
     """Outermost interceptor: true status codes, bounded details, one-line logs, observers, drain refusal."""
 
@@ -218,9 +225,9 @@ class ShellInterceptor(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
-        if handler is None or handler.request_streaming:
-            return handler  # unknown method (gRPC answers UNIMPLEMENTED) or a client stream (reflection)
         full = handler_call_details.method  # /package.Service/Method
+        if handler is None or handler.request_streaming or _health_watch(full, handler):
+            return handler  # unknown method (gRPC answers UNIMPLEMENTED), a client stream (reflection), a Watch
         service, _, method = full.lstrip("/").rpartition("/")
         kind = "server_stream" if handler.response_streaming else "unary"
         # Health must keep answering during a drain, and a Watch stream must not hold the drain up.

@@ -219,6 +219,8 @@ class DecodeErrorInterceptor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None or handler.request_streaming or handler.request_deserializer is None:
             return handler
+        if handler.response_streaming and handler_call_details.method.startswith(HEALTH_PREFIX):
+            return handler  # a Watch answered without a handler thread (grpc_shell._health_watch): keep it so
         deser = handler.request_deserializer
         owner = getattr(deser, "__self__", None)  # Message.FromString is a classmethod bound to the type
         descriptor = getattr(owner, "DESCRIPTOR", None)

@@ -149,8 +149,8 @@ def test_queued_work_leaves_the_queue_when_its_caller_does(tm, retrieval, how, c
 
 
 def test_a_restarted_retrieval_service_drafts_again_once_the_channel_reconnects(tm, datastore):
-    """A failed draft skips the retrieval service for retry_after_s (here a minute); once the restarted service's
-    channel has reconnected it is back at once (Not after the minute: requests meanwhile ran fully degraded)."""
+    """A stopped retrieval service is skipped (its channel leaves READY); once the restarted service's channel has
+    reconnected it is back at once (Not after retry_after_s, here a minute: requests meanwhile ran fully degraded)."""
     port = free_port()
     cfg = RetrievalConfig(port=port, workers=2)
     retrieval = build_retrieval(cfg, datastore=datastore)
@@ -161,12 +161,12 @@ def test_a_restarted_retrieval_service_drafts_again_once_the_channel_reconnects(
             assert not c.generate(PROMPTS[0], max_new_tokens=8, decoding="rest", timeout=300).stats.degraded
             retrieval.stop(0)
             assert c.generate(PROMPTS[0], max_new_tokens=8, decoding="rest", timeout=300).stats.degraded
-            assert replica.down_until > time.monotonic() + 30  # skipped for the interval
+            assert not replica.up(time.monotonic())  # skipped while it is down
             retrieval = build_retrieval(cfg, datastore=datastore)  # back on the same port
             end = time.monotonic() + 20  # the channel's reconnect backoff is at most 1 s; a loaded box is slow
-            while replica.down_until and time.monotonic() < end:
+            while not replica.up(time.monotonic()) and time.monotonic() < end:
                 time.sleep(0.05)
-            assert replica.down_until == 0.0  # Not skipped for the rest of the minute
+            assert replica.up(time.monotonic())  # Not skipped for the rest of the minute
             back = c.generate(PROMPTS[0], max_new_tokens=8, decoding="rest", timeout=300)
             assert not back.stats.degraded, back.stats.degraded_reason
     finally:

@@ -23,6 +23,7 @@ AR while a RAG step fails the request:
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import json
 import threading
@@ -59,15 +60,9 @@ def split_targets(target: str) -> list[str]:
 
 
 def service_name(stub_class: type) -> str:
-    """The full name of the service a generated stub calls: DraftServiceStub -> 'ragserve.v1.DraftService'."""
-    paths: list[str] = []
-
-    class _Paths:  # a generated stub only asks its channel for method callables by path
-        def __getattr__(self, _kind: str):
-            return lambda path, *args, **kwargs: paths.append(path)
-
-    stub_class(_Paths())
-    return paths[0].split("/")[1]
+    """DraftServiceStub -> 'ragserve.v1.DraftService', from the descriptor of the stub's generated module."""
+    pb2 = importlib.import_module(stub_class.__module__.removesuffix("_grpc"))
+    return pb2.DESCRIPTOR.services_by_name[stub_class.__name__.removesuffix("Stub")].full_name
 
 
 def service_config(service: str) -> str:

@@ -37,7 +37,8 @@ FLAG_HELP = {
                        "(off: the start-up curve alone)",
     "retrieval": "retrieval service target(s): host:port, a comma list, or dns:///name:port (\"\" = no drafts)",
     "draft_timeout_ms": "deadline of one Draft call; a slower draft is skipped and that step decodes AR",
-    "retry_after_s": "after a failed Draft call, skip drafting this long before trying again",
+    "retry_after_s": "a retrieval or knowledge replica that answered a server fault is skipped this long (one "
+                     "that is down or NOT_SERVING is skipped until gRPC sees it READY again)",
     "default_decoding": "decoding mode when a request leaves it empty: ar | pld | rest-ds | rest | knnlm | crest",
     "draft_budget": "draft-tree nodes asked for per step (each step verifies only the part that pays)",
     "max_draft_budget": "largest draft_budget a request may ask for",
@@ -123,7 +124,7 @@ class GenerationConfig(config_util.ShellConfig):
     # or a DNS name (dns:///retrieval:50051) that resolves to several replicas. "" = no retrieval.
     retrieval: str = "127.0.0.1:50051"
     draft_timeout_ms: float = 50.0  # a draft that takes longer is skipped (that step decodes AR)
-    retry_after_s: float = 1.0  # after a failed draft call, skip drafting this long before trying again
+    retry_after_s: float = 1.0  # a replica that answered a server fault is skipped this long
     default_decoding: str = "rest"
     # Draft-tree nodes asked for per step; each step verifies only the part its measured cost says pays.
     draft_budget: int = 64

@@ -16,7 +16,7 @@ from proto import draft_pb2, draft_pb2_grpc
 from ragcore.draft_tree import DraftTree
 from ragcore.errors import ResourceExhausted, Unavailable
 from ragcore.grpc_shell import RunningServer, start_server
-from ragcore.replicated import RETRY_POLICY, ReplicatedClient, service_name
+from ragcore.replicated import RETRY_POLICY, ReplicatedClient, service_config, service_name
 from ragcore.wire import pack_tokens
 from retrieval_service.config import RetrievalConfig
 from retrieval_service.server import DraftServicer
@@ -259,16 +259,19 @@ def test_a_restarted_replica_is_back_without_a_call():
 
 
 def test_health_watches_of_many_clients_hold_no_server_threads():
-    """Each client channel keeps a health Watch open on the server; with one handler thread per Watch, a server
-    with few threads would have none left for calls."""
+    """Every worker process keeps one health Watch open per replica. With a handler thread held per Watch, a
+    server with few threads would have none left for calls, and gRPC's own call limit would refuse the rest."""
     running, _ = _server(max_concurrent_rpcs=1)  # 4 + 4 handler threads, gRPC's own limit 6 calls at once
-    clients = [_client(running.address) for _ in range(12)]
+    # In one process channels share a subchannel, and so one Watch, unless each has its own pool: 12 "workers".
+    options = [("grpc.service_config", service_config(DRAFT_SERVICE)), ("grpc.use_local_subchannel_pool", 1)]
+    workers = [grpc.insecure_channel(running.address, options=options) for _ in range(12)]
+    client = _client(running.address)
     try:
-        for c in clients:
-            c.call("Draft", _request(), timeout_s=5.0)
-        for c in clients:  # every Watch is open now
-            assert c.call("Draft", _request(), timeout_s=5.0).tokens  # Not DEADLINE_EXCEEDED, Not RESOURCE_EXHAUSTED
+        for ch in workers:  # READY once its own Watch answered SERVING
+            grpc.channel_ready_future(ch).result(timeout=10)
+        assert client.call("Draft", _request(), timeout_s=5.0).tokens  # Not DEADLINE_EXCEEDED, Not RESOURCE_EXHAUSTED
     finally:
-        for c in clients:
-            c.close()
+        client.close()
+        for ch in workers:
+            ch.close()
         running.stop(0)

@@ -119,7 +119,8 @@ bench-datastores: model system-packages
 		--keep-finished
 	$(PYTHON) -m retrieval_service.datastore.build --docs --tokenizer $(MODEL_DIR) --out $(DOCS_DATASTORE) --keep-finished
 
-# The serving benchmark of record (README): services with default flags, over gRPC; ~40 min on 2 cores.
+# The serving benchmark of record (README): services with default flags, over gRPC, four workloads (code, chat
+# across MT-Bench categories, docs chat, open chat); ~50 min on 2 cores.
 bench-serving: bench-datastores
 	$(PYTHON) -m bench.serving --inprocess
 

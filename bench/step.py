@@ -25,6 +25,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -282,6 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         mt.stop(wait=True)
     res["kernel_level"] = args.kernel_level or "this CPU's best"
+    res["command"] = shlex.join(["python", "-m", "bench.step", *(argv if argv is not None else sys.argv[1:])])
     suffix = f"-{args.kernel_level}" if args.kernel_level else ""
     out = Path(args.json or Path(__file__).parent / "results" / f"step-{res['cpu_class']}{suffix}.json")
     write_json(out, res)

@@ -37,4 +37,5 @@ def test_step_writes_every_cell(tmp_path, monkeypatch, capsys):
     assert res["llama_cpp"] == {f: {"status": "skipped (--no-anchor)"} for f in ("q4_1", "fp32")}
     assert res["rows"] == [1, 2] and res["reps"] == 1 and res["threads"] == 1 and res["prefix_tokens"] == 16
     assert res["machine"]["cpu"] and res["q4_kernel_isa"] and res["kernel_level"] == "this CPU's best"
+    assert res["command"].startswith("python -m bench.step --formats fp32 ")  # what regenerates the record
     assert "lean/fp32 x1" in capsys.readouterr().out

@@ -25,6 +25,9 @@ def check_record(res: dict) -> dict:
     assert w["worker"]["dtype"] == "fp32"
     [row] = w["per_prompt"]
     assert set(row) == {"ar", "pld"}
+    [cold] = w["cold_prefill"]  # the prompt's untimed prefill before its methods
+    assert cold["ttft_ms"] > 0
+    assert row["ar"]["server_prefill_ms"] == row["pld"]["server_prefill_ms"] == 0.0  # both met the prompt cached
     for name, r in row.items():
         assert r["tokens"] == 8 and r["finish"] and r["ms_per_token"] > 0 and r["ttft_ms"] > 0, name
     assert set(w["summary"]) == {"ar", "pld"} and w["summary"]["ar"]["speedup_vs_ar"] == 1.0

@@ -54,6 +54,19 @@ class DraftTree:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
+    def follow(self, tokens) -> list[int]:
+        """The nodes along the longest path from the root whose tokens are a prefix of `tokens` (their indices,
+        shallowest first): how far this tree foresaw a continuation."""
+        path: list[int] = []
+        parent = -1
+        for t in np.asarray(tokens).tolist():
+            hit = np.flatnonzero((self.parents == parent) & (self.tokens == t))
+            if hit.shape[0] == 0:
+                break
+            parent = int(hit[0])
+            path.append(parent)
+        return path
+
     def depths(self) -> np.ndarray:
         """1-based depth of every node (a root child has depth 1)."""
         d = np.zeros(len(self), np.int32)

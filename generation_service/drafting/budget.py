@@ -34,7 +34,10 @@ drafts on two steps in a row gave no accepted token of its own (no node it decid
 request's own tokens also predict do not count) is not asked for the next 1, 2, 4 ... 16 steps (one useless probe
 after a skipped stretch doubles it; reset by an accepted node). An RPC costs a small fraction of a step, so a
 source that never helps costs at most a few percent, and one that does is asked every step. The request's own
-tokens are drafted in process meanwhile when the mode has them (`rest`). A curve on which no tree can ever pay
+tokens are drafted in process meanwhile when the mode has them (`rest`). Such a mode does not wait for the probe
+after a skipped stretch either: the probe is asked in the background, the step runs on the in-process draft, and
+the answer is judged against the tokens that step emitted (engine/requests.py): on a 2-core host an RPC waited
+for costs about a third of a 1-row step, and in chat nearly every probe finds nothing. A curve on which no tree can ever pay
 (rel(n) >= 1 + n for every n) never drafts.
 
 The best n nodes by p form a connected subtree: every source's p of a child is at most its parent's (the child's
@@ -349,6 +352,16 @@ class DraftSizer:
             self._skip -= 1
             return False
         return True
+
+    @property
+    def probing(self) -> bool:
+        """The next ask of the remote source (query_remote() True) ends a skipped stretch: a probe, whose answer
+        may be judged after the step (probe_result) instead of drafting it."""
+        return self._backoff > 1
+
+    def probe_result(self, useful: bool) -> None:
+        """A probe answered in the background: whether its tree held an accepted token the step's draft missed."""
+        self._remote_result(useful)
 
     def shrink(self, tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray, source_p: np.ndarray | None,
                default_source: int, remote: bool = True, matched_suffix: int = 0,

@@ -6,7 +6,9 @@ decodes that step autoregressively and marks the request degraded.
 
 Besides propose(), a drafter says whether it is remote (an RPC per step: the loop may skip it while it is
 useless, drafting/budget.py), what to draft with in process meanwhile (`local`, None = nothing), and which source
-column its trees' estimates belong to when a tree carries no per-source estimates (`default_source`).
+column its trees' estimates belong to when a tree carries no per-source estimates (`default_source`). A remote
+drafter may also offer `propose_async(context_ids, max_nodes) -> Future`: the loop then asks its probes after a
+skipped stretch in the background instead of waiting for them (engine/requests.py).
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ deadlines are ragcore/replicated.py's.
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import grpc
 import numpy as np
 
@@ -42,6 +45,21 @@ class RetrievalClient(ReplicatedClient):
         super().__init__(target, draft_pb2_grpc.DraftServiceStub, failure=_failure, timeout_s=timeout_ms / 1e3,
                          retry_after_s=retry_after_s, max_message_bytes=max_message_bytes, token=token,
                          credentials=credentials, instrument=metrics.instrument_channel, what="retrieval service")
+        self._background: ThreadPoolExecutor | None = None
+        self._background_lock = threading.Lock()
+
+    def background(self) -> ThreadPoolExecutor:
+        """Threads for drafts nobody waits on (probes of a skipped source), made on first use."""
+        with self._background_lock:
+            if self._background is None:
+                self._background = ThreadPoolExecutor(max_workers=2, thread_name_prefix="draft-probe")
+            return self._background
+
+    def close(self) -> None:
+        with self._background_lock:
+            if self._background is not None:
+                self._background.shutdown(wait=False, cancel_futures=True)
+        super().close()
 
     def draft(self, context_ids: np.ndarray, params: draft_pb2.DraftParams, *, deadline: float | None = None) -> DraftTree:
         reply = self.call("Draft", draft_pb2.DraftRequest(context=pack_tokens(context_ids), params=params),
@@ -101,6 +119,11 @@ class RemoteDrafter:
     def propose(self, context_ids: np.ndarray, max_nodes: int) -> DraftTree:
         ctx, params = self._ask(context_ids, max_nodes)
         return self.client.draft(ctx, params, deadline=self.deadline)
+
+    def propose_async(self, context_ids: np.ndarray, max_nodes: int) -> Future:
+        """propose() on a background thread (a probe the step does not wait for); the future holds the tree or
+        the DraftUnavailable."""
+        return self.client.background().submit(self.propose, np.array(context_ids), max_nodes)
 
     @property
     def batch_key(self) -> RetrievalClient:

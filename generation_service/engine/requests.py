@@ -20,12 +20,20 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from generation_service.drafting.budget import DraftSizer, SharedCalibration, best_size, keep_best, subtree
+from generation_service.drafting.budget import (
+    LOCAL_SOURCES,
+    DraftSizer,
+    SharedCalibration,
+    best_size,
+    keep_best,
+    subtree,
+)
 from generation_service.drafting.drafters import Drafter, DraftUnavailable
 from generation_service.engine.prefill_share import MIN_ROWS, piece_rows
 from generation_service.engine.prefix_cache import PrefixCache, PrefixHit
@@ -79,6 +87,36 @@ def output_eos(tm: TargetModel, params: SamplingParams) -> frozenset[int]:
     return frozenset() if params.ignore_eos else tm.eos_token_ids
 
 
+PROBE_WAIT_STEPS = 2  # steps a background probe's answer may come after the step it was asked for
+
+
+@dataclass
+class _Probe:
+    """A remote draft asked in the background while the step ran on the in-process draft."""
+
+    answer: Future  # the remote drafter's tree (or its DraftUnavailable)
+    start: int  # the context length it was asked for
+    end: int = -1  # the context length after that step's tokens (-1: the step is not committed yet)
+    local_accepted: int = 0  # draft tokens that step accepted from the in-process draft
+    waited: int = 0  # steps committed after that one while the answer was still out
+
+
+def probe_was_useful(answer: Future, emitted: np.ndarray, local_accepted: int) -> bool:
+    """Would the probe's tree have paid on its step: did it hold the step's emitted tokens past the ones the
+    in-process draft got accepted, at a node a remote source predicted (not only the request's own tokens)?"""
+    try:
+        tree = answer.result()
+    except Exception:  # a probe that failed found nothing; drafting never fails a request
+        return False
+    path = tree.follow(emitted)
+    if len(path) <= local_accepted:
+        return False
+    if tree.source_p is None:  # a tree without per-source estimates (CREST) is the remote source's alone
+        return True
+    remote = [i for i in range(tree.source_p.shape[1]) if i not in LOCAL_SOURCES]
+    return bool(tree.source_p[path[local_accepted], remote].max() > 0)
+
+
 class TreeRequest:
     def __init__(self, tm: TargetModel, prompt_ids, params: SamplingParams, *, drafter: Drafter | None = None,
                  draft_budget: int = DEFAULT_DRAFT_BUDGET, stats: SpeculationStats | None = None,
@@ -106,6 +144,7 @@ class TreeRequest:
         self.n_ctx = n_prompt
         self.n_out = 0
         self.sizer = DraftSizer(tm.step_cost, shared=calibration) if adaptive_budget and drafter is not None else None
+        self._probe: _Probe | None = None  # a remote draft asked in the background, not yet judged
         # Nodes beyond the largest tree that could ever pay on this machine's curve are never worth asking for.
         self.budget = min(draft_budget, tm.step_cost.max_nodes) if self.sizer is not None else draft_budget
         self.cache = cache if cache is not None else new_cache(tm, capacity_for(n_prompt, params.max_new_tokens,
@@ -237,10 +276,17 @@ class TreeRequest:
         remote sources of a whole pass in one call and hands each request its tree (take_draft)."""
         self._tree, self.p = None, np.zeros(0)
         source = self.drafter if self.budget > 0 and self.remaining > 1 else None
-        if source is not None and getattr(source, "remote", False) and (
-                not allow_remote or (self.sizer is not None and not self.sizer.query_remote())):
-            source = source.local  # a remote source that keeps being useless is skipped for a while
+        if source is None or not getattr(source, "remote", False):
+            return source
+        if self._probe is not None or not allow_remote or (self.sizer is not None and not self.sizer.query_remote()):
             self.stats.skipped_drafts += 1
+            return source.local  # a remote source that keeps being useless is skipped for a while
+        if self.sizer is not None and self.sizer.probing and source.local is not None and hasattr(
+                source, "propose_async"):
+            # The probe after a skipped stretch: asked in the background, judged after this step (_judge_probe).
+            self._probe = _Probe(source.propose_async(self.draft_context(), self.budget), self.n_ctx)
+            self.stats.skipped_drafts += 1
+            return source.local
         return source
 
     def skip_draft(self) -> None:
@@ -333,7 +379,29 @@ class TreeRequest:
         self.last = emitted[-1]
         # Emitted token i was picked from row 0 (the root) or from the row of the i-th accepted node.
         rows = logits[[0] + [c + 1 for c in path]] if self.logprobs is not None else None
-        return self._emit(emitted, remaining, rows)
+        out = self._emit(emitted, remaining, rows)
+        if self._probe is not None:
+            self._judge_probe(len(path))
+        return out
+
+    def _judge_probe(self, accepted: int) -> None:
+        """After a commit: judge the background probe once its answer is in (accepted: draft tokens this step
+        accepted). Its step is the one it was asked for; an answer later than PROBE_WAIT_STEPS steps is useless."""
+        probe = self._probe
+        if probe.end < 0:
+            probe.end, probe.local_accepted = self.n_ctx, accepted
+        elif not probe.answer.done():
+            probe.waited += 1
+        if not probe.answer.done():
+            if probe.waited < PROBE_WAIT_STEPS:
+                return
+            probe.answer.cancel()
+            useful = False
+        else:
+            useful = probe_was_useful(probe.answer, self.context[probe.start:probe.end], probe.local_accepted)
+        self._probe = None
+        if self.sizer is not None:
+            self.sizer.probe_result(useful)
 
     def cancel(self) -> tuple[list[int], str]:
         self.finish = FINISH_CANCELLED

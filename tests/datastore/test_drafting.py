@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, settings, strategies as st
 
-from ragcore.draft_tree import context_draft
+from ragcore.draft_tree import DraftTree, context_draft
 from retrieval_service.datastore.shards import Shard
 from retrieval_service.datastore.suffix_array import SuffixArrayDatastore
 
@@ -215,3 +215,34 @@ def test_bad_arguments_are_named(bad, message):
     args = dict(context_ids=[1, 2]) | bad
     with pytest.raises(ValueError, match=message):
         ds.draft(**args)
+
+
+def _follow_reference(tree: DraftTree, tokens: list[int]) -> list[int]:
+    """Brute force: every node's root path, the deepest one that is a prefix of tokens (the first such node at
+    each depth, as a trie has one)."""
+    best: list[int] = []
+    for i in range(len(tree)):
+        path, j = [], i
+        while j >= 0:
+            path.append(j)
+            j = int(tree.parents[j])
+        path.reverse()
+        if [int(tree.tokens[k]) for k in path] == tokens[:len(path)] and len(path) > len(best):
+            best = path
+    return best
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=0, max_size=12), st.lists(st.integers(0, 3), min_size=0, max_size=6),
+       st.randoms(use_true_random=False))
+def test_follow_matches_brute_force(node_tokens, tokens, rnd):
+    # A trie: a node's token is unique among its siblings (what every drafter builds).
+    parents, toks, seen = [], [], set()
+    for t in node_tokens:
+        parent = rnd.randrange(-1, len(parents))
+        if (parent, t) not in seen:
+            seen.add((parent, t))
+            parents.append(parent)
+            toks.append(t)
+    tree = DraftTree(np.array(toks, np.int32), np.array(parents, np.int32))
+    assert tree.follow(tokens) == _follow_reference(tree, tokens)

@@ -4,6 +4,7 @@ can pay, useless remote drafts skipped (the request's own tokens still drafted i
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
@@ -89,6 +90,86 @@ def test_rest_keeps_drafting_the_request_s_own_tokens_while_the_remote_is_skippe
     assert res.token_ids == ar
     assert remote.calls < res.stats.forward_steps / 2 and local.calls >= remote.calls
     assert res.stats.mean_accepted_length > 2.0  # Not ~1: the loop is drafted from the context
+
+
+class Probed(Counting):
+    """A remote drafter that also answers in the background (propose_async, as RemoteDrafter does): its answer is
+    computed at once, so whether the loop waited for it shows only in which counter moved."""
+
+    def __init__(self, propose, local):
+        super().__init__(propose, remote=True, local=local)
+        self.background_calls = 0
+
+    def propose_async(self, context_ids, max_nodes) -> Future:
+        self.background_calls += 1
+        answer: Future = Future()
+        try:
+            answer.set_result(self._propose(np.array(context_ids), max_nodes))
+        except Exception as e:
+            answer.set_exception(e)
+        return answer
+
+
+def oracle_after(ar_tokens: list[int], n_prompt: int, start: int):
+    """A datastore that knows the greedy continuation once the output has `start` tokens (nothing before)."""
+
+    def propose(context_ids, max_nodes) -> DraftTree:
+        done = len(context_ids) - n_prompt
+        nxt = ar_tokens[done:done + min(max_nodes, 6)] if done >= start else []
+        n = len(nxt)
+        source_p = np.zeros((n, len(SOURCES)), np.float32)
+        source_p[:, SOURCES.index("datastore")] = 0.9
+        return DraftTree(np.asarray(nxt, np.int32), np.arange(-1, n - 1, dtype=np.int32), np.ones(n, np.float32),
+                         matched_suffix=8, num_matches=3, source_p=source_p)
+
+    return propose
+
+
+def test_probes_after_a_skipped_stretch_are_not_waited_for(tm32, looping_prompt):
+    params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
+    ar = tokens_of(tm32, looping_prompt, params)
+    flat = dataclasses.replace(tm32, step_cost=FLAT)
+    remote = Probed(wrong_datastore_tree, local=Counting(PromptLookupDrafter().propose, remote=False, name="pld"))
+    res = generate(flat, looping_prompt, params, drafter=remote, tokenizer=None)
+    assert res.token_ids == ar
+    assert remote.calls == 2  # the two asks before the first backoff; Not one waited-for probe per stretch
+    assert remote.background_calls >= 2  # the probes still ask, in the background
+
+
+def test_a_probe_that_finds_the_continuation_brings_the_waited_asks_back(tm32, looping_prompt):
+    params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
+    ar = tokens_of(tm32, looping_prompt, params)
+    flat = dataclasses.replace(tm32, step_cost=FLAT)
+    nothing = Counting(lambda c, m: DraftTree.empty(), remote=False, name="nothing")
+    useless_first = Probed(oracle_after(ar, len(looping_prompt), start=N_NEW // 3), local=nothing)
+    res = generate(flat, looping_prompt, params, drafter=useless_first, tokenizer=None)
+    assert res.token_ids == ar
+    assert useless_first.background_calls >= 1
+    assert useless_first.calls > 2  # asked every step again once a probe found the continuation, Not left skipped
+    # A third of the output undrafted, then the oracle's chains: Not ~1, as a source left skipped would give.
+    assert res.stats.mean_accepted_length > 1.5
+
+
+@pytest.mark.parametrize("emitted, local_accepted, answer, useful", [
+    ([7, 8], 1, "chain 7 8 9 datastore", True),  # the tree held the bonus token the local draft missed
+    ([7, 8], 1, "chain 7 8 9 context", False),  # Not useful: only the request's own tokens predicted it
+    ([7, 5], 1, "chain 7 8 9 datastore", False),  # the tree went another way at the missed token
+    ([7, 8], 2, "chain 7 8 9 datastore", False),  # the local draft got as far: nothing the probe added
+    ([7], 0, "failed", False),  # a probe that failed found nothing
+])
+def test_probe_was_useful(emitted, local_accepted, answer, useful):
+    from generation_service.engine.requests import probe_was_useful
+
+    future: Future = Future()
+    if answer == "failed":
+        future.set_exception(RuntimeError("retrieval down"))
+    else:
+        source = answer.split()[-1]
+        source_p = np.zeros((3, len(SOURCES)), np.float32)
+        source_p[:, SOURCES.index(source)] = 0.5
+        future.set_result(DraftTree(np.array([7, 8, 9], np.int32), np.array([-1, 0, 1], np.int32),
+                                    source_p=source_p))
+    assert probe_was_useful(future, np.array(emitted, np.int32), local_accepted) is useful
 
 
 class Fixed:

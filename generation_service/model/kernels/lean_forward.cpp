@@ -235,6 +235,37 @@ inline void weighted_values(const float* p, int64_t n, const float* inv, const K
     for (int j = 0; j < CW; ++j) Simd::store(out + g * D + c0 + kLanes * j, acc[g][j]);
 }
 
+// Query head qg's scores of a block of kLanes keys (key(i): key i's row as floats): lane i = q . k_i * scale. A
+// lane's value depends on its own key alone (transpose_sum adds each lane's products by one tree), so a row's score
+// of a key is the same bits whichever keys share its block and whichever function (attend_row, attend_rows) asks.
+template <int DV, typename Key>
+inline V block_scores(const float* qg, const Key& key, float scale) {
+  V q[DV];
+  for (int j = 0; j < DV; ++j) q[j] = Simd::load(qg + kLanes * j);
+  V part[kLanes];
+#pragma GCC unroll 16
+  for (int i = 0; i < kLanes; ++i) {
+    const float* kt = key(i);
+    V acc = Simd::mul(q[0], Simd::load(kt));
+    for (int j = 1; j < DV; ++j) acc = Simd::fmadd(q[j], Simd::load(kt + kLanes * j), acc);
+    part[i] = acc;
+  }
+  return Simd::mul(Simd::transpose_sum(part), Simd::set1(scale));
+}
+
+// pg[0..n) = exp(pg - max), in place, given mx (lane-wise maxima of pg); -> 1 / their sum.
+inline float exp_shifted(float* pg, int64_t n, V mx) {
+  const V top = Simd::set1(Simd::reduce_max(mx));
+  V sum = Simd::zero();
+  for (int64_t t0 = 0; t0 < n; t0 += kLanes) {
+    const int64_t m = std::min<int64_t>(kLanes, n - t0);
+    const V e = exp_lanes(Simd::sub(Simd::load_first(pg + t0, m), top));
+    Simd::store_first(pg + t0, e, m);
+    sum = Simd::add(sum, Simd::keep_first(e, m));
+  }
+  return 1.0f / Simd::reduce_add(sum);
+}
+
 // One decode row's attention for one kv head and its G query heads, head size kLanes * DV, over the keys it sees.
 // keys: the cache rows it attends, in position order (the whole past, then its ancestors-or-self among the new
 // rows: entries a mask shuts out contribute nothing and are left out); add: their additive mask values (nullptr: 0).
@@ -270,38 +301,19 @@ void attend_row(const float* q0, int64_t G, const KV* kh, const KV* vh, const in
         for (int j = 0; j < DV; ++j) Simd::store(kb + i * D + kLanes * j, Simd::load(kt + kLanes * j));
       }
     }
+    const auto key = [&](int i) -> const float* {
+      if constexpr (kConvert) return kb + i * D;
+      else return kh + keys[i < m ? t0 + i : 0] * D;
+    };
     for (int64_t g = 0; g < G; ++g) {
-      V q[DV];
-      for (int j = 0; j < DV; ++j) q[j] = Simd::load(q0 + g * D + kLanes * j);
-      V part[kLanes];
-#pragma GCC unroll 16
-      for (int i = 0; i < kLanes; ++i) {
-        const float* kt;
-        if constexpr (kConvert) kt = kb + i * D;
-        else kt = kh + keys[i < m ? t0 + i : 0] * D;
-        V acc = Simd::mul(q[0], Simd::load(kt));
-        for (int j = 1; j < DV; ++j) acc = Simd::fmadd(q[j], Simd::load(kt + kLanes * j), acc);
-        part[i] = acc;
-      }
-      V sc = Simd::mul(Simd::transpose_sum(part), Simd::set1(scale));
+      V sc = block_scores<DV>(q0 + g * D, key, scale);
       if (add != nullptr) sc = Simd::add(sc, Simd::load_first(add + t0, m));
       Simd::store_first(p + g * n + t0, sc, m);
       mx[g] = Simd::max_first(mx[g], sc, m);
     }
   }
   next_k.upto(next_k.bytes);
-  for (int64_t g = 0; g < G; ++g) {
-    float* pg = p + g * n;
-    const V top = Simd::set1(Simd::reduce_max(mx[g]));
-    V sum = Simd::zero();
-    for (int64_t t0 = 0; t0 < n; t0 += kLanes) {
-      const int64_t m = std::min<int64_t>(kLanes, n - t0);
-      const V e = exp_lanes(Simd::sub(Simd::load_first(pg + t0, m), top));
-      Simd::store_first(pg + t0, e, m);
-      sum = Simd::add(sum, Simd::keep_first(e, m));
-    }
-    inv[g] = 1.0f / Simd::reduce_add(sum);
-  }
+  for (int64_t g = 0; g < G; ++g) inv[g] = exp_shifted(p + g * n, n, mx[g]);
   for (int64_t g = 0; g < G; g += kGroup) {
     const float* pg = p + g * n;
     float* og = out + g * D;
@@ -315,6 +327,122 @@ void attend_row(const float* q0, int64_t G, const KV* kh, const KV* vh, const in
     }
   }
   next_v.upto(next_v.bytes);
+}
+
+// Rows of one sequence that attend their whole prefix (prompt rows; row r of the tile sees the first n0 + r cache
+// rows) for one kv head, together: each block of keys and of values is read once for all of them instead of once per
+// row. Why: deep in a long prompt a row's keys and values are megabytes, read from memory, and every row of a chunk
+// read them again (the attention was most of a long prefill). Every row still gets exactly what attend_row computes
+// for it alone: its scores come from block_scores over the same keys, its softmax from exp_shifted over its own n,
+// and each of its output chains (one per query head and column vector) adds w[t] * V[t] for t = 0, 1, ... in order,
+// with w[t] = p[t] * inv rounded as attend_row's is; the tile only interleaves independent chains.
+constexpr int64_t kTileRows = 8;    // rows per tile
+constexpr int64_t kTilePairs = 64;  // (row, query head) pairs per tile at most: the tile's maxima stay in registers
+constexpr int64_t kValueBlock = 128;  // keys per block of values: all the tile's chains pass over it while it is in L1
+
+// The tile's output chains of GN (row, query head) pairs over value rows [b0, b1), CW column vectors at a time:
+// acc (stride D) holds the chains between blocks; pair g's weights are w[g * wn + t], and it adds keys t < n[g] only.
+template <int CW, int GN, typename KV>
+inline void block_values(const float* w, int64_t wn, const int64_t* n, const KV* vh, int64_t D, int64_t b0,
+                         int64_t b1, float* acc) {
+  const int64_t lo = std::min(b1, n[0]), hi = std::min(b1, n[GN - 1]);  // n ascends with the pair's row
+  for (int64_t c0 = 0; c0 < D; c0 += kLanes * CW) {
+    V a[GN][CW];
+    for (int g = 0; g < GN; ++g)
+      for (int j = 0; j < CW; ++j) a[g][j] = Simd::load(acc + g * D + c0 + kLanes * j);
+    for (int64_t t = b0; t < lo; ++t) {
+      const KV* vt = vh + t * D + c0;
+      V v[CW];
+      for (int j = 0; j < CW; ++j) v[j] = Simd::load(vt + kLanes * j);
+      for (int g = 0; g < GN; ++g) {
+        const V wg = Simd::set1(w[g * wn + t]);
+        for (int j = 0; j < CW; ++j) a[g][j] = Simd::fmadd(wg, v[j], a[g][j]);
+      }
+    }
+    for (int64_t t = std::max(b0, lo); t < hi; ++t) {  // the later rows' last keys
+      const KV* vt = vh + t * D + c0;
+      V v[CW];
+      for (int j = 0; j < CW; ++j) v[j] = Simd::load(vt + kLanes * j);
+      for (int g = 0; g < GN; ++g) {
+        if (t >= n[g]) continue;
+        const V wg = Simd::set1(w[g * wn + t]);
+        for (int j = 0; j < CW; ++j) a[g][j] = Simd::fmadd(wg, v[j], a[g][j]);
+      }
+    }
+    for (int g = 0; g < GN; ++g)
+      for (int j = 0; j < CW; ++j) Simd::store(acc + g * D + c0 + kLanes * j, a[g][j]);
+  }
+}
+
+// R rows (R * G <= kTilePairs) with queries at q0 + r * q_stride, outputs at out + r * out_stride; the kv head's
+// cache rows kh, vh; row r attends keys 0 .. n0 + r - 1. p: scratch of R * G * (n0 + R - 1) floats; kb: of
+// kLanes * D; acc: of R * G * D.
+template <int DV, typename KV>
+void attend_rows(const float* q0, int64_t q_stride, int64_t R, int64_t G, const KV* kh, const KV* vh, int64_t n0,
+                 float scale, float* p, float* kb, float* acc, float* out, int64_t out_stride, Ahead& next_k,
+                 Ahead& next_v) {
+  constexpr int64_t D = kLanes * DV;
+  constexpr bool kConvert = !std::is_same_v<KV, float>;
+  // Chains per pass over a block of values: CW column vectors x kPairs pairs of accumulators, within the registers.
+  constexpr int CW = kLanes == 16 ? 4 : 2;
+  constexpr int kPairs = 6;
+  const int64_t row_bytes = D * (int64_t)sizeof(KV);
+  const int64_t P = R * G, wn = n0 + R - 1;  // pairs; the keys of the last row (p's stride)
+  V mx[kTilePairs];
+  for (int64_t a = 0; a < P; ++a) mx[a] = Simd::set1(-std::numeric_limits<float>::infinity());
+  for (int64_t t0 = 0; t0 < wn; t0 += kLanes) {
+    const int64_t m_all = std::min<int64_t>(kLanes, wn - t0);
+    next_k.upto((t0 + kLanes) * row_bytes);
+    if constexpr (kConvert) {
+      for (int i = 0; i < kLanes; ++i) {
+        const KV* kt = kh + (i < m_all ? t0 + i : 0) * D;
+        for (int j = 0; j < DV; ++j) Simd::store(kb + i * D + kLanes * j, Simd::load(kt + kLanes * j));
+      }
+    }
+    const auto key = [&](int i) -> const float* {
+      if constexpr (kConvert) return kb + i * D;
+      else return kh + (i < m_all ? t0 + i : 0) * D;
+    };
+    for (int64_t r = 0; r < R; ++r) {
+      if (t0 >= n0 + r) continue;  // the first rows' keys can end before the block
+      const int64_t m = std::min<int64_t>(kLanes, n0 + r - t0);
+      for (int64_t g = 0; g < G; ++g) {
+        const V sc = block_scores<DV>(q0 + r * q_stride + g * D, key, scale);
+        Simd::store_first(p + (r * G + g) * wn + t0, sc, m);
+        mx[r * G + g] = Simd::max_first(mx[r * G + g], sc, m);
+      }
+    }
+  }
+  next_k.upto(next_k.bytes);
+  int64_t n[kTilePairs];
+  for (int64_t a = 0; a < P; ++a) {
+    n[a] = n0 + a / G;
+    float* pa = p + a * wn;
+    const V inv = Simd::set1(exp_shifted(pa, n[a], mx[a]));
+    for (int64_t t0 = 0; t0 < n[a]; t0 += kLanes) {  // the weights, as attend_row's p * inv
+      const int64_t m = std::min<int64_t>(kLanes, n[a] - t0);
+      Simd::store_first(pa + t0, Simd::mul(Simd::load_first(pa + t0, m), inv), m);
+    }
+  }
+  std::fill(acc, acc + P * D, 0.0f);
+  for (int64_t b0 = 0; b0 < wn; b0 += kValueBlock) {
+    const int64_t b1 = std::min(wn, b0 + kValueBlock);
+    next_v.upto(b1 * row_bytes);
+    for (int64_t a = 0; a < P; a += kPairs) {
+      const float* w = p + a * wn;
+      float* ac = acc + a * D;
+      switch (std::min<int64_t>(kPairs, P - a)) {
+        case 1: block_values<CW, 1>(w, wn, n + a, vh, D, b0, b1, ac); break;
+        case 2: block_values<CW, 2>(w, wn, n + a, vh, D, b0, b1, ac); break;
+        case 3: block_values<CW, 3>(w, wn, n + a, vh, D, b0, b1, ac); break;
+        case 4: block_values<CW, 4>(w, wn, n + a, vh, D, b0, b1, ac); break;
+        case 5: block_values<CW, 5>(w, wn, n + a, vh, D, b0, b1, ac); break;
+        default: block_values<CW, kPairs>(w, wn, n + a, vh, D, b0, b1, ac); break;
+      }
+    }
+  }
+  next_v.upto(next_v.bytes);
+  for (int64_t a = 0; a < P; ++a) std::copy(acc + a * D, acc + (a + 1) * D, out + (a / G) * out_stride + (a % G) * D);
 }
 #else
 inline void silu_mul(const float* g, const float* u, float* out, int64_t n) {
@@ -655,20 +783,40 @@ class LeanForward {
         const int64_t row = s.start + r, nk = kl.count(row);
 #if defined(RAGSERVE_ROW_KERNEL)
         if (nk > 0) {
-          p.resize(G * nk);
-          const int64_t* keys = kl.keys(row);
-          const float* add = kl.has_add[row] ? kl.add.data() + kl.off[row] : nullptr;
+          // The bin's next jobs that are this kv head's next rows of the segment, all attending their whole prefix
+          // (balance keeps such runs together): one tile (attend_rows) with this row.
+          int64_t R = 1;
+          if (kl.prefix[row] > 0)
+            while (R < std::min(kTileRows, kTilePairs / G) && u + R < plan.bins[bin].size() &&
+                   plan.bins[bin][u + R] == job + R * Hkv && r + R < s.q && kl.prefix[row + R] > 0)
+              ++R;
           float* out = o + row * H * D + h * G * D;
           Ahead next_k, next_v;  // the rows of this thread's next job (all its segment's: a bound on its keys)
-          if (u + 1 < plan.bins[bin].size()) {
+          if (u + R < plan.bins[bin].size()) {
             const KV* nkh;
             const KV* nvh;
-            const int64_t bytes = cache_rows(plan.bins[bin][u + 1], nkh, nvh) * D * (int64_t)sizeof(KV);
+            const int64_t bytes = cache_rows(plan.bins[bin][u + R], nkh, nvh) * D * (int64_t)sizeof(KV);
             if (nkh != kh) {  // the next row of a tree reads these same rows: in the cache already
               next_k = Ahead{(const char*)nkh, bytes};
               next_v = Ahead{(const char*)nvh, bytes};
             }
           }
+          if (R > 1) {
+            const int64_t n0 = kl.prefix[row];
+            p.resize(R * G * (n0 + R - 1));
+            acc.resize(R * G * D);
+            if (D == 64)
+              attend_rows<64 / kLanes>(q0, wq, R, G, kh, vh, n0, scale_, p.data(), kb.data(), acc.data(), out, H * D,
+                                       next_k, next_v);
+            else
+              attend_rows<128 / kLanes>(q0, wq, R, G, kh, vh, n0, scale_, p.data(), kb.data(), acc.data(), out,
+                                        H * D, next_k, next_v);
+            u += R - 1;
+            continue;
+          }
+          p.resize(G * nk);
+          const int64_t* keys = kl.keys(row);
+          const float* add = kl.has_add[row] ? kl.add.data() + kl.off[row] : nullptr;
           if (D == 64)
             attend_row<64 / kLanes>(q0, G, kh, vh, keys, add, nk, scale_, p.data(), kb.data(), out, next_k, next_v);
           else
@@ -723,9 +871,12 @@ class LeanForward {
                                                    int64_t n, int64_t grain) {
     const int64_t T = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (n + grain - 1) / grain));
     std::vector<std::vector<int64_t>> bins(T);
-    if (T == 1) {
-      bins[0].resize(n);
-      for (int64_t j = 0; j < n; ++j) bins[0][j] = j;
+    if (T == 1) {  // a segment's rows of one kv head after another (tiles of prompt rows: attend_rows)
+      for (size_t a = 0, b = 0; a < jobs.size(); a = b) {
+        while (b < jobs.size() && jobs[b].first == jobs[a].first) ++b;
+        for (int64_t h = 0; h < Hkv; ++h)
+          for (size_t r = a; r < b; ++r) bins[0].push_back((int64_t)r * Hkv + h);
+      }
       return bins;
     }
     const int64_t per = std::max<int64_t>(1, n / (4 * T));
@@ -734,11 +885,16 @@ class LeanForward {
     for (size_t a = 0, b = 0; a < jobs.size(); a = b) {
       while (b < jobs.size() && jobs[b].first == jobs[a].first) ++b;  // the rows of one segment
       const Segment& s = segs[jobs[a].first];
+#if defined(RAGSERVE_ROW_KERNEL)
+      const int64_t run = s.mask.defined() ? per : std::max(per, kTileRows);  // prompt rows: whole tiles
+#else
+      const int64_t run = per;
+#endif
       for (int64_t h = 0; h < Hkv; ++h)
-        for (size_t r0 = a; r0 < b; r0 += per) {
+        for (size_t r0 = a; r0 < b; r0 += run) {
           units.emplace_back();
           int64_t c = 0;
-          for (size_t r = r0; r < std::min(b, r0 + per); ++r) {
+          for (size_t r = r0; r < std::min(b, r0 + run); ++r) {
             units.back().push_back((int64_t)r * Hkv + h);
             // keys seen (an upper bound) + a job's fixed cost (its query, its output) in key-row units
             c += (s.mask.defined() ? s.past + s.q : s.past + jobs[r].second + 1) + 16;

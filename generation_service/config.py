@@ -49,8 +49,8 @@ FLAG_HELP = {
     "limit_stop_sequences": "most stop sequences per request",
     "max_batch": "requests decoded together in every forward pass (continuous batching)",
     "prefill_chunk": "prompt tokens a new request prefills per pass beside the running ones",
-    "prefill_slowdown": "while others decode, a pass with prompt rows may cost this many times theirs (q4_1_i8, "
-                        "q4_1_bf16: rows pass-invariant); 0 = off",
+    "prefill_slowdown": "while others decode, a step with prompt rows may take this many times their own step or "
+                        "inter-token p95 (q4_1_i8, q4_1_bf16: rows pass-invariant); 0 = off",
     "kv_cache_mb": "memory for the running requests' KV caches, MB; a request that does not fit waits",
     "kv_cache_dtype": "how KV caches store keys/values: auto (fp16 where the fused forward runs, else the dtype's) | "
                       "fp16 | fp32",
@@ -145,8 +145,9 @@ class GenerationConfig(config_util.ShellConfig):
     # wake its gRPC thread (engine/scheduler.py Engine._send).
     max_batch: int = 16
     prefill_chunk: int = 256
-    # While others decode, a pass carrying prompt rows may take up to prefill_slowdown x their decode-only pass
-    # (engine/prefill_share.py): their tokens keep coming during a long prefill, the prompt keeps most of each pass.
+    # While others decode, a step carrying prompt rows may take up to prefill_slowdown x their own step, or x their
+    # recent inter-token p95 when that is longer (engine/prefill_share.py): their tokens keep coming during a long
+    # prefill, the prompt keeps most of each step.
     # Only where the served format's rows are pass-invariant (q4_1_i8, q4_1_bf16 on the fused forward): there a
     # prompt cut into pieces by load gets the same bits as one prefilled alone. Elsewhere a piece's size would change
     # the prompt linears' rounding, so the same request could answer differently under load: whole chunks there.

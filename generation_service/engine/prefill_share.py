@@ -1,18 +1,29 @@
-"""How many prompt rows a pass may carry while other requests decode: a time budget per pass.
+"""How many prompt rows a pass may carry while other requests decode: a time budget per step.
 
 Every pass gives each decoding request its next token (or a tree's few), so every prompt row added to a pass
 delays all of them. With a fixed chunk a long prompt made every pass of its prefill a full chunk deep into the
 prompt (attention over thousands of rows), and the streams beside it slowed to that chunk's pace. vLLM's chunked
 prefill bounds the rows a step may add by a token budget that decode rows spend first. A prompt row's cost here
-grows with its depth (its attention reads every row before it), so the budget is kept in ms instead:
+grows with its depth (its attention reads every row before it), so the budget is kept in ms instead, over the
+decoding requests' whole step (the pass, and the drafting, committing and streaming between passes, which they
+pay once per pass whatever the pass carries):
 
-    a pass with decoding rows may take up to `slowdown` x their decode-only pass;
-    the prompt rows fill the rest:  rows = (slowdown - 1) x decode_ms / row_ms,  within [min_rows, chunk]
+    a step with decoding rows may take up to `slowdown` x the longer of their own step and their tail gap;
+    the prompt rows fill the rest:  rows = (slowdown x max(own, tail) - own) / row_ms,  within [min_rows, chunk]
+    own = decode_ms + between_ms
 
 decode_ms is the decoding rows' pass on the calibrated curve, scaled by how decode-only passes measured against
-it; row_ms is what a prompt row added to measured mixed passes (both running means, so row_ms follows the prompt's
-depth). Without decoding rows a pass carries a whole chunk. The prompt's own pace stays near its solo one: the
-decoding rows' share of a mixed pass is at most about 1 / slowdown of it.
+it; between_ms is what a step spent outside its pass; row_ms is what a prompt row added to measured mixed passes
+(running means, so row_ms follows the prompt's depth). Without decoding rows a pass carries a whole chunk.
+
+tail is the 95th percentile of the inter-token gaps the decoding requests saw in recent decode-only steps with as
+many of them (a step's gap split over the tokens it gave a request, each token one gap; 0 until TAIL_MIN were
+measured): the bound is on the streams' slow gaps, not their typical ones. Why: a stream's tail gaps are its
+longest steps (big draft trees, a drafting round trip, a tree that gave one token), several times its typical gap;
+every mixed step bounded by slowdown x that tail keeps the streams' p95 gap within about slowdown x their solo
+p95, while the prompt gets most of each step. A bound proportional to each pass's decode rows alone left the prompt
+(slowdown - 1) / slowdown of each pass and less of each step (the work between passes is the streams'). Only steps with as many decoding requests count, so the tail of a
+bigger batch that has since finished does not let a mixed step grow beside a smaller one.
 
 Rows are cut inside the chunk grid (piece_rows): a prompt's chunk boundaries stay at multiples of `chunk`, where
 the prefix cache takes prompts' rows (engine/prefix_cache.py). Where the budget allows MIN_ROWS or more, no piece
@@ -26,34 +37,72 @@ rows are not what a fresh prefill computes; engine/requests.py).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 MIN_ROWS = 32  # the smallest piece of a prompt chunk (the prefill linears' precision starts there)
 ALPHA = 0.25  # weight of the newest measurement in the running means
+TAIL_GAPS = 1024  # inter-token gaps of decode-only steps kept for their tail (a few seconds of decoding)
+TAIL_MIN = 20  # fewest gaps of the pass's sequence count to read a 95th percentile from
+TAIL_Q = 0.95
 
 
 @dataclass
 class PrefillShare:
     chunk: int  # the most prompt rows a pass carries (prefill_chunk), and the prefix cache's grid
-    slowdown: float  # a mixed pass may take this many times the decoding rows' own pass (0: off, whole chunks)
+    slowdown: float  # a mixed step may take this many times the decoding requests' own one (0: off, whole chunks)
     min_rows: int = 1  # the fewest prompt rows a pass carries while a prompt waits
     decode_factor: float = 1.0  # measured / calibrated ms of decode-only passes (running mean)
     row_ms: float | None = None  # ms a prompt row adds to a pass with decoding rows (running mean; None: unknown)
+    between_ms: float = 0.0  # ms a step with decoding rows spends outside its pass (running mean)
+    # Recent decode-only steps' gaps, one entry per (step, decoding request): (requests, ms per token, tokens).
+    gaps: deque[tuple[int, float, int]] = field(default_factory=lambda: deque(maxlen=TAIL_GAPS))
+    _tails: dict[int, float] = field(default_factory=dict)  # tail_ms by request count, until the next gap
 
-    def rows(self, decode_ms: float, row_ms_guess: float) -> int:
+    def rows(self, decode_ms: float, row_ms_guess: float, sequences: int = 0) -> int:
         """Prompt rows the next pass may carry. decode_ms: the calibrated ms of its decoding rows alone (0 = none
-        decode: a whole chunk); row_ms_guess: a prompt row's ms on the calibrated curve, until one was measured."""
+        decode: a whole chunk); row_ms_guess: a prompt row's ms on the calibrated curve, until one was measured;
+        sequences: how many requests decode in it (0: unknown, no tail)."""
         if decode_ms <= 0 or self.slowdown <= 0:  # nothing decoding, or sharing off: a whole chunk
             return self.chunk
         row = self.row_ms if self.row_ms is not None else row_ms_guess * self.decode_factor
-        spare = (self.slowdown - 1.0) * decode_ms * self.decode_factor
+        own = decode_ms * self.decode_factor + self.between_ms
+        spare = self.slowdown * max(own, self.tail_ms(sequences)) - own
         n = int(spare / row) if row > 0 and spare > 0 else 0
         return max(min(self.min_rows, self.chunk), min(self.chunk, n))
+
+    def tail_ms(self, sequences: int) -> float:
+        """The 95th percentile of the recent decode-only steps' inter-token gaps (each token one gap) with
+        `sequences` decoding requests (0: too few measured)."""
+        if sequences <= 0:
+            return 0.0
+        if sequences not in self._tails:
+            mine = sorted((ms, k) for n, ms, k in self.gaps if n == sequences)
+            total = sum(k for _, k in mine)
+            tail, seen = 0.0, 0
+            if len(mine) >= TAIL_MIN:
+                for ms, k in mine:
+                    seen += k
+                    if seen >= TAIL_Q * total:
+                        tail = ms
+                        break
+            self._tails[sequences] = tail
+        return self._tails[sequences]
 
     def record_decode(self, measured_ms: float, calibrated_ms: float) -> None:
         """A pass of decoding rows only took measured_ms; the calibrated curve said calibrated_ms."""
         if measured_ms > 0 and calibrated_ms > 0:
             self.decode_factor += ALPHA * (measured_ms / calibrated_ms - self.decode_factor)
+
+    def record_step(self, step_ms: float, pass_ms: float, tokens: list[int], decode_only: bool) -> None:
+        """A step took step_ms from its pass's start to the next one's, its pass pass_ms, and gave its decoding
+        requests `tokens` tokens each; decode_only: no prompt rows in it."""
+        if not tokens or step_ms <= 0:
+            return
+        self.between_ms += ALPHA * (max(step_ms - pass_ms, 0.0) - self.between_ms)
+        if decode_only:
+            self.gaps.extend((len(tokens), step_ms / k, k) for k in tokens if k > 0)
+            self._tails.clear()
 
     def record_mixed(self, measured_ms: float, decode_ms: float, rows: int) -> None:
         """A pass of decoding rows (calibrated decode_ms) and `rows` prompt rows took measured_ms."""

@@ -22,8 +22,8 @@ One step:
                 calibrated pass cost of the batch's decoding rows — trees shrink as the batch grows
     one pass    forward_batch over [last + tree] of every decoding tree request, every loop's AR rows, and prefill
                 pieces of the longest-waiting requests (at least one): a whole `prefill_chunk` when nothing decodes,
-                else the rows that keep the pass within `prefill_slowdown` x the decoding rows' own pass
-                (engine/prefill_share.py), so a long prompt (or a RAG request's re-prefill with a new passage)
+                else the rows that keep the step within `prefill_slowdown` x the decoding requests' own step
+                or their recent inter-token p95 (engine/prefill_share.py), so a long prompt (or a RAG request's re-prefill with a new passage)
                 never stalls the others for long
     commit      per request: accept, KV commit, text (TextOutput), stream chunks, finish
 
@@ -181,8 +181,8 @@ class Engine:
         finishes, how long the next pass may wait for its replacement while clients run closed loops
         (engine/admission.py; 0 = never); live_pass_costs: size trees on the calibrated pass-cost curve corrected
         by the measured decode passes (engine/pass_costs.py), not on the start-up curve alone; prefill_slowdown: a
-        pass carrying prompt rows beside decoding ones may take up to this many times the decoding rows' own pass
-        (engine/prefill_share.py), where the model's rows are pass-invariant (TargetModel.rows_pass_invariant: then
+        step carrying prompt rows beside decoding ones may take up to this many times the decoding requests' own step
+        or their recent inter-token p95 (engine/prefill_share.py), where the model's rows are pass-invariant (TargetModel.rows_pass_invariant: then
         no output depends on how a prompt was cut); elsewhere prompts are prefilled a whole chunk per pass."""
         self.tm = tm
         self.threads = threads
@@ -212,6 +212,8 @@ class Engine:
         # Prompt rows a pass carries beside decoding ones (engine/prefill_share.py); the last few such passes' rows.
         self.prefill_share = PrefillShare(self.prefill_chunk, prefill_slowdown if tm.rows_pass_invariant else 0.0)
         self.mixed_prefill_rows: deque[int] = deque(maxlen=4096)
+        # The last pass: (start, ms, tokens it gave each decoding request, no prompt rows in it).
+        self._last_pass: tuple[float, float, list[int], bool] | None = None
         self.peak_batch = 0  # most sequences in one pass so far
         # The running requests' caches, in slots of one slab (the unfused forward attends neighbouring slots in one
         # chain of ops per layer). A request that needs more rows than a slot holds gets a cache of its own.
@@ -360,6 +362,8 @@ class Engine:
                  "+%.2f ms per sequence in a pass", self.max_batch, self.prefill_chunk, self.kv_budget_rows,
                  self.segment_ms)
         while not self._stop.is_set():
+            if not self.running:  # an idle wait is no step's gap
+                self._last_pass = None
             self._admit(block=not self.running)
             if self.running:
                 self._step()
@@ -532,6 +536,9 @@ class Engine:
         pass_rows = sum(int(s.ids.shape[0]) for s in segments)
         n_threads = self._set_threads(pass_rows)
         t_pass = time.perf_counter()
+        if self._last_pass is not None:  # the step that ended here: the gap its decoding requests saw
+            last_start, last_ms, last_tokens, last_decode_only = self._last_pass
+            self.prefill_share.record_step((t_pass - last_start) * 1e3, last_ms, last_tokens, last_decode_only)
         if any(r.request.wants_hidden for r in members):
             logits, hidden = forward_batch_hidden(self.tm, segments)
         else:
@@ -568,11 +575,15 @@ class Engine:
         picks = iter(argmax_each([lg for g, lg in zip(greedy, logits) if g]))  # one call, the GIL kept
         tops = [next(picks) if g else None for g in greedy] + [None] * (len(members) - len(steps))
         emitted = 0
-        for r, lg, h, top in zip(members, logits, hidden, tops):
+        tokens = [0] * len(decode_segments)  # per decoding request: the tokens this pass gave it
+        for i, (r, lg, h, top) in enumerate(zip(members, logits, hidden, tops)):
             step = r.request.commit(lg, h, top)
             if step is not None:
                 emitted += len(step[0])
+                if i < len(tokens):
+                    tokens[i] = len(step[0])
                 self._feed(r, step)
+        self._last_pass = (t_pass, pass_ms, tokens, not prefills)
         if gated and not prefills and not fixed:  # other rows in the pass would blur the rate
             n = len(steps)
             cost = self.tm.step_cost  # a generic curve (no calibration) has no ms to compare with: raw rates
@@ -597,7 +608,7 @@ class Engine:
             rows = sum(int(s.ids.shape[0]) for s in decode_segments)
             decode_ms = float(cost.pass_ms(rows)) + (len(decode_segments) - 1) * self.segment_ms
             row_guess = float(cost.pass_ms(rows + self.prefill_chunk) - cost.pass_ms(rows)) / self.prefill_chunk
-        budget = self.prefill_share.rows(decode_ms, row_guess)
+        budget = self.prefill_share.rows(decode_ms, row_guess, len(decode_segments))
         chosen: list[tuple[_Running, int]] = []
         for r in waiting:
             n = r.request.prefill_rows(budget)

@@ -71,3 +71,52 @@ def test_pieces_cover_the_prompt_on_the_grid(n, allowed, chunk):
 def test_sharing_off_is_always_a_whole_chunk():
     share = PrefillShare(256, 0.0, row_ms=0.2)
     assert [share.rows(d, 0.2) for d in (0.0, 5.0, 50.0)] == [256, 256, 256]  # Not pieces sized by load
+
+
+
+def _steps(share: PrefillShare, tokens: list[int], times: list[float], pass_ms: float | None = None) -> None:
+    for ms in times:
+        share.record_step(ms, ms if pass_ms is None else pass_ms, tokens, decode_only=True)
+
+
+def test_a_mixed_step_is_bounded_by_the_decode_steps_tail():
+    share = PrefillShare(256, 3.0, row_ms=1.0)
+    _steps(share, [1, 1, 1, 1], [10.0] * 90 + [30.0] * 10)  # typical steps 10 ms; the slowest tenth 30 ms
+    assert share.tail_ms(4) == 30.0  # the 95th percentile; Not the mean 12
+    assert share.rows(10.0, 99.0, sequences=4) == 80  # 3 x 30 - 10 ms at 1 ms a row; Not 20 (3 x 10 - 10)
+    assert share.rows(40.0, 99.0, sequences=4) == 80  # a pass dearer than the tail: its own bound, 3 x 40 - 40
+
+
+def test_the_work_between_passes_counts_as_the_decoding_requests_own():
+    share = PrefillShare(256, 3.0, row_ms=1.0)
+    _steps(share, [1], [10.0] * 10, pass_ms=6.0)  # 4 ms of every step are drafting, committing, streaming
+    assert share.between_ms == pytest.approx(4.0, rel=0.1)
+    assert share.rows(6.0, 99.0, sequences=1) == 19  # (3 - 1) x (6 + ~4); Not 12 (the pass alone: the streams
+    # would get a third of each pass but far more of each step)
+
+
+def test_a_gap_is_a_step_split_over_its_tokens_each_token_counted():
+    share = PrefillShare(256, 3.0, row_ms=1.0)
+    _steps(share, [4, 1], [40.0] * 90)  # one request got 4 tokens a step (10 ms gaps), the other 1 (40 ms)
+    assert share.tail_ms(2) == 40.0  # a fifth of the tokens had 40 ms gaps
+    share = PrefillShare(256, 3.0, row_ms=1.0)
+    _steps(share, [19, 1], [40.0] * 90)  # 19 tokens of 2.1 ms gaps for each 40 ms one
+    assert share.tail_ms(2) == pytest.approx(40.0 / 19)  # 1 token in 20 is slow: the 95th percentile; Not 40
+
+
+def test_mixed_steps_do_not_enter_the_tail():
+    share = PrefillShare(256, 3.0, row_ms=1.0)
+    for _ in range(100):
+        share.record_step(90.0, 90.0, [1, 1, 1, 1], decode_only=False)  # steps carrying prompt rows: their own bound
+    assert share.tail_ms(4) == 0.0  # Not 90 (the bound would feed on itself)
+
+
+@pytest.mark.parametrize("sequences, steps, expected", [
+    (4, 4, 20),  # too few gaps measured (16): the bound of the pass's own decode rows; Not the tail of 19
+    (1, 100, 20),  # steps of 4 sequences say nothing of a lone one's tail; Not 80
+    (0, 100, 20),  # sequences unknown: no tail
+])
+def test_the_tail_needs_enough_steps_of_as_many_sequences(sequences, steps, expected):
+    share = PrefillShare(256, 3.0, row_ms=1.0)
+    _steps(share, [1, 1, 1, 1], [30.0] * steps)
+    assert share.rows(10.0, 99.0, sequences=sequences) == expected

@@ -115,13 +115,16 @@ def path(request):
 # -- the kernel ------------------------------------------------------------------------------------------------------
 
 
-def test_quantization_matches_the_reference():
+def test_quantization_matches_the_reference(path):
     x = activations(7, 192, np.random.default_rng(0))
+    # ties: amax 127 makes the step 1, so x.5 must round to the even code on every path (nearbyint)
+    x[1, 32:64] = np.array([127.0] + [0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5] * 4 + [-3.5, 126.5, -126.5], f32)
     q, dx, xs = k.i8_quantize(torch.from_numpy(x))
     rq, rdx, rxs = quantize_ref(x)
     assert np.array_equal(q.numpy(), rq)
     assert np.array_equal(dx.numpy(), rdx) and np.array_equal(xs.numpy(), rxs)
     assert np.abs(q.numpy()).max() == 127 and (q.numpy()[0, :32] == 0).all()  # Not 128; the zero block stays 0
+    assert q.numpy()[1, 32:40].tolist() == [127, 0, 2, 2, 0, -2, -2, 4]  # Not [127, 1, 2, 3, -1, -2, -3, 4]
     # what the codes stand for: within half a step of x
     step = np.repeat(rdx, 32, axis=1)
     assert (np.abs(q.numpy() * step - x) <= step * 0.5 + 1e-6).all()

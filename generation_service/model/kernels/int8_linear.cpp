@@ -73,30 +73,63 @@ struct Acts {
   const int32_t* words(int64_t r, int64_t b) const { return (const int32_t*)(q.data() + r * K + b * kBlock); }
 };
 
-Acts quantize(const torch::Tensor& x) {
+// One block of 32 activations -> its codes, scale and scale * code sum (the math at the top of the file).
+void quantize_block_scalar(const float* s, int8_t* q, float& dx_out, float& xs_out) {
+  float amax = 0.0f;
+  for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(s[j]));
+  const float dx = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+  int sum = 0;
+  for (int j = 0; j < kBlock; ++j) {
+    // x * id is at most 127 * (1 + 2^-23), so the code is in -127..127
+    const int v = (int)std::nearbyint(s[j] * id);
+    q[j] = (int8_t)v;
+    sum += v;
+  }
+  dx_out = dx;
+  xs_out = dx * (float)sum;
+}
+
+#if defined(RAGSERVE_I8_X86)
+// The same codes as quantize_block_scalar, 16 lanes at a time: the max of |x| is exact in any order, the product by
+// id is the same IEEE multiply, the conversion rounds in the current mode as nearbyint does (to nearest even), and
+// the integer sum is exact. A block with a NaN takes the scalar loop, whose max skips NaNs where max_ps would not.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void quantize_block_512(const float* s, int8_t* q,
+                                                                             float& dx_out, float& xs_out) {
+  const __m512 v0 = _mm512_loadu_ps(s), v1 = _mm512_loadu_ps(s + 16);
+  if (_mm512_cmp_ps_mask(v0, v1, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) |
+      _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q)) {
+    quantize_block_scalar(s, q, dx_out, xs_out);
+    return;
+  }
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  const float dx = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+  const __m512 vid = _mm512_set1_ps(id);
+  const __m512i c0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vid)), c1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vid));
+  _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(c0));
+  _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtepi32_epi8(c1));
+  dx_out = dx;
+  xs_out = dx * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
+}
+#endif
+
+enum class Path { kScalar, kAvx2, kAvxVnni, kAvx512Vnni };
+
+// The activations of M rows; the AVX512-VNNI path quantizes 16 lanes at a time (the same codes), the others one by
+// one: before the threaded part of every linear, this serial loop was a visible share of a pass of many rows.
+Acts quantize(const torch::Tensor& x, Path path) {
   Acts a;
   a.M = x.size(0), a.K = x.size(1), a.nb = a.K / kBlock;
   a.q.resize(a.M * a.K);
   a.dx.resize(a.M * a.nb);
   a.xs.resize(a.M * a.nb);
   const float* xp = x.data_ptr<float>();
+  auto block = quantize_block_scalar;
+#if defined(RAGSERVE_I8_X86)
+  if (path == Path::kAvx512Vnni) block = quantize_block_512;
+#endif
   for (int64_t r = 0; r < a.M; ++r)
-    for (int64_t b = 0; b < a.nb; ++b) {
-      const float* s = xp + r * a.K + b * kBlock;
-      float amax = 0.0f;
-      for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(s[j]));
-      const float dx = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-      int8_t* q = a.q.data() + r * a.K + b * kBlock;
-      int sum = 0;
-      for (int j = 0; j < kBlock; ++j) {
-        // x * id is at most 127 * (1 + 2^-23), so the code is in -127..127
-        const int v = (int)std::nearbyint(s[j] * id);
-        q[j] = (int8_t)v;
-        sum += v;
-      }
-      a.dx[r * a.nb + b] = dx;
-      a.xs[r * a.nb + b] = dx * (float)sum;
-    }
+    for (int64_t b = 0; b < a.nb; ++b)
+      block(xp + r * a.K + b * kBlock, a.q.data() + r * a.K + b * kBlock, a.dx[r * a.nb + b], a.xs[r * a.nb + b]);
   return a;
 }
 
@@ -327,8 +360,6 @@ RAGSERVE_I8_HALF_TILE(
 
 // -- dispatch ---------------------------------------------------------------------------------------------------------
 
-enum class Path { kScalar, kAvx2, kAvxVnni, kAvx512Vnni };
-
 const char* path_name(Path p) {
   switch (p) {
     case Path::kAvx512Vnni: return "avx512_vnni";
@@ -473,7 +504,7 @@ std::vector<torch::Tensor> i8_quantize(const torch::Tensor& x) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.size(1) % kBlock == 0,
               "x must be float32 [M, K], K a multiple of 32");
   const torch::Tensor xc = x.contiguous();
-  Acts a = quantize(xc);
+  Acts a = quantize(xc, chosen());
   auto q = torch::empty({a.M, a.K}, torch::kInt8);
   auto dx = torch::empty({a.M, a.nb}, torch::kFloat32), xs = torch::empty({a.M, a.nb}, torch::kFloat32);
   std::memcpy(q.data_ptr<int8_t>(), a.q.data(), a.q.size());
@@ -494,9 +525,9 @@ torch::Tensor i8_linear(const torch::Tensor& x, const torch::Tensor& layout, int
               " bytes are not i8_layout's for K = ", K);
   auto out = torch::empty({M, N}, x.options());
   if (M == 0) return out;
-  const Acts a = quantize(x);
-  const Job j{layout.data_ptr<uint8_t>(), gb, nb, N, gb == kQ8GroupBytes, &a, out.data_ptr<float>()};
   const Path path = chosen();
+  const Acts a = quantize(x, path);
+  const Job j{layout.data_ptr<uint8_t>(), gb, nb, N, gb == kQ8GroupBytes, &a, out.data_ptr<float>()};
   // Rows in tiles of up to kTileRows, as equal as can be (13 rows: 7 + 6); columns split among the threads in
   // pieces of whole groups, each piece taking every tile of rows while its weights are in cache.
   const int64_t tiles = (M + kTileRows - 1) / kTileRows;

@@ -2,9 +2,11 @@
 requests in flight counted per worker, and the worker list from flags and/or a DNS name re-resolved periodically
 (every A/AAAA record of a Kubernetes headless Service is one worker).
 
-A worker is routable while its Watch stream says SERVING. A broken stream (the worker died or restarted) makes it
-unroutable at once and the watch reconnects with backoff; a call that fails with UNAVAILABLE does the same, so new
-requests go elsewhere before the next health message could say so.
+A worker is routable while its Watch stream says SERVING and it has answered GetInfo (with the gateway's token:
+health needs none, so a worker that refuses the gateway's credentials stays unroutable, and /ready says so). A
+broken stream (the worker died or restarted) makes it unroutable at once and the watch reconnects with backoff; a
+call that fails with UNAVAILABLE does the same, so new requests go elsewhere before the next health message could
+say so.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class Worker:
     inflight: int = 0
     model: str = ""  # the worker's model directory (GetInfo), once it answered
     model_id: str = ""  # its last path component: the id clients name (derived once, read on every request)
+    why: str = ""  # the kind of reason it is not serving, as last logged ("" = serving, or not yet known)
     watch: asyncio.Task | None = None
     closed: bool = False
 
@@ -124,10 +127,12 @@ class WorkerPool:
     # --------------------------------------------------------------------------------------------- health
 
     def _set(self, w: Worker, serving: bool, why: str = "") -> None:
-        if w.serving != serving:
-            w.serving = serving
+        # A worker that never became routable logs why too, once per kind of reason (its reconnects repeat it).
+        kind = "" if serving else why.split(":")[0]
+        if w.serving != serving or kind != w.why:
             log.log(logging.INFO if serving else logging.WARNING, "worker %s %s%s", w.address,
                     "SERVING" if serving else "not serving", f": {why}" if why else "")
+        w.serving, w.why = serving, kind
 
     async def _watch(self, w: Worker) -> None:
         failures = 0
@@ -135,14 +140,20 @@ class WorkerPool:
         while not w.closed:
             try:
                 stream = health.Watch(health_pb2.HealthCheckRequest(service=""))
+                why = "health stream ended"
                 async for reply in stream:
-                    failures = 0
                     serving = reply.status == _SERVING
-                    if serving and not w.model:
-                        await self._fetch_info(w)
+                    # Health needs no token, GetInfo does: a worker that refuses the gateway's credentials (or
+                    # does not answer GetInfo) would look SERVING yet fail every request, and Watch sends nothing
+                    # more until its status changes. So it stays unroutable and the watch starts again later.
+                    refused = await self._fetch_info(w) if serving and not w.model else ""
+                    if refused:
+                        why = refused
+                        stream.cancel()
+                        break
+                    failures = 0
                     self._set(w, serving, "" if serving else health_pb2.HealthCheckResponse.ServingStatus.Name(
                         reply.status))
-                why = "health stream ended"
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as e:
@@ -151,13 +162,15 @@ class WorkerPool:
             await asyncio.sleep(_BACKOFF_S[min(failures, len(_BACKOFF_S) - 1)])
             failures += 1
 
-    async def _fetch_info(self, w: Worker) -> None:
+    async def _fetch_info(self, w: Worker) -> str:
+        """Learn the worker's model (GetInfo) -> "" or why the call failed."""
         try:
             info = await w.stub.GetInfo(generation_pb2.WorkerInfoRequest(), timeout=5.0, metadata=self.metadata)
-            w.model = info.model
-            w.model_id = PurePath(info.model).name or info.model
         except grpc.aio.AioRpcError as e:
-            log.warning("worker %s GetInfo: %s", w.address, e.details())
+            return f"GetInfo {e.code().name}: {e.details()}"
+        w.model = info.model
+        w.model_id = PurePath(info.model).name or info.model
+        return ""
 
     def failed(self, w: Worker, e: grpc.aio.AioRpcError) -> None:
         """A call to w failed: an UNAVAILABLE worker takes no new requests until its health says SERVING again."""

@@ -3,8 +3,6 @@ configured; health stays open for probes."""
 
 from __future__ import annotations
 
-import shutil
-
 import grpc
 import numpy as np
 import pytest
@@ -15,14 +13,14 @@ from generation_service.drafting.retrieval_client import RetrievalClient
 from proto import draft_pb2, draft_pb2_grpc
 from ragcore.draft_tree import DraftTree
 from ragcore.grpc_shell import wait_until_serving
-from ragcore.security import channel_credentials, make_certs
+from ragcore.security import channel_credentials
 from ragcore.wire import pack_tokens
 from retrieval_service.config import RetrievalConfig
 from retrieval_service.server import build_server as build_retrieval
 from tests.integration.conftest import PROMPTS, start_generation
+from tests.tls import certs, needs_openssl  # noqa: F401  (pytest fixture)
 
 TOKEN = "s3cret-token"
-needs_openssl = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI not installed")
 
 
 class TinyDatastore:
@@ -34,13 +32,6 @@ class TinyDatastore:
 
 def _draft(stub, **kw):
     return stub.Draft(draft_pb2.DraftRequest(context=pack_tokens([1, 2])), timeout=10, **kw)
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory):
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl CLI not installed")
-    return make_certs(tmp_path_factory.mktemp("certs"), ["localhost", "127.0.0.1"])
 
 
 @pytest.fixture()

@@ -213,7 +213,7 @@ def texts(n: int, chars: int, seed: int) -> list[str]:
 
 
 def largest_searches(cfg: RetrievalConfig, dim: int, seed: int) -> dict[str, knowledge_pb2.SearchRequest]:
-    """The largest Searches `cfg`'s limits allow, and one past them (the encoder-token bound by one text). Those
+    """The largest Searches `cfg`'s limits allow, and one past them (by one text). Those
     asking for every hit's text or vector may need a reply over the message limit: refused before any work."""
     n = max(1, min(cfg.kb_limit_encode_tokens // ENCODER_TOKENS, cfg.limit_batch))
     chars = min(cfg.kb_limit_query_chars, cfg.kb_limit_search_chars // n)
@@ -222,7 +222,9 @@ def largest_searches(cfg: RetrievalConfig, dim: int, seed: int) -> dict[str, kno
     nv = cfg.limit_batch
     kv = max(1, min(cfg.kb_limit_k, cfg.kb_limit_results // nv))
     vectors = np.random.default_rng(seed).standard_normal((nv, dim)).astype(np.float32)
-    past = texts(n + 1, min(cfg.kb_limit_query_chars, cfg.kb_limit_search_chars // (n + 1)), seed + 1)
+    # One more text of the same length: past the character bound, and the token bound where texts reach the
+    # encoder's length (how many tokens a text of `chars` has depends on its words, so it is not counted on).
+    past = texts(n + 1, chars, seed + 1)
     return {
         "texts": knowledge_pb2.SearchRequest(retriever="edr", k=k, texts=big),
         "texts_with_text_and_vectors": knowledge_pb2.SearchRequest(retriever="edr", k=k, texts=big, with_text=True,
@@ -230,7 +232,7 @@ def largest_searches(cfg: RetrievalConfig, dim: int, seed: int) -> dict[str, kno
         "vectors": knowledge_pb2.SearchRequest(retriever="edr", k=kv, vectors=vectors.tobytes()),
         "vectors_with_text": knowledge_pb2.SearchRequest(retriever="edr", k=kv, vectors=vectors.tobytes(),
                                                          with_text=True),
-        "past_the_token_bound": knowledge_pb2.SearchRequest(retriever="edr", k=k, texts=past),
+        "one_text_past_the_bounds": knowledge_pb2.SearchRequest(retriever="edr", k=k, texts=past),
     }
 
 
@@ -429,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     json_path = Path(args.json) if args.json else Path(__file__).parent / "results" / f"hardening-{cpu_class()}.json"
     cmd = list(sys.argv[1:] if argv is None else argv)
-    result: dict = {"command": "python -m bench.hardening " + shlex.join(cmd), "machine": machine(),
+    result: dict = {"command": " ".join(["python -m bench.hardening", *map(shlex.quote, cmd)]), "machine": machine(),
                     "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "loadavg_start": os.getloadavg(),
                     "targets_of_the_issue": {"health_check_ms": HEALTH_TARGET_MS, "largest_search_s": SEARCH_TARGET_S,
                                              "small_search_p95_ms": SMALL_SEARCH_P95_TARGET_MS}}

@@ -72,7 +72,8 @@ def test_search_part(tmp_path):
     alone = s["rounds"][0]["alone"]
     assert (alone["texts"]["queries"], alone["texts"]["k"], alone["texts"]["chars"]) == (2, 8, 2048)
     assert alone["texts"]["code"] == "OK" and alone["vectors"]["code"] == "OK"
-    assert alone["past_the_token_bound"]["code"] == "INVALID_ARGUMENT"  # Not served: one text past the bound
+    past = alone["one_text_past_the_bounds"]
+    assert past["code"] == "INVALID_ARGUMENT" and "kb_limit_search_chars" in past["details"]  # Not served
     assert s["rounds"][0]["beside"]["small_ms"] and s["rounds"][0]["small_alone"]["n"] > 0
     assert set(s["summary"]["targets"]) == {"largest_search_within_5s_or_refused_up_front",
                                             "small_search_p95_under_100ms"}

@@ -148,7 +148,8 @@ def gateway(names: list[str]) -> str:
 HEADLINES: list[tuple[Callable[[list[str]], str], list[str]]] = [
     (speculation, ["serving-q4_1_i8-zen4.json"]),
     (step, ["step-q4_1_i8-avx512bf16.json"]),
-    (concurrency, ["concurrency-amx.json", "concurrency-avx512bf16-zen5-rounds.json"]),
+    (concurrency, ["concurrency-amx.json", "concurrency-avx512bf16-zen5-rounds.json",
+                   "concurrency-avx512bf16-zen4-rounds.json"]),
     (ralm, ["ralm-clients-rounds-zen4.json"]),
     (gateway, ["gateway-avx512bf16.json"]),
 ]

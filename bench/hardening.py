@@ -37,6 +37,8 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -376,13 +378,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def run_health(args: argparse.Namespace, result: dict, save) -> None:
+@contextmanager
+def launched(running: str, **up) -> Iterator[launcher.Topology | None]:
+    """The services `up` describes (tools.launcher.up's arguments), started as a user starts them and stopped at
+    the end; None when `running` names one already running to measure instead."""
+    if running:
+        yield None
+        return
     state = Path(tempfile.mkdtemp(prefix="bench-hardening-")) / "launcher.json"
-    topo = None
-    if not args.worker:
-        topo = launcher.up(datastore=args.datastore, state=state, metrics=True, timeout_s=args.start_timeout_s,
-                           extra_generation=shlex.split(args.worker_args))
+    topo = launcher.up(state=state, **up)
     try:
+        yield topo
+    finally:
+        launcher.down(state=state)
+
+
+def run_health(args: argparse.Namespace, result: dict, save) -> None:
+    with launched(args.worker, datastore=args.datastore, metrics=True, timeout_s=args.start_timeout_s,
+                  extra_generation=shlex.split(args.worker_args)) as topo:
         target = args.worker or topo.get("generation").address
         metrics_url = args.worker_metrics or f"http://127.0.0.1:{topo.get('generation').metrics_port}/metrics"
         with GenerationClient(target) as client:  # kernels loaded and pages touched before anything is timed
@@ -392,19 +405,12 @@ def run_health(args: argparse.Namespace, result: dict, save) -> None:
             result["health"]["rounds"].append(health_round(target, metrics_url, args))
             result["health"]["summary"] = health_summary(result["health"]["rounds"])
             save()
-    finally:
-        if topo is not None:
-            launcher.down(state=state)
 
 
 def run_search(args: argparse.Namespace, result: dict, save) -> None:
     cfg = RetrievalConfig.from_args(shlex.split(args.retrieval_args))
-    state = Path(tempfile.mkdtemp(prefix="bench-hardening-")) / "launcher.json"
-    topo = None
-    if not args.retrieval:
-        topo = launcher.up(kb=args.kb, state=state, generation=False, timeout_s=args.start_timeout_s,
-                           extra_retrieval=shlex.split(args.retrieval_args))
-    try:
+    with launched(args.retrieval, kb=args.kb, generation=False, timeout_s=args.start_timeout_s,
+                  extra_retrieval=shlex.split(args.retrieval_args)) as topo:
         target = args.retrieval or topo.get("retrieval").address
         with grpc.insecure_channel(target) as ch:
             info = knowledge_pb2_grpc.KnowledgeServiceStub(ch).Info(knowledge_pb2.KnowledgeInfoRequest(), timeout=30)
@@ -418,9 +424,6 @@ def run_search(args: argparse.Namespace, result: dict, save) -> None:
             result["search"]["rounds"].append(search_round(target, cfg, dim, args, seed=1 + 10_000 * i))
             result["search"]["summary"] = search_summary(result["search"]["rounds"])
             save()
-    finally:
-        if topo is not None:
-            launcher.down(state=state)
 
 
 def _f(x: float | None, spec: str = ".1f") -> str:

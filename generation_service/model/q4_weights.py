@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from generation_service.model import i8_groups
 from generation_service.model.kernels.build import kernel
 from generation_service.model.lean_llama import (
     _PACK_HINT_ROWS,
@@ -315,6 +316,13 @@ class LeanLlamaQ4(LeanLlama):
         self.fused.set_wide(*(prepared[n] for n in names), head)
         size = sum(t.nbytes for ts in prepared.values() for t in ts) + head.nbytes
         log.info("%s: %s (%.0f MB)", FORMAT_I8 if self.i8 else FORMAT_BF16, what, size / 2**20)
+        if self.i8:
+            gu = self.layers[0].quant["wgu"]
+            groups, ms = i8_groups.tune(k, prepared["wgu"], gu.in_features, gu.out_features)
+            if ms:
+                log.info("%s: tiles of 1-4 rows take %d column group(s) at once (median ms of the gate-and-up "
+                         "linears over 1-4 rows by groups: %s)", FORMAT_I8, groups,
+                         ", ".join(f"{n}: {v:.2f}" for n, v in ms.items()))
         return size
 
     def rows_pass_invariant(self) -> bool:

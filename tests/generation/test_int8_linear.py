@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from generation_service.model import i8_groups
 from generation_service.model.kernels.build import kernel
 from generation_service.model.lean_llama import Segment
 from generation_service.model.tree_attention import tree_mask
@@ -182,6 +183,59 @@ def test_a_row_gets_the_same_bits_in_any_pass_on_every_path(kind):
     first = outs[PATHS[0]]
     for p, o in outs.items():
         assert torch.equal(o, first), p  # every path: the same bits (Not merely the same within a path)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_the_column_groups_a_tile_takes_change_no_bit(kind):
+    rng = np.random.default_rng(11)
+    n, kk = 150, 128  # 10 groups: tiles of 4, 2 and 1 groups all run
+    w = torch.from_numpy(random_blocks(kind, n, kk, rng))
+    layout = k.i8_layout(w, kk)
+    x = torch.from_numpy(activations(6, kk, rng))
+    before = k.i8_groups()
+    try:
+        outs = {}
+        for groups in (1, 2, 4):
+            k.set_i8_groups(groups)
+            outs[groups] = [k.i8_linear(x[:m].contiguous(), layout, n) for m in range(1, 7)]
+        want = [torch.from_numpy(linear_ref(x[:m].numpy(), kind, w.numpy())) for m in range(1, 7)]
+        for groups, got in outs.items():
+            for m, (g, r) in enumerate(zip(got, want), start=1):
+                assert torch.equal(g, r), (groups, m)  # Not merely close
+        with pytest.raises(RuntimeError, match="1, 2 or 4"):
+            k.set_i8_groups(3)
+    finally:
+        k.set_i8_groups(before)
+
+
+def test_the_group_choice_is_timed_and_set():
+    rng = np.random.default_rng(12)
+    layouts = [k.i8_layout(torch.from_numpy(random_blocks("q4_1", 64, 128, rng)), 128) for _ in range(2)]
+    before = k.i8_groups()
+    try:
+        groups, ms = i8_groups.tune(k, layouts, 128, 64, rounds=2)
+        assert k.i8_groups() == groups
+        if k.i8_path() == "avx512_vnni":
+            assert groups in i8_groups.CHOICES and sorted(ms) == sorted(i8_groups.CHOICES)
+            assert all(v > 0 for v in ms.values())
+        else:
+            assert ms == {} and groups == before  # Not timed: the choice is the 512-bit tiles' only
+    finally:
+        k.set_i8_groups(before)
+
+
+# (ms per round by choice, the choice): the lowest median, not the lowest single round; a tie goes to fewer groups.
+FASTEST = [
+    ({1: [3.0, 3.1, 3.2], 2: [3.5, 3.6, 3.4], 4: [4.0, 4.1, 3.9]}, 1),
+    ({1: [5.0, 5.1, 5.2], 2: [4.5, 4.4, 4.6], 4: [4.0, 4.1, 4.2]}, 4),
+    ({1: [5.0, 1.0, 5.2], 2: [4.5, 4.4, 4.6], 4: [4.7, 4.8, 4.9]}, 2),  # Not 1: one lucky round
+    ({1: [4.0, 4.0], 2: [4.0, 4.0], 4: [4.0, 4.0]}, 1),
+]
+
+
+@pytest.mark.parametrize("ms, want", FASTEST)
+def test_fastest_choice(ms, want):
+    assert i8_groups.fastest(ms) == want
 
 
 def test_bad_shapes_are_refused():

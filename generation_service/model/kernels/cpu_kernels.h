@@ -48,6 +48,8 @@ std::vector<torch::Tensor> i8_quantize(const torch::Tensor& x);
 std::string i8_path();
 std::vector<std::string> i8_paths();
 void set_i8_path(const std::string& name);
+int64_t i8_groups();
+void set_i8_groups(int64_t n);
 
 // Registers LeanForward (lean_forward.cpp) in the module.
 void bind_lean_forward(pybind11::module_& m);

@@ -405,13 +405,22 @@ inline void with_rows(int rows, F&& f) {
   }
 }
 
+// Most groups of 16 columns a 512-bit tile of 1-4 rows takes at once (1, 2 or 4; set_i8_groups). More groups give
+// more independent vpdpbusd chains to hide its latency, but interleave as many weight streams in each tile: which
+// wins depends on the core (on an AMD Zen 4 one group made passes of 1-4 rows cheaper than the 4 and 2 chosen for
+// latency), so the worker times the choices when it loads the weights (model/i8_groups.py).
+int& small_groups() {
+  static int n = 4;
+  return n;
+}
+
 // Groups [g0, g1) against the rows [r0, r0 + rows) of x, on `path`. Which tile computes a (column, row) changes
 // nothing in its value: every tile runs the same operations on it.
 void groups_rows(Path path, const Job& j, int64_t g0, int64_t g1, int64_t r0, int rows) {
 #if defined(RAGSERVE_I8_X86)
   if (path == Path::kAvx512Vnni) {
-    // Fewer rows, more groups at once: enough independent chains to hide vpdpbusd's latency.
-    const int ng = rows <= 2 ? 4 : rows <= 4 ? 2 : 1;
+    const int most = small_groups();
+    const int ng = rows <= 2 ? std::min(4, most) : rows <= 4 ? std::min(2, most) : 1;
     int64_t g = g0;
     with_rows(rows, [&](auto r) {
       constexpr int R = decltype(r)::value;
@@ -458,6 +467,13 @@ std::vector<std::string> i8_paths() {
   std::vector<std::string> out;
   for (Path p : runnable()) out.emplace_back(path_name(p));
   return out;
+}
+
+int64_t i8_groups() { return small_groups(); }
+
+void set_i8_groups(int64_t n) {
+  TORCH_CHECK(n == 1 || n == 2 || n == 4, "groups must be 1, 2 or 4, got ", n);
+  small_groups() = (int)n;
 }
 
 void set_i8_path(const std::string& name) {

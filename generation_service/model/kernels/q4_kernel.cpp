@@ -1170,6 +1170,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("i8_paths", &i8_paths, "the int8-activation paths this CPU runs, best first");
   m.def("set_i8_path", &set_i8_path, pybind11::arg("name"),
         "run the int8-activation linears on this path ('' = the best here); every path gives the same bits");
+  m.def("i8_groups", &i8_groups, "most groups of 16 columns an AVX512-VNNI tile of 1-4 rows takes at once");
+  m.def("set_i8_groups", &set_i8_groups, pybind11::arg("n"),
+        "1, 2 or 4: most groups an AVX512-VNNI tile of 1-4 rows takes at once (the same bits whichever)");
   bind_lean_forward(m);
   m.def("isa", []() {
 #if defined(RAGSERVE_AMX)

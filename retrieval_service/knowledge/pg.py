@@ -10,11 +10,13 @@ plus `<table>_hnsw` (HNSW, vector_ip_ops) and `<table>_tsv` (GIN) indexes and a 
 manifest (fingerprint, encoder, dimension, which retrievers were built).
 
 Retrievers: edr = exact inner product (`ORDER BY emb <#> q, id LIMIT k` with index scans off for the statement, so
-PostgreSQL scans every row; a batch scans the table once per 8 queries, see exact_sql), adr = the HNSW index (`hnsw.ef_search` from the request or kb_ef_search), sr =
-PostgreSQL full-text search: any of the query's lexemes matches, ranked by ts_rank_cd (cover density) -- not
-Lucene's BM25 (serve the KB directory for that). A batch is one statement and one round trip (adr and sr: a
-LATERAL join over `unnest` of the query vectors or texts). Scores are pgvector's float32 inner products: equal to the
-in-process exact search up to float32 summation order, so ranks agree except between near-ties.
+PostgreSQL scans every row; a batch scans the table once per 8 queries and sorts only the rows under a bound taken
+from the table's first rows, see exact_sql), adr = the HNSW index (`hnsw.ef_search` from the request or
+kb_ef_search), sr = PostgreSQL full-text search: any of the query's lexemes matches, ranked by ts_rank_cd (cover
+density) -- not Lucene's BM25 (serve the KB directory for that). A batch is one statement and one round trip
+(adr and sr: a LATERAL join over `unnest` of the query vectors or texts). Scores are pgvector's float32 inner
+products: equal to the in-process exact search up to float32 summation order, so ranks agree except between
+near-ties.
 
 Every call runs in one transaction on a pooled connection (psycopg_pool, kb_pg_pool connections) with
 `statement_timeout` set to the caller's gRPC deadline (deadline.py), so a slow statement ends at the deadline
@@ -95,21 +97,39 @@ def _sql(template: str, table: str):
 
 
 SCAN_GROUP = 8  # queries whose distances one scan of the table computes (exact search)
+# Rows read first (in storage order) to bound each query's k-th best distance before the full scan; the full scan
+# then keeps only rows under some query's bound, so the per-query top-k sorts read a few hundred rows, not the table.
+BOUND_SAMPLE = 2000
 
 
-def exact_sql(batch: int, group: int = SCAN_GROUP) -> str:
+def exact_sql(batch: int, group: int = SCAN_GROUP, bounded: bool = False) -> str:
     """Exact top-k of `batch` queries (%(q0)s ...) in one statement: per group of queries one scan of the table
     materializes every row's distance to each of them, then a top-k sort per query reads that. Ties: smaller id
     first, as the in-process search ranks them.
 
     Why not a LATERAL join of one `ORDER BY emb <#> q LIMIT k` per query: each query then scans the table again,
     and reading the rows (not the 384-d dot products) is most of a scan's cost.
+
+    bounded: first the k-th best distance of each query among the table's first %(sample)s rows (>= k of them),
+    then the scan keeps only rows at or under some query's bound. Exact: the k-th best distance over any subset
+    of the rows is >= the k-th best over the table, so every row of a query's true top k passes its bound
+    (PostgreSQL orders float8 NaN above everything in `<=` as in ORDER BY, so that holds for NaN too; a sample
+    that is the whole table bounds every row). Why: 8 top-k sorts over every row of the table cost more than the
+    scan's 8 dot products per row.
     """
     ctes, parts = [], []
     for g, lo in enumerate(range(0, batch, group)):
         cols = range(lo, min(batch, lo + group))
-        ctes.append(f"d{g} AS MATERIALIZED (SELECT id, " + ", ".join(f"emb <#> %(q{i})s::vector AS x{i}" for i in cols)
-                    + " FROM {t})")
+        dists = ", ".join(f"emb <#> %(q{i})s::vector AS x{i}" for i in cols)
+        if bounded:
+            ctes.append(f"s{g} AS MATERIALIZED (SELECT {dists} FROM (SELECT emb FROM {{t}} LIMIT %(sample)s) r)")
+            under = " OR ".join(f"x{i} <= (SELECT max(x{i}) FROM (SELECT x{i} FROM s{g} ORDER BY x{i} "
+                                f"LIMIT %(k)s) b)" for i in cols)
+            # OFFSET 0 keeps the filter out of the scan: there it would compute each distance a second time.
+            ctes.append(f"d{g} AS MATERIALIZED (SELECT * FROM (SELECT id, {dists} FROM {{t}} OFFSET 0) a "
+                        f"WHERE {under})")
+        else:
+            ctes.append(f"d{g} AS MATERIALIZED (SELECT id, {dists} FROM {{t}})")
         parts += [f"(SELECT {i + 1} AS ord, id, -x{i} AS score FROM d{g} ORDER BY x{i}, id LIMIT %(k)s)" for i in cols]
     return "WITH " + ", ".join(ctes) + " " + " UNION ALL ".join(parts)
 
@@ -229,6 +249,7 @@ class PgVectorIndex:
     size: int
     has_hnsw: bool
     default_ef_search: int = 128
+    bound_sample: int = BOUND_SAMPLE  # 0: batched exact searches sort every row per query (see exact_sql)
     name: str = "kb"
     metric: str = "ip"
     info: dict = field(default_factory=dict)
@@ -256,8 +277,12 @@ class PgVectorIndex:
             # Exact: scan every row; the materialized distances (8 + 8 x group bytes a row) stay in memory.
             need_mb = 1 + self.size * (8 + 8 * min(len(q), SCAN_GROUP)) * 2 // (1 << 20)
             settings = {"enable_indexscan": "off", "enable_bitmapscan": "off", "work_mem": f"{max(4, need_mb)}MB"}
-            sql_text = _EXACT_ONE if len(q) == 1 else exact_sql(len(q))
-            params = {"k": k, **{f"q{i}": v for i, v in enumerate(q)}}
+            sample = max(self.bound_sample, k)
+            # A table not much larger than the sample: bounding would read most of it twice.
+            bounded = self.bound_sample > 0 and self.size > 2 * sample
+            sql_text = _EXACT_ONE if len(q) == 1 else exact_sql(len(q), bounded=bounded)
+            params = {"k": k, **({"sample": sample} if bounded and len(q) > 1 else {}),
+                      **{f"q{i}": v for i, v in enumerate(q)}}
         with self.backend.transaction(settings) as conn:
             rows = conn.execute(_sql(sql_text, self.backend.table), params).fetchall()
         return _group(rows, len(q), k, rerank=approx)

@@ -122,17 +122,18 @@ def test_score_candidates_and_documents_match_search(pg_kb, kb):
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(n=st.integers(1, 200), k=st.integers(1, 12), batch=st.integers(1, 19), seed=st.integers(0, 2**16),
-       dupes=st.booleans())
-def test_exact_search_brute_force(pg_server, tmp_path_factory, n, k, batch, seed, dupes):
+       dupes=st.booleans(), sample=st.sampled_from([0, 3, 40]))
+def test_exact_search_brute_force(pg_server, tmp_path_factory, n, k, batch, seed, dupes, sample):
     """Random vectors (with duplicated rows: exact ties, which go to the smaller id): PostgreSQL's edr == a
-    float64 brute force == the in-process exact index."""
+    float64 brute force == the in-process exact index, with batches bounded by a sample of rows or not."""
     rng = np.random.default_rng(seed)
     vectors = rng.standard_normal((n, 16)).astype(np.float32)
     if dupes and n > 2:
         vectors[rng.integers(0, n, n // 3)] = vectors[0]
     table = f"rnd_{seed}_{n}_{int(dupes)}"
     pg.load_kb(random_kb_dir(tmp_path_factory.mktemp("rnd"), vectors), pg_server.url, table=table, force=True)
-    index = pg.PgVectorIndex(pg.PgBackend(pg_server.url, table, pool_size=1), 16, n, has_hnsw=False)
+    index = pg.PgVectorIndex(pg.PgBackend(pg_server.url, table, pool_size=1), 16, n, has_hnsw=False,
+                             bound_sample=sample)
     flat = dense.faiss.IndexFlatIP(16)
     flat.add(vectors)
     local = dense.VectorIndex("kb", "ip", flat, vectors=vectors)
@@ -146,6 +147,47 @@ def test_exact_search_brute_force(pg_server, tmp_path_factory, n, k, batch, seed
             assert_same_ranking(ids, scores, lids, lscores)
     finally:
         index.backend.close()
+
+
+QUERY = np.where(np.arange(16) % 2 == 0, 1.0, -1.0).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def far_first_table(pg_server, tmp_path_factory):
+    """300 random rows whose first 40 point away from QUERY (a sample of them bounds its queries loosely), with
+    ties inside them: rows 2-21 repeat row 2, made long so that they are row 2's best matches."""
+    rng = np.random.default_rng(11)
+    vectors = rng.standard_normal((300, 16)).astype(np.float32)
+    vectors[:40] = -np.abs(vectors[:40]) * np.sign(QUERY)
+    vectors[2:22] = 3 * vectors[2]
+    pg.load_kb(random_kb_dir(tmp_path_factory.mktemp("far"), vectors), pg_server.url, table="far_first", force=True)
+    return vectors
+
+
+@pytest.mark.parametrize("sample, k, batch", [
+    (1, 1, 2),    # a sample of k rows: bounds from the first row alone
+    (5, 5, 8),    # one scan group
+    (40, 12, 11),  # two scan groups; the tied rows are the sample's best and straddle the k-th place
+    (40, 25, 8),  # past the 20 tied rows
+])
+def test_bounded_batch_is_the_full_sort(pg_server, far_first_table, sample, k, batch):
+    """A batch bounded by the table's first rows answers exactly what sorting every row answers: same ids, same
+    score bits, ties to the smaller id -- when those first rows are the worst matches of a query, and when they
+    are the best (tied at the bound)."""
+    rng = np.random.default_rng(batch)
+    queries = np.vstack([QUERY, far_first_table[2], rng.standard_normal((batch - 2, 16))]).astype(np.float32)
+    backend = pg.PgBackend(pg_server.url, "far_first", pool_size=1)
+    try:
+        full = pg.PgVectorIndex(backend, 16, 300, has_hnsw=False, bound_sample=0).search(queries, k)
+        bounded = pg.PgVectorIndex(backend, 16, 300, has_hnsw=False, bound_sample=sample).search(queries, k)
+    finally:
+        backend.close()
+    for (ids, scores), (full_ids, full_scores), q in zip(bounded, full, queries):
+        assert ids.tolist() == full_ids.tolist()  # Not rows that only beat the sample's bound
+        assert np.array_equal(scores, full_scores)
+        ref_ids, ref_scores = brute_force(far_first_table, q, k)
+        assert_same_ranking(ids, scores, ref_ids, ref_scores)
+    assert bounded[1][0][:20].tolist() == list(range(2, 2 + min(k, 20)))  # the tied copies, smaller id first
 
 
 def test_batched_equals_single(pg_kb):

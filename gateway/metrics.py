@@ -3,7 +3,7 @@ Label values are bounded: endpoints, HTTP status codes, worker addresses (the co
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -21,6 +21,16 @@ class GatewayMetrics:
     serving: Gauge
     tokens: Counter
     exported: CollectorRegistry  # what /metrics serves: the families without their `_created` samples
+    _children: dict = field(default_factory=dict)
+
+    def child(self, family: Counter | Histogram | Gauge, *values: str):
+        """family.labels(*values), remembered: a dict lookup per request instead of prometheus' checks and lock
+        (label values are bounded, see above; the gateway updates its metrics from its one event loop)."""
+        key = (family, values)
+        got = self._children.get(key)
+        if got is None:
+            got = self._children[key] = family.labels(*values)
+        return got
 
     @classmethod
     def create(cls) -> "GatewayMetrics":

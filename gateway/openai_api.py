@@ -171,6 +171,12 @@ def _extension(body: dict, req: generation_pb2.GenerateRequest) -> None:
                 target.SetInParent()  # {} = the mode with its defaults
 
 
+def _copy(req: generation_pb2.GenerateRequest) -> generation_pb2.GenerateRequest:
+    c = generation_pb2.GenerateRequest()
+    c.CopyFrom(req)
+    return c
+
+
 def parse(body: Any, chat: bool, max_n: int, affinity_chars: int) -> Parsed:
     """A request body (decoded JSON) -> the worker requests; APIError 400 on a wrong field."""
     if not isinstance(body, dict):
@@ -232,16 +238,15 @@ def parse(body: Any, chat: bool, max_n: int, affinity_chars: int) -> Parsed:
     keys: list[str] = []
     if chat:
         msgs = _messages(body)
-        r = generation_pb2.GenerateRequest()
-        r.CopyFrom(base)
+        r = base  # one prompt: the template itself becomes its request (no copy on the common path)
         for m in msgs:
             r.messages.add(role=m["role"], content=m["content"])
         prompts.append(r)
         keys.append(chat_key(msgs, affinity_chars))
     else:
-        for p in _prompts(body):
-            r = generation_pb2.GenerateRequest()
-            r.CopyFrom(base)
+        given = _prompts(body)
+        for p in given:
+            r = base if len(given) == 1 else _copy(base)
             if isinstance(p, str):
                 if not p:
                     raise invalid("prompt", "must not be empty")
@@ -252,13 +257,10 @@ def parse(body: Any, chat: bool, max_n: int, affinity_chars: int) -> Parsed:
             keys.append(prompt_key(p, affinity_chars))
     requests = []
     for r in prompts:
-        choices = []
-        for i in range(n):
-            c = generation_pb2.GenerateRequest()
-            c.CopyFrom(r)
-            if seed is not None:
+        choices = [r] if n == 1 else [_copy(r) for _ in range(n)]
+        if seed is not None:
+            for i, c in enumerate(choices):
                 c.seed = (seed + i) % 2**64  # n choices from one seed differ, and are reproducible
-            choices.append(c)
         requests.append(choices)
     return Parsed(chat=chat, model=model, requests=requests, key=keys, stream=stream, include_usage=include_usage,
                   logprobs=logprobs, top_logprobs=top,

@@ -196,6 +196,8 @@ class WorkerPool:
         live = {w.address: w for w in self.healthy() if w.address not in exclude}
         if not live:
             return None
+        if len(live) == 1:  # routing.choose's answer for one candidate, without hashing the key to rank it
+            return next(iter(live.values())), "affinity"
         ranked = routing.rank(key, list(live))
         got = routing.choose(ranked, {a: w.inflight for a, w in live.items()}, self.cfg.busy_inflight)
         if got is None:

@@ -58,6 +58,14 @@ _UNAVAILABLE_CODES = frozenset({Code.UNAVAILABLE, Code.ABORTED})
 # A client whose deadline fires cancels the call a little before the server's copy of that deadline runs out (the
 # timeout travels as a duration and starts later here): a cancel this close to the deadline is the deadline.
 _DEADLINE_SLACK_S = 0.05
+# gRPC reports "no deadline" as seconds until the end of time (~2**63 ns), which no clock arithmetic survives.
+_NO_DEADLINE_S = 1e9
+
+
+def time_remaining(context: grpc.ServicerContext) -> float | None:
+    """Seconds left before the caller's deadline, None when it set none."""
+    remaining = context.time_remaining()
+    return None if remaining is None or remaining >= _NO_DEADLINE_S else remaining
 # Handler threads beyond the call limit: health checks (outside the limit) and quick refusals always find one.
 HEALTH_THREADS = 4
 
@@ -108,6 +116,9 @@ class _Context:
 
     def __getattr__(self, name: str):
         return getattr(self._context, name)
+
+    def time_remaining(self) -> float | None:
+        return time_remaining(self._context)
 
     def abort(self, code: Code, details: str = "") -> None:
         self.code, self.details = code, bound_details(details)
@@ -237,8 +248,8 @@ class ShellInterceptor(grpc.ServerInterceptor):
 
         def begin(request, raw_context) -> tuple[Call, _Context] | None:
             call = Call(service, method, kind, request)
-            remaining = raw_context.time_remaining()
-            if remaining is not None and remaining < 1e9:
+            remaining = time_remaining(raw_context)
+            if remaining is not None:
                 call.deadline = call.started + remaining
             context = _Context(raw_context)
             refused = busy = False

@@ -6,13 +6,14 @@ from __future__ import annotations
 import threading
 import time
 
+import grpc
 import numpy as np
 import pytest
 
 from generation_service.client import GenerationClient
 from generation_service.drafting.drafters import DraftUnavailable
 from generation_service.drafting.retrieval_client import RemoteDrafter, RetrievalClient
-from proto import draft_pb2, draft_pb2_grpc
+from proto import draft_pb2, draft_pb2_grpc, generation_pb2, generation_pb2_grpc
 from ragcore.grpc_shell import start_server
 from tests.integration.conftest import PROMPTS, start_generation
 
@@ -83,6 +84,38 @@ def test_generation_passes_the_client_deadline_to_retrieval(tm, recorder):
         servicer.worker.stop()
     assert svc.remaining, "the worker never asked for a draft"
     assert all(r is not None and 0 < r <= 31 for r in svc.remaining), svc.remaining  # Not the 600 s timeout
+
+
+def test_a_call_without_deadline_reads_as_none(recorder):
+    """gRPC reports "no deadline" as ~2**63 ns; handlers must see None, not a number that overflows time_t."""
+    svc, address = recorder
+    with grpc.insecure_channel(address) as channel:
+        stub = draft_pb2_grpc.DraftServiceStub(channel)
+        stub.Draft(draft_pb2.DraftRequest(context=bytes(4)))  # no timeout
+        stub.Draft(draft_pb2.DraftRequest(context=bytes(4)), timeout=5)
+    unbounded, bounded = svc.remaining
+    assert unbounded is None  # Not 9.2e9 s
+    assert bounded is not None and 0 < bounded <= 5.1  # (+ clock slack)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("rpc", ["Generate", "GenerateStream"])
+def test_generate_without_deadline_is_answered(tm, recorder, rpc):
+    _, address = recorder
+    running, servicer = start_generation(tm, address)
+    try:
+        with grpc.insecure_channel(running.address) as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            req = generation_pb2.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=3, ignore_eos=True,
+                                                 decoding="ar")
+            if rpc == "Generate":
+                tokens = len(stub.Generate(req).token_ids)  # no timeout: Not INTERNAL (time_t overflow)
+            else:
+                tokens = sum(len(m.token_ids) for m in stub.GenerateStream(req))
+        assert tokens == 3
+    finally:
+        running.stop(0)
+        servicer.worker.stop()
 
 
 def test_thread_initializer_runs_in_the_handler_threads():

@@ -90,7 +90,9 @@ _LEARN_PROMPT_TAIL = 16  # prompt tokens sent with a learned output (the longest
 
 
 
-@dataclass
+# eq=False: a job is itself. Field equality compared prompt arrays (ambiguous truth values) whenever a queue looked a
+# job up; repr=False fields: the engine's state of a job holds tensors, and formatting one takes tens of ms.
+@dataclass(eq=False)
 class Job:
     prompt_ids: np.ndarray
     params: SamplingParams
@@ -98,7 +100,7 @@ class Job:
     budget: int
     deadline: float | None  # time.monotonic() by which the client gives up
     learn: bool = False  # feed the finished output to online learning
-    chunks: "queue.Queue[StreamChunk | BaseException | None]" = field(default_factory=queue.Queue)
+    chunks: "queue.Queue[StreamChunk | BaseException | None]" = field(default_factory=queue.Queue, repr=False)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)  # accepted into the queue (TTFT includes the wait)
     knnlm: KnnLmOptions | None = None  # kNN-LM requests
@@ -106,7 +108,7 @@ class Job:
     # False (unary Generate): the worker hands over one merged chunk at the end instead of one per step, so the
     # gRPC thread does not wake (and take a core from the model's OpenMP team) on every token.
     stream: bool = True
-    early: object = None  # the engine's state of a first token it sent at submit (engine/scheduler.py)
+    early: object = field(default=None, repr=False)  # the engine's state of a first token it sent at submit (engine/scheduler.py)
 
     def is_cancelled(self) -> bool:
         return self.cancelled.is_set() or (self.deadline is not None and time.monotonic() > self.deadline)

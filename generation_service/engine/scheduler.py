@@ -288,12 +288,14 @@ class Engine:
         """Take a job out of the queue (its caller left or its deadline passed) -> whether it was still queued.
         Its slot in the queue is free at once; a job the engine took already is stopped at its next step."""
         with self.jobs.mutex:  # queue.Queue's own lock: the engine's get() and every put() take it
-            try:
-                self.jobs.queue.remove(job)
-            except ValueError:
-                return False
-            self.jobs.not_full.notify()
-            return True
+            # By identity, and no deque.remove: its "not in deque" error formats the job, and every RPC's end asks.
+            queued = self.jobs.queue
+            for i, other in enumerate(queued):
+                if other is job:
+                    del queued[i]
+                    self.jobs.not_full.notify()
+                    return True
+            return False
 
     def depth(self) -> int:
         return self.jobs.qsize() + (self._waiting is not None)

@@ -526,3 +526,39 @@ def test_stopping_the_engine_ends_every_request_it_holds(tm32):
         assert not any(getattr(i, "finish_reason", None) for i in items)  # Not a finished reply
     with pytest.raises(Unavailable):
         engine.submit(_job(prompts[1], SamplingParams(max_new_tokens=4)))
+
+
+class _NoRepr:
+    def __repr__(self) -> str:
+        raise AssertionError("formatted")
+
+
+def test_withdraw_finds_a_queued_job_by_identity(tm32):
+    """Queued jobs with equal prompts: withdraw takes out exactly the one asked (Not a field-by-field match, whose
+    prompt arrays compared ambiguously); a job no longer queued is a cheap False (Not formatted into an error)."""
+    params = SamplingParams(max_new_tokens=4000, ignore_eos=True)
+    prompt = encode(tm32, "def add(a, b):\n    return")
+    engine = _engine(tm32, {}, max_batch=1)
+    try:
+        running = _job(prompt, params)
+        engine.submit(running)
+        assert running.chunks.get(timeout=600) is not None  # it holds the only batch slot
+        first, second = _job(prompt, params), _job(prompt, params)
+        engine.submit(first)
+        engine.submit(second)
+        gone = _job(prompt, params)
+        gone.early = _NoRepr()
+        cases = [  # (job, expected, queued after)
+            (second, True, [first]),
+            (second, False, [first]),  # already out
+            (gone, False, [first]),  # never queued
+            (running, False, [first]),  # running, not queued
+            (first, True, []),
+        ]
+        for job, expected, left in cases:
+            assert engine.withdraw(job) is expected
+            assert [j for j in engine.jobs.queue] == left
+        running.cancelled.set()
+        _collect(running)
+    finally:
+        engine.stop()

@@ -3,13 +3,17 @@
     flock /work/locks/bench.lock python -m bench.gateway              # worker + gateway started as processes
     python -m bench.gateway --worker 127.0.0.1:50052 --gateway http://127.0.0.1:8000 --requests 20
 
-Three measurements, each a series of pairs (direct, gateway) whose order alternates pair by pair, so machine
+Four measurements, each a series of pairs (direct, gateway) whose order alternates pair by pair, so machine
 noise hits both alike:
     request   a 1-token completion of a prompt the worker's prefix cache holds (the worker's part is tiny):
               overhead = p50(gateway) - p50(direct) per request (target <= 1.5 ms)
-    stream    a greedy stream of --stream-tokens tokens (EOS ignored): overhead per token =
+    stream    a greedy stream of --stream-tokens tokens (EOS ignored) of a prompt no earlier call sent (the worker
+              prefills it, as for a user's new conversation): overhead per token =
               (p50(gateway) - p50(direct)) / tokens (target <= 0.2 ms)
     ttft      time to the first content of those streams: p50(gateway) / p50(direct) (target <= 1.1x)
+    ttft_cached  time to the first content of a stream whose prompt the prefix cache holds whole (the worker sends
+              its first token at once): what the gateway adds, in ms (reported, no target: a ratio of two
+              near-zero times says little)
 The gateway is the real HTTP path (uvicorn + Starlette + SSE, JSON both ways); the client is a plain keep-alive
 HTTP client, as an SDK is. Writes bench/results/gateway-<cpu class>.json (machine, flags, load average, commit).
 """
@@ -35,6 +39,11 @@ from proto import generation_pb2, generation_pb2_grpc
 from ragcore.grpc_shell import wait_until_serving
 
 PROMPT = "def quicksort(items):\n    \"\"\"Sort a list with quicksort.\"\"\"\n"
+
+
+def fresh_prompt(i: int, side: str) -> str:
+    """A prompt no earlier call sent (so no prefix cache holds it), of the same length on both sides of a pair."""
+    return f"# task {i:05d}{side}\n{PROMPT}"
 TARGETS = {"request_overhead_ms": 1.5, "stream_overhead_ms_per_token": 0.2, "ttft_ratio": 1.1}
 
 
@@ -98,11 +107,11 @@ class Direct:
         self.stub.Generate(generation_pb2.GenerateRequest(prompt=PROMPT, max_new_tokens=1), timeout=60)
         return (time.perf_counter() - t) * 1e3
 
-    def stream(self, tokens: int) -> tuple[float, float, int]:
+    def stream(self, tokens: int, prompt: str = PROMPT) -> tuple[float, float, int]:
         """-> (ms to the first text, ms in all, tokens)."""
         t = time.perf_counter()
         first, n = None, 0
-        req = generation_pb2.GenerateRequest(prompt=PROMPT, max_new_tokens=tokens, ignore_eos=True)
+        req = generation_pb2.GenerateRequest(prompt=prompt, max_new_tokens=tokens, ignore_eos=True)
         for msg in self.stub.GenerateStream(req, timeout=120):
             if first is None and msg.text_delta:
                 first = time.perf_counter()
@@ -122,10 +131,10 @@ class ThroughGateway:
         r.raise_for_status()
         return (time.perf_counter() - t) * 1e3
 
-    def stream(self, tokens: int) -> tuple[float, float, int]:
+    def stream(self, tokens: int, prompt: str = PROMPT) -> tuple[float, float, int]:
         t = time.perf_counter()
         first, n = None, 0
-        body = {"model": self.model, "prompt": PROMPT, "max_tokens": tokens, "stream": True,
+        body = {"model": self.model, "prompt": prompt, "max_tokens": tokens, "stream": True,
                 "stream_options": {"include_usage": True}, "ragserve": {"ignore_eos": True}}
         with self.http.stream("POST", "/v1/completions", json=body) as r:
             r.raise_for_status()
@@ -145,11 +154,11 @@ def _pairs(n: int, direct, gateway, desc: str) -> tuple[list, list]:
     d, g = [], []
     for i in tqdm(range(n), desc=desc, leave=False):
         if i % 2:
-            g.append(gateway())
-            d.append(direct())
+            g.append(gateway(i))
+            d.append(direct(i))
         else:
-            d.append(direct())
-            g.append(gateway())
+            d.append(direct(i))
+            g.append(gateway(i))
     return d, g
 
 
@@ -158,8 +167,10 @@ def run(worker: str, url: str, requests: int = 200, streams: int = 30, stream_to
     direct, gw = Direct(worker), ThroughGateway(url)
     for _ in range(warmup):  # connections, the prefix cache, the first-call paths
         direct.request(), gw.request(), direct.stream(4), gw.stream(4)
-    d_req, g_req = _pairs(requests, direct.request, gw.request, "requests")
-    d_st, g_st = _pairs(streams, lambda: direct.stream(stream_tokens), lambda: gw.stream(stream_tokens), "streams")
+    d_req, g_req = _pairs(requests, lambda i: direct.request(), lambda i: gw.request(), "requests")
+    d_st, g_st = _pairs(streams, lambda i: direct.stream(stream_tokens, fresh_prompt(i, "d")),
+                        lambda i: gw.stream(stream_tokens, fresh_prompt(i, "g")), "streams")
+    d_c, g_c = _pairs(requests, lambda i: direct.stream(2)[0], lambda i: gw.stream(2)[0], "cached first tokens")
     med = statistics.median
     tokens = med([s[2] for s in d_st])
     out = {
@@ -169,10 +180,13 @@ def run(worker: str, url: str, requests: int = 200, streams: int = 30, stream_to
         "stream_ms": {"direct_p50": med([s[1] for s in d_st]), "gateway_p50": med([s[1] for s in g_st]),
                       "tokens_direct": tokens, "tokens_gateway": med([s[2] for s in g_st])},
         "ttft_ms": {"direct_p50": med([s[0] for s in d_st]), "gateway_p50": med([s[0] for s in g_st])},
+        "ttft_cached_ms": {"direct_p50": med(d_c), "gateway_p50": med(g_c),
+                           "paired_diff_p50": med([g - d for d, g in zip(d_c, g_c)])},
     }
     out["request_overhead_ms"] = out["request_ms"]["gateway_p50"] - out["request_ms"]["direct_p50"]
     out["stream_overhead_ms_per_token"] = (out["stream_ms"]["gateway_p50"] - out["stream_ms"]["direct_p50"]) / tokens
     out["ttft_ratio"] = out["ttft_ms"]["gateway_p50"] / out["ttft_ms"]["direct_p50"]
+    out["ttft_cached_overhead_ms"] = out["ttft_cached_ms"]["gateway_p50"] - out["ttft_cached_ms"]["direct_p50"]
     out["targets"] = {k: {"target": v, "measured": round(out[k], 4), "met": out[k] <= v} for k, v in TARGETS.items()}
     direct.channel.close()
     gw.http.close()
@@ -213,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
           f"gateway {r['stream_ms']['gateway_p50']:.1f} ms -> +{r['stream_overhead_ms_per_token']:.3f} ms/token")
     print(f"TTFT: direct {r['ttft_ms']['direct_p50']:.1f} ms, gateway {r['ttft_ms']['gateway_p50']:.1f} ms "
           f"-> {r['ttft_ratio']:.3f}x")
+    print(f"first token of a cached prompt: direct {r['ttft_cached_ms']['direct_p50']:.1f} ms, gateway "
+          f"{r['ttft_cached_ms']['gateway_p50']:.1f} ms -> +{r['ttft_cached_overhead_ms']:.2f} ms")
     print(f"load average {data['loadavg_start']} -> {data['loadavg_end']}; wrote {path}")
     return 0
 

@@ -138,9 +138,13 @@ def gateway(names: list[str]) -> str:
               "added per streamed token (ms)", "ttft_ratio": "time to first token, gateway / direct"}
     rows = [[labels.get(k, k), _f(t["measured"], ".2f"), f"≤ {t['target']}", "met" if t["met"] else "not met"]
             for k, t in d["targets"].items()]
+    if "ttft_cached_overhead_ms" in d:
+        rows.append(["first token of a prefix-cached prompt: added (ms, p50)", _f(d["ttft_cached_overhead_ms"], ".2f"),
+                     "reported", ""])
     load = d.get("loadavg_start") or [None]
     head = (f"**The OpenAI HTTP gateway against calling the worker's gRPC directly** ({d.get('requests', '?')} "
-            f"request pairs and {d.get('streams', '?')} streams of {d.get('stream_tokens', '?')} tokens, interleaved; "
+            f"request pairs and {d.get('streams', '?')} streams of {d.get('stream_tokens', '?')} tokens of new prompts, "
+            f"interleaved; "
             f"load average {_f(load[0], '.1f')})")
     return head + "\n\n" + _table(["figure", "measured", "target", ""], rows) + "\n\n" + _source(names, d)
 

@@ -502,7 +502,13 @@ class Engine:
         # Alone, a request decides for itself (its sizer); in a batch the gate measures how drafting pays.
         gated = len(steps) > 1 and any(s.drafter is not None for s in steps)
         arm = REMOTE
-        if gated:
+        if steps and len(decoding) < len(ready) and self.prefill_share.slowdown > 0:
+            # A prompt is being prefilled beside them: plain steps. A mixed step may last slowdown x the decoding
+            # requests' tail gap (prefill_share.py) whatever they put in it, so the rows and draft round trips of
+            # their trees would come out of the prompt's share of the step; without them the prompt gets most of it
+            # and its first token comes sooner, while their gaps stay within the same bound.
+            arm, gated = NONE, False
+        elif gated:
             remote = any(getattr(s.drafter, "remote", False) for s in steps)
             arm = self.gate.choose(len(steps), (REMOTE, LOCAL, NONE) if remote else (LOCAL, NONE))
         if arm == NONE:

@@ -505,6 +505,53 @@ def test_a_long_prompt_shares_passes_with_decoding_requests(fixture, shared, req
             assert div is not None and div.near_tie, div
 
 
+def test_decoding_requests_take_plain_steps_while_a_prompt_prefills_beside_them(tmq4i8, monkeypatch):
+    """A prompt-lookup request drafts (its prompt repeats itself) while a long prompt arrives: every pass that carries
+    prompt rows gives it one row (Not a tree: the mixed step's time bound is the same, and a tree's rows and draft
+    round trips would come out of the prompt's share); in passes without prompt rows it drafts; both outputs are
+    exactly their solo ones."""
+    from generation_service.engine import scheduler
+
+    tm, chunk = tmq4i8, 256
+    short_prompt = encode(tm, humaneval_prompts(1)[0]) * 3
+    long_prompt = (encode(tm, humaneval_prompts(4)[3]) * 8)[:700]
+    short_params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    long_params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    mt = ModelThread("test-solo")
+    want = [mt.call(lambda p=p, q=q: [t for out, _ in decode(tm, p, q, prefill_chunk=chunk) for t in out])
+            for p, q in ((short_prompt, short_params), (long_prompt, long_params))]
+    mt.stop(wait=True)
+    passes: list[tuple[list[int], int]] = []  # per pass: (rows of each decoding segment, prompt rows)
+    real = scheduler.forward_batch
+
+    def recording(tm, segments):
+        prompt = [s for s in segments if s.logits_rows > 0]
+        passes.append(([int(s.ids.shape[0]) for s in segments if s.logits_rows <= 0],
+                       sum(int(s.ids.shape[0]) for s in prompt)))
+        return real(tm, segments)
+
+    monkeypatch.setattr(scheduler, "forward_batch", recording)
+    drafters: dict[int, object] = {}
+    engine = _engine(tm, drafters, prefill_chunk=chunk, prefill_slowdown=2.5, prefix_cache_mb=0)
+    try:
+        short = _job(short_prompt, short_params, "pld")
+        drafters[id(short)] = PromptLookupDrafter()
+        engine.submit(short)
+        first = short.chunks.get(timeout=120)  # decoding now
+        assert first is not None and not isinstance(first, BaseException)
+        long = _job(long_prompt, long_params)
+        engine.submit(long)
+        got_long = _collect(long)[0]
+        got_short = first.token_ids + _collect(short)[0]
+    finally:
+        engine.stop()
+    mixed = [dec for dec, rows in passes if dec and rows]
+    decode_only = [dec for dec, rows in passes if dec and not rows]
+    assert mixed and all(dec == [1] for dec in mixed), mixed  # Not trees beside prompt rows
+    assert any(dec[0] > 1 for dec in decode_only), decode_only  # it drafts where no prompt waits
+    assert [got_short, got_long] == want  # exactly, no near-tie allowance
+
+
 def test_stopping_the_engine_ends_every_request_it_holds(tm32):
     """A request running and one queued when the engine stops each get UNAVAILABLE then the end of their chunks
     (Not a handler waiting forever: a process would not exit); a request submitted afterwards is refused."""

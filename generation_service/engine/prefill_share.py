@@ -58,6 +58,12 @@ class PrefillShare:
     # Recent decode-only steps' gaps, one entry per (step, decoding request): (requests, ms per token, tokens).
     gaps: deque[tuple[int, float, int]] = field(default_factory=lambda: deque(maxlen=TAIL_GAPS))
     _tails: dict[int, float] = field(default_factory=dict)  # tail_ms by request count, until the next gap
+    # Steps that carried prompt rows beside decoding ones, for the log (report): their count and running means.
+    mixed_steps: int = 0
+    mixed_step_ms: float = 0.0  # from the pass's start to the next one's
+    mixed_pass_ms: float = 0.0
+    mixed_decode_ms: float = 0.0  # the decoding rows' part of the pass (calibrated, corrected by decode_factor)
+    mixed_rows: float = 0.0  # prompt rows per pass
 
     def rows(self, decode_ms: float, row_ms_guess: float, sequences: int = 0) -> int:
         """Prompt rows the next pass may carry. decode_ms: the calibrated ms of its decoding rows alone (0 = none
@@ -100,6 +106,8 @@ class PrefillShare:
         if not tokens or step_ms <= 0:
             return
         self.between_ms += ALPHA * (max(step_ms - pass_ms, 0.0) - self.between_ms)
+        if not decode_only:
+            self.mixed_step_ms += ALPHA * (step_ms - self.mixed_step_ms)
         if decode_only:
             self.gaps.extend((len(tokens), step_ms / k, k) for k in tokens if k > 0)
             self._tails.clear()
@@ -110,6 +118,19 @@ class PrefillShare:
             return
         per_row = max(measured_ms - decode_ms * self.decode_factor, 0.0) / rows
         self.row_ms = per_row if self.row_ms is None else self.row_ms + ALPHA * (per_row - self.row_ms)
+        self.mixed_steps += 1
+        for name, value in (("mixed_pass_ms", measured_ms), ("mixed_decode_ms", decode_ms * self.decode_factor),
+                            ("mixed_rows", float(rows))):
+            setattr(self, name, getattr(self, name) + ALPHA * (value - getattr(self, name)))
+
+    def report(self) -> str:
+        """One line for the log: where the recent mixed steps' time went (running means)."""
+        tails = ", ".join(f"{n} decoding {self.tail_ms(n):.1f} ms" for n in sorted({n for n, _, _ in self.gaps}))
+        row = f"{self.row_ms:.2f}" if self.row_ms is not None else "?"
+        return (f"{self.mixed_steps} mixed steps: step {self.mixed_step_ms:.1f} ms = pass {self.mixed_pass_ms:.1f} "
+                f"(decoding rows {self.mixed_decode_ms:.1f}, {self.mixed_rows:.0f} prompt rows at {row} ms) + "
+                f"{self.between_ms:.1f} between passes; decode passes x{self.decode_factor:.2f} the curve; "
+                f"tail gaps: {tails or 'none yet'}")
 
 
 def piece_rows(done: int, remaining: int, chunk: int, allowed: int, min_rows: int = MIN_ROWS) -> int:

@@ -576,6 +576,8 @@ class Engine:
                 log.info("engine: pass costs after %d passes: %s", self.passes, self.live_cost.report())
             if self.prefix_cache is not None:
                 log.info("engine: prefix cache after %d passes: %s", self.passes, self.prefix_cache.stats())
+            if self.prefill_share.mixed_steps:
+                log.info("engine: prefill share after %d passes: %s", self.passes, self.prefill_share.report())
             if self.follow.gaps:
                 log.info("engine: arrivals after %d passes: %s", self.passes, self.follow.report())
         self.peak_batch = max(self.peak_batch, len(segments))

@@ -120,3 +120,16 @@ def test_the_tail_needs_enough_steps_of_as_many_sequences(sequences, steps, expe
     share = PrefillShare(256, 3.0, row_ms=1.0)
     _steps(share, [1, 1, 1, 1], [30.0] * steps)
     assert share.rows(10.0, 99.0, sequences=sequences) == expected
+
+
+def test_the_report_says_where_mixed_steps_went():
+    share = PrefillShare(256, 2.5, row_ms=1.0)
+    assert "0 mixed steps" in share.report() and "none yet" in share.report()
+    _steps(share, [1, 1], [10.0] * 30)
+    for _ in range(40):
+        share.record_mixed(30.0, 6.0, 24)  # 6 ms of decoding rows, 24 prompt rows at 1 ms
+        share.record_step(34.0, 30.0, [1, 1], decode_only=False)
+    line = share.report()
+    assert "40 mixed steps" in line and "step 34.0 ms" in line and "pass 30.0" in line, line
+    assert "decoding rows 6.0" in line and "24 prompt rows at 1.00 ms" in line, line
+    assert "2 decoding 10.0 ms" in line, line  # the decode-only tail; Not the mixed steps' 34 ms

@@ -10,7 +10,8 @@ noise hits both alike:
     stream    a greedy stream of --stream-tokens tokens (EOS ignored) of a prompt no earlier call sent (the worker
               prefills it, as for a user's new conversation): overhead per token =
               (p50(gateway) - p50(direct)) / tokens (target <= 0.2 ms)
-    ttft      time to the first content of those streams: p50(gateway) / p50(direct) (target <= 1.1x)
+    ttft      time to the first content of --ttft-pairs streams of new prompts (2 tokens each, so there are enough
+              of them for a steady median): p50(gateway) / p50(direct) (target <= 1.1x)
     ttft_cached  time to the first content of a stream whose prompt the prefix cache holds whole (the worker sends
               its first token at once): what the gateway adds, in ms (reported, no target: a ratio of two
               near-zero times says little)
@@ -162,7 +163,7 @@ def _pairs(n: int, direct, gateway, desc: str) -> tuple[list, list]:
     return d, g
 
 
-def run(worker: str, url: str, requests: int = 200, streams: int = 30, stream_tokens: int = 64,
+def run(worker: str, url: str, requests: int = 200, streams: int = 30, stream_tokens: int = 64, ttft_pairs: int = 100,
         warmup: int = 5) -> dict:
     direct, gw = Direct(worker), ThroughGateway(url)
     for _ in range(warmup):  # connections, the prefix cache, the first-call paths
@@ -170,16 +171,18 @@ def run(worker: str, url: str, requests: int = 200, streams: int = 30, stream_to
     d_req, g_req = _pairs(requests, lambda i: direct.request(), lambda i: gw.request(), "requests")
     d_st, g_st = _pairs(streams, lambda i: direct.stream(stream_tokens, fresh_prompt(i, "d")),
                         lambda i: gw.stream(stream_tokens, fresh_prompt(i, "g")), "streams")
+    d_t, g_t = _pairs(ttft_pairs, lambda i: direct.stream(2, fresh_prompt(streams + i, "d"))[0],
+                      lambda i: gw.stream(2, fresh_prompt(streams + i, "g"))[0], "first tokens")
     d_c, g_c = _pairs(requests, lambda i: direct.stream(2)[0], lambda i: gw.stream(2)[0], "cached first tokens")
     med = statistics.median
     tokens = med([s[2] for s in d_st])
     out = {
-        "requests": requests, "streams": streams, "stream_tokens": stream_tokens,
+        "requests": requests, "streams": streams, "stream_tokens": stream_tokens, "ttft_pairs": ttft_pairs,
         "request_ms": {"direct_p50": med(d_req), "gateway_p50": med(g_req),
                        "paired_diff_p50": med([g - d for d, g in zip(d_req, g_req)])},
         "stream_ms": {"direct_p50": med([s[1] for s in d_st]), "gateway_p50": med([s[1] for s in g_st]),
                       "tokens_direct": tokens, "tokens_gateway": med([s[2] for s in g_st])},
-        "ttft_ms": {"direct_p50": med([s[0] for s in d_st]), "gateway_p50": med([s[0] for s in g_st])},
+        "ttft_ms": {"direct_p50": med(d_t), "gateway_p50": med(g_t), "paired_diff_p50": med([g - d for d, g in zip(d_t, g_t)])},
         "ttft_cached_ms": {"direct_p50": med(d_c), "gateway_p50": med(g_c),
                            "paired_diff_p50": med([g - d for d, g in zip(d_c, g_c)])},
     }
@@ -201,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="", help="the started worker's --model (\"\" = the default model)")
     ap.add_argument("--requests", type=int, default=200, help="request pairs (direct, gateway)")
     ap.add_argument("--streams", type=int, default=30, help="stream pairs")
+    ap.add_argument("--ttft-pairs", type=int, default=100, help="pairs of 2-token streams of new prompts (TTFT)")
     ap.add_argument("--stream-tokens", type=int, default=64, help="tokens per stream")
     ap.add_argument("--json", default="", help="write the results here (default bench/results/gateway-<cpu>.json)")
     args = ap.parse_args(argv)
@@ -212,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     if not worker:
         procs, worker, url = start_processes(args.model)
     try:
-        result = run(worker, url, args.requests, args.streams, args.stream_tokens)
+        result = run(worker, url, args.requests, args.streams, args.stream_tokens, args.ttft_pairs)
     finally:
         stop_processes(procs)
     data = {"bench": "gateway", "command": " ".join(["python -m bench.gateway", *(argv if argv is not None else sys.argv[1:])]),

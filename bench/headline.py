@@ -143,8 +143,8 @@ def gateway(names: list[str]) -> str:
                      "reported", ""])
     load = d.get("loadavg_start") or [None]
     head = (f"**The OpenAI HTTP gateway against calling the worker's gRPC directly** ({d.get('requests', '?')} "
-            f"request pairs and {d.get('streams', '?')} streams of {d.get('stream_tokens', '?')} tokens of new prompts, "
-            f"interleaved; "
+            f"request pairs, {d.get('streams', '?')} streams of {d.get('stream_tokens', '?')} tokens and "
+            f"{d.get('ttft_pairs', d.get('streams', '?'))} first tokens of new prompts, interleaved; "
             f"load average {_f(load[0], '.1f')})")
     return head + "\n\n" + _table(["figure", "measured", "target", ""], rows) + "\n\n" + _source(names, d)
 

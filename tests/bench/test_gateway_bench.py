@@ -12,7 +12,7 @@ from tests.gateway_api.conftest import _worker, gateway, tm, worker  # noqa: F40
 def test_gateway_bench_smoke(worker, gateway, tmp_path):
     out = tmp_path / "gateway.json"
     assert bench_gateway.main(["--worker", worker.address, "--gateway", gateway.url, "--requests", "4",
-                               "--streams", "2", "--stream-tokens", "4", "--json", str(out)]) == 0
+                               "--streams", "2", "--stream-tokens", "4", "--ttft-pairs", "2", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["machine"]["cpu"] and len(data["loadavg_start"]) == 3
     assert data["stream_ms"]["tokens_direct"] == data["stream_ms"]["tokens_gateway"] == 4  # Not cut short

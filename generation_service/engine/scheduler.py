@@ -557,6 +557,12 @@ class Engine:
             if prefills:
                 self.prefill_share.record_mixed(pass_ms, decode_ms, prefill_rows)
                 self.mixed_prefill_rows.append(prefill_rows)
+                if log.isEnabledFor(logging.DEBUG):
+                    depth = max(int(s.positions[-1]) for s in segments[len(decode_segments):]) + 1
+                    log.debug("mixed pass: %d decoding rows of %d requests (%.1f ms on the curve), %d prompt rows to "
+                              "depth %d, %d threads: %.1f ms (tail gap %.1f ms)", pass_rows - prefill_rows,
+                              len(decode_segments), decode_ms, prefill_rows, depth, n_threads, pass_ms,
+                              self.prefill_share.tail_ms(len(decode_segments)))
             else:
                 self.prefill_share.record_decode(pass_ms, decode_ms)
         if self.threads is not None:

@@ -325,8 +325,9 @@ class DraftSizer:
         self.predicted = np.zeros(shape)
         self.accepted = np.zeros(shape)
         # Of the last tree, per node: (request cell, pooled cell, raw share, pooled estimate) of the source that
-        # decided it; of the kept nodes; of the verified nodes in verifier order.
-        empty = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0), np.zeros(0))
+        # decided it, and whether the in-process context draft had it too; of the kept nodes; of the verified nodes
+        # in verifier order.
+        empty = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0), np.zeros(0), np.zeros(0, bool))
         self._estimated: tuple[np.ndarray, ...] = empty
         self._pending: tuple[np.ndarray, ...] = empty
         self._expect: tuple[np.ndarray, ...] | None = None
@@ -385,10 +386,11 @@ class DraftSizer:
         raw = source_estimates(parents, scores, source_p, default_source)  # [n, S]
         buckets = tree_buckets(matched_suffix, context_matched_suffix)  # [S]
         shared = self.shared if self.shared is not None else _NO_SHARED
-        p, *self._estimated = _node_estimates(
+        p, *estimated = _node_estimates(
             np.asarray(parents, np.int32), raw, buckets, self.predicted.reshape(-1), self.accepted.reshape(-1),
             float(self.prior_weight), shared.predicted.reshape(-1), shared.accepted.reshape(-1),
             float(shared.prior_weight), self.shared is not None, DEPTH_BUCKETS)
+        self._estimated = (*estimated, raw[:, LOCAL_CONTEXT] > 0)
         return p  # [n]
 
     def keep(self, keep: np.ndarray, remote: bool = True) -> None:
@@ -398,7 +400,7 @@ class DraftSizer:
 
     def keep_none(self, remote: bool = True) -> None:
         """keep() and expect() of no node: the tree of the last estimate() is not verified."""
-        self._pending = self._expect = (_NO_CELLS, _NO_CELLS, np.zeros(0), np.zeros(0))
+        self._pending = self._expect = (_NO_CELLS, _NO_CELLS, np.zeros(0), np.zeros(0), np.zeros(0, bool))
         self._remote_asked = remote
 
     def expect(self, order: np.ndarray) -> None:
@@ -410,16 +412,17 @@ class DraftSizer:
         expect, self._expect = self._expect, None
         hit = np.asarray(accepted_nodes, np.int64)
         if self._remote_asked:  # was the RPC worth it: did the model accept a node only a remote source had?
-            cells = expect[0] if expect is not None else np.zeros(0, np.int64)
-            owners = cells[hit] // self.predicted.shape[1] if hit.shape[0] else np.zeros(0, np.int64)
-            self._remote_result(any(int(o) not in LOCAL_SOURCES for o in owners))
+            # Not "a node a remote source decided": a node the context draft had too (however the estimates
+            # ranked the two) would have come without the RPC.
+            local = expect[4] if expect is not None else np.zeros(0, bool)
+            self._remote_result(bool(hit.shape[0]) and not bool(local[hit].all()))
             self._remote_asked = False
         predicted, accepted = self.predicted.reshape(-1), self.accepted.reshape(-1)  # views
         if expect is None:  # every cell fades idle
             _fade_and_add(predicted, accepted, _NO_CELLS, self.decay, self.idle_decay, _NO_CELLS, np.zeros(0),
                           _NO_CELLS)
             return
-        cells, pooled_cells, raw, pooled = expect
+        cells, pooled_cells, raw, pooled, _ = expect
         _fade_and_add(predicted, accepted, cells, self.decay, self.idle_decay, cells, pooled, cells[hit])
         if self.shared is not None:
             self.shared.add(pooled_cells, raw, pooled_cells[hit])

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from generation_service.drafting.budget import (
+    USELESS_BEFORE_BACKOFF,
     DraftSizer,
     SharedCalibration,
     acceptance_estimates,
@@ -195,6 +196,22 @@ def test_context_nodes_do_not_make_a_remote_draft_useful():
         assert sizer.query_remote()
         step(sizer, (tokens, parents, scores, source_p), 2)
     assert not sizer.query_remote()  # the RPC added nothing the in-process context draft lacks
+
+
+@pytest.mark.parametrize("context_p, remote_useful", [
+    ((0.9, 0.9), False),  # the context has both accepted nodes, the datastore is sure too: Not useful
+    ((0.2, 0.2), False),  # the datastore ranks them higher, but the context draft had them: Not useful
+    ((0.2, 0.0), True),   # the second accepted node only the datastore had: useful
+    ((0.0, 0.0), True),   # the datastore alone: useful
+])
+def test_a_remote_draft_is_useful_only_for_nodes_the_context_lacked(context_p, remote_useful):
+    sizer = DraftSizer(StepCost(*ZEN5_BF16))
+    tokens, parents, scores, source_p = chain([0.9, 0.9], DS)
+    source_p[:, CTX] = context_p
+    for _ in range(USELESS_BEFORE_BACKOFF):
+        assert sizer.query_remote()
+        assert step(sizer, (tokens, parents, scores, source_p), 2) == 2  # both verified and accepted
+    assert sizer.query_remote() is remote_useful  # useless twice: the RPC is skipped
 
 
 def test_a_curve_where_nothing_pays_never_drafts():

@@ -445,6 +445,42 @@ def test_where_the_worker_keeps_its_acceptance_evidence(tm32, setting, expected)
         GenerationConfig(acceptance_state=" ")
 
 
+def _solo_runs(tm, cases, chunk: int) -> list[list[int]]:
+    """Each (prompt, params) decoded alone with prefill chunks of `chunk` -> its tokens."""
+    mt = ModelThread("test-solo")
+    try:
+        return [mt.call(lambda p=p, q=q: [t for out, _ in decode(tm, p, q, prefill_chunk=chunk) for t in out])
+                for p, q in cases]
+    finally:
+        mt.stop(wait=True)
+
+
+def _record_passes(monkeypatch) -> list[tuple[list[int], int]]:
+    """The engine's passes from here on, each as (rows of each decoding segment, prompt rows)."""
+    from generation_service.engine import scheduler
+
+    passes: list[tuple[list[int], int]] = []
+    real = scheduler.forward_batch
+
+    def recording(tm, segments):
+        passes.append(([int(s.ids.shape[0]) for s in segments if s.logits_rows <= 0],
+                       sum(int(s.ids.shape[0]) for s in segments if s.logits_rows > 0)))
+        return real(tm, segments)
+
+    monkeypatch.setattr(scheduler, "forward_batch", recording)
+    return passes
+
+
+def _long_beside_decoding(engine: Engine, short: Job, long: Job) -> tuple[list[int], list[int]]:
+    """`short` submitted and decoding, then `long` submitted -> (short's tokens, long's tokens)."""
+    engine.submit(short)
+    first = short.chunks.get(timeout=120)  # decoding now
+    assert first is not None and not isinstance(first, BaseException)
+    engine.submit(long)
+    got_long = _collect(long)[0]
+    return first.token_ids + _collect(short)[0], got_long
+
+
 @pytest.mark.parametrize("fixture, shared", [
     ("tmq4i8", True),  # rows pass-invariant: pieces by load, outputs exactly the solo ones, prefix cache kept
     ("tm32", False),   # fp32's prompt linears round by row count: whole chunks beside the decoding request
@@ -454,8 +490,6 @@ def test_a_long_prompt_shares_passes_with_decoding_requests(fixture, shared, req
     smallest: slowdown 1, one row) where the model's rows are pass-invariant, and then both outputs are exactly
     their solo runs and the prompt still goes to the prefix cache; on a format whose rows are not, sharing is off
     (whole chunks beside the decoding request). Without decoding rows a prompt goes a whole chunk at a time."""
-    from generation_service.engine import scheduler
-
     tm = request.getfixturevalue(fixture)
     assert tm.rows_pass_invariant == shared
     chunk = 256
@@ -463,29 +497,12 @@ def test_a_long_prompt_shares_passes_with_decoding_requests(fixture, shared, req
     short_prompt = encode(tm, "def add(a, b):")
     long_params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     short_params = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    mt = ModelThread("test-solo")
-    want = [mt.call(lambda p=p, q=q: [t for out, _ in decode(tm, p, q, prefill_chunk=chunk) for t in out])
-            for p, q in ((short_prompt, short_params), (long_prompt, long_params))]
-    mt.stop(wait=True)
-    passes: list[tuple[int, int]] = []  # per pass: (decoding segments, prompt rows)
-    real = scheduler.forward_batch
-
-    def recording(tm, segments):
-        prompt = [s for s in segments if s.logits_rows > 0]
-        passes.append((len(segments) - len(prompt), sum(int(s.ids.shape[0]) for s in prompt)))
-        return real(tm, segments)
-
-    monkeypatch.setattr(scheduler, "forward_batch", recording)
+    want = _solo_runs(tm, ((short_prompt, short_params), (long_prompt, long_params)), chunk)
+    passes = _record_passes(monkeypatch)
     engine = _engine(tm, {}, prefill_chunk=chunk, prefill_slowdown=1.0, prefix_cache_mb=64)
     try:
-        short = _job(short_prompt, short_params)
-        engine.submit(short)
-        first = short.chunks.get(timeout=120)  # decoding now
-        assert first is not None and not isinstance(first, BaseException)
-        long = _job(long_prompt, long_params)
-        engine.submit(long)
-        got_long = _collect(long)[0]
-        got_short = first.token_ids + _collect(short)[0]
+        got_short, got_long = _long_beside_decoding(engine, _job(short_prompt, short_params),
+                                                    _job(long_prompt, long_params))
     finally:
         engine.stop()
     mixed = [rows for dec, rows in passes if dec and rows]
@@ -510,39 +527,18 @@ def test_decoding_requests_take_plain_steps_while_a_prompt_prefills_beside_them(
     prompt rows gives it one row (Not a tree: the mixed step's time bound is the same, and a tree's rows and draft
     round trips would come out of the prompt's share); in passes without prompt rows it drafts; both outputs are
     exactly their solo ones."""
-    from generation_service.engine import scheduler
-
     tm, chunk = tmq4i8, 256
     short_prompt = encode(tm, humaneval_prompts(1)[0]) * 3
     long_prompt = (encode(tm, humaneval_prompts(4)[3]) * 8)[:700]
     short_params = SamplingParams(max_new_tokens=48, ignore_eos=True)
     long_params = SamplingParams(max_new_tokens=4, ignore_eos=True)
-    mt = ModelThread("test-solo")
-    want = [mt.call(lambda p=p, q=q: [t for out, _ in decode(tm, p, q, prefill_chunk=chunk) for t in out])
-            for p, q in ((short_prompt, short_params), (long_prompt, long_params))]
-    mt.stop(wait=True)
-    passes: list[tuple[list[int], int]] = []  # per pass: (rows of each decoding segment, prompt rows)
-    real = scheduler.forward_batch
-
-    def recording(tm, segments):
-        prompt = [s for s in segments if s.logits_rows > 0]
-        passes.append(([int(s.ids.shape[0]) for s in segments if s.logits_rows <= 0],
-                       sum(int(s.ids.shape[0]) for s in prompt)))
-        return real(tm, segments)
-
-    monkeypatch.setattr(scheduler, "forward_batch", recording)
-    drafters: dict[int, object] = {}
-    engine = _engine(tm, drafters, prefill_chunk=chunk, prefill_slowdown=2.5, prefix_cache_mb=0)
+    want = _solo_runs(tm, ((short_prompt, short_params), (long_prompt, long_params)), chunk)
+    passes = _record_passes(monkeypatch)
+    short = _job(short_prompt, short_params, "pld")
+    engine = _engine(tm, {id(short): PromptLookupDrafter()}, prefill_chunk=chunk, prefill_slowdown=2.5,
+                     prefix_cache_mb=0)
     try:
-        short = _job(short_prompt, short_params, "pld")
-        drafters[id(short)] = PromptLookupDrafter()
-        engine.submit(short)
-        first = short.chunks.get(timeout=120)  # decoding now
-        assert first is not None and not isinstance(first, BaseException)
-        long = _job(long_prompt, long_params)
-        engine.submit(long)
-        got_long = _collect(long)[0]
-        got_short = first.token_ids + _collect(short)[0]
+        got_short, got_long = _long_beside_decoding(engine, short, _job(long_prompt, long_params))
     finally:
         engine.stop()
     mixed = [dec for dec, rows in passes if dec and rows]

@@ -105,6 +105,14 @@ def _collect(job: Job, timeout_s: float = 600) -> tuple[list[int], str, object]:
         last = item
 
 
+def _started(engine: Engine, job: Job, timeout_s: float = 120):
+    """Submit `job` and wait until it decodes -> its first chunk."""
+    engine.submit(job)
+    first = job.chunks.get(timeout=timeout_s)
+    assert first is not None and not isinstance(first, BaseException), first
+    return first
+
+
 def _engine(tm, drafters: dict[int, object], **kw) -> Engine:
     kw = {"max_batch": 8, "prefill_chunk": PREFILL, "kv_cache_mb": 512, "queue_size": 16, **kw}
     return Engine(tm, drafter=lambda job: drafters.get(id(job)), loop=lambda job: None,
@@ -202,9 +210,7 @@ def test_a_finished_requests_slot_goes_to_the_next_one(tm32):
         engine.submit(b)
         got_a = _collect(a)
         c = _job(prompts[2], SamplingParams(max_new_tokens=lengths[2], ignore_eos=True))
-        engine.submit(c)
-        first = c.chunks.get(timeout=120)
-        assert first is not None and not isinstance(first, BaseException)
+        first = _started(engine, c)
         slots = [u.job if u is not None else None for u in engine._slot_users]
         rest_c = _collect(c)
         got = [got_a[0], _collect(b)[0], first.token_ids + rest_c[0]]
@@ -223,9 +229,7 @@ def test_cancellation_frees_the_slot(tm32):
     engine = _engine(tm32, {}, max_batch=1)
     try:
         long = _job(prompt, params)
-        engine.submit(long)
-        first = long.chunks.get(timeout=120)
-        assert first is not None and not isinstance(first, BaseException)
+        _started(engine, long)
         long.cancelled.set()
         tokens, finish, _ = _collect(long)
         assert finish == "cancelled" and len(tokens) < 400
@@ -473,9 +477,7 @@ def _record_passes(monkeypatch) -> list[tuple[list[int], int]]:
 
 def _long_beside_decoding(engine: Engine, short: Job, long: Job) -> tuple[list[int], list[int]]:
     """`short` submitted and decoding, then `long` submitted -> (short's tokens, long's tokens)."""
-    engine.submit(short)
-    first = short.chunks.get(timeout=120)  # decoding now
-    assert first is not None and not isinstance(first, BaseException)
+    first = _started(engine, short)
     engine.submit(long)
     got_long = _collect(long)[0]
     return first.token_ids + _collect(short)[0], got_long
@@ -584,8 +586,7 @@ def test_withdraw_finds_a_queued_job_by_identity(tm32):
     engine = _engine(tm32, {}, max_batch=1)
     try:
         running = _job(prompt, params)
-        engine.submit(running)
-        assert running.chunks.get(timeout=600) is not None  # it holds the only batch slot
+        _started(engine, running, timeout_s=600)  # it holds the only batch slot
         first, second = _job(prompt, params), _job(prompt, params)
         engine.submit(first)
         engine.submit(second)

@@ -60,12 +60,6 @@ _UNAVAILABLE_CODES = frozenset({Code.UNAVAILABLE, Code.ABORTED})
 _DEADLINE_SLACK_S = 0.05
 # gRPC reports "no deadline" as seconds until the end of time (~2**63 ns), which no clock arithmetic survives.
 _NO_DEADLINE_S = 1e9
-
-
-def time_remaining(context: grpc.ServicerContext) -> float | None:
-    """Seconds left before the caller's deadline, None when it set none."""
-    remaining = context.time_remaining()
-    return None if remaining is None or remaining >= _NO_DEADLINE_S else remaining
 # Handler threads beyond the call limit: health checks (outside the limit) and quick refusals always find one.
 HEALTH_THREADS = 4
 
@@ -104,6 +98,12 @@ class CallObserver(Protocol):
     def call_started(self, call: Call) -> None: ...
 
     def call_finished(self, call: Call) -> None: ...
+
+
+def time_remaining(context: grpc.ServicerContext) -> float | None:
+    """Seconds left before the caller's deadline, None when it set none."""
+    remaining = context.time_remaining()
+    return None if remaining is None or remaining >= _NO_DEADLINE_S else remaining
 
 
 class _Context:

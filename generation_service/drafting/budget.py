@@ -390,7 +390,7 @@ class DraftSizer:
             np.asarray(parents, np.int32), raw, buckets, self.predicted.reshape(-1), self.accepted.reshape(-1),
             float(self.prior_weight), shared.predicted.reshape(-1), shared.accepted.reshape(-1),
             float(shared.prior_weight), self.shared is not None, DEPTH_BUCKETS)
-        self._estimated = (*estimated, raw[:, LOCAL_CONTEXT] > 0)
+        self._estimated = (*estimated, (raw[:, sorted(LOCAL_SOURCES)] > 0).any(axis=1))
         return p  # [n]
 
     def keep(self, keep: np.ndarray, remote: bool = True) -> None:

@@ -106,11 +106,11 @@ class PrefillShare:
         if not tokens or step_ms <= 0:
             return
         self.between_ms += ALPHA * (max(step_ms - pass_ms, 0.0) - self.between_ms)
-        if not decode_only:
-            self.mixed_step_ms += ALPHA * (step_ms - self.mixed_step_ms)
         if decode_only:
             self.gaps.extend((len(tokens), step_ms / k, k) for k in tokens if k > 0)
             self._tails.clear()
+        else:
+            self.mixed_step_ms += ALPHA * (step_ms - self.mixed_step_ms)
 
     def record_mixed(self, measured_ms: float, decode_ms: float, rows: int) -> None:
         """A pass of decoding rows (calibrated decode_ms) and `rows` prompt rows took measured_ms."""

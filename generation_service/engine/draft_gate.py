@@ -1,4 +1,5 @@
-"""How a batched pass drafts at all: decided by measurement, per batch size.
+"""How a pass drafts at all: decided by measurement, per batch size (for a request alone: whether its remote
+source is worth its round trip).
 
 Drafting costs a batch twice. The nodes' rows lengthen the pass, which the draft budget weighs
 (draft_budget.batch_sizes). And the drafting itself: a remote draft is an RPC served by the retrieval service,
@@ -6,7 +7,7 @@ which on a small machine runs on the same cores as the model, and even in-proces
 draft, its estimates and its tree layout on the model thread (in a large batch a visible share of the pass, while
 almost no node pays there). Both depend on the deployment and the batch, so they are measured: tokens per ms of
 whole steps (drafting + pass + commit) per arm — `remote` (the drafter as asked), `local` (in-process drafts only)
-and `none` (no drafting: the AR step) — an exponential average per bucket of decoding requests (2, 4, 8, 16, ...).
+and `none` (no drafting: the AR step) — an exponential average per bucket of decoding requests (1, 2, 4, 8, ...).
 A step's rate is taken relative to the calibrated cost of an AR pass over its own requests (record's ar_ms): a
 bucket spans several batch sizes (9 to 16 requests), and the larger batches of a bucket emit more tokens per ms
 whatever the arm, so raw rates would credit an arm with the batch size it happened to be measured at (and did: a

@@ -16,8 +16,9 @@ One step:
 
     advance     every RAG / kNN-LM loop runs until it needs rows of the next pass or waits on retrieval
     drafts      every decoding tree request's drafter (its drafting facet) is asked at once (remote drafts: one
-                DraftBatch call per retrieval client); in a batch, engine/draft_gate.py decides from measured step
-                rates whether to draft remotely, in process only, or not at all
+                DraftBatch call per retrieval client); engine/draft_gate.py decides from measured step rates,
+                per batch size, whether to draft remotely, in process only, or not at all (a lone request with a
+                remote source: remotely or in process; its sizer already chooses AR steps where no node pays)
     sizes       draft_budget.batch_sizes: the nodes worth verifying across the whole batch, best first, from the
                 calibrated pass cost of the batch's decoding rows — trees shrink as the batch grows
     one pass    forward_batch over [last + tree] of every decoding tree request, every loop's AR rows, and prefill
@@ -499,8 +500,15 @@ class Engine:
         drafted = [r for r in decoding if r.request.drafting is not None]  # their trees are sized here
         fixed = [r for r in decoding if r.request.drafting is None]  # their loops chose their rows
         steps = [r.request.drafting for r in drafted]
-        # Alone, a request decides for itself (its sizer); in a batch the gate measures how drafting pays.
-        gated = len(steps) > 1 and any(s.drafter is not None for s in steps)
+        # In a batch the gate measures how drafting pays. A lone request's sizer shrinks its tree down to an AR
+        # step where no node pays, but it judges a remote source by whether its nodes were accepted, not by what
+        # the round trip cost: a source that adds a node now and then was asked on most steps at several times
+        # the cost of the in-process draft. So alone, the gate weighs only that: remote or in-process drafts, for
+        # a source that has both (`rest`; without an in-process part the alternative is an AR step, which the
+        # sizer already weighs per request, e.g. against a datastore that has just learned this very output).
+        remote = any(getattr(s.drafter, "remote", False) for s in steps)
+        alone = len(steps) == 1 and remote and getattr(steps[0].drafter, "local", None) is not None
+        gated = (len(steps) > 1 or alone) and any(s.drafter is not None for s in steps)
         arm = REMOTE
         if steps and len(decoding) < len(ready) and self.prefill_share.slowdown > 0:
             # A prompt is being prefilled beside them: plain steps. A mixed step may last slowdown x the decoding
@@ -509,8 +517,8 @@ class Engine:
             # and its first token comes sooner, while their gaps stay within the same bound.
             arm, gated = NONE, False
         elif gated:
-            remote = any(getattr(s.drafter, "remote", False) for s in steps)
-            arm = self.gate.choose(len(steps), (REMOTE, LOCAL, NONE) if remote else (LOCAL, NONE))
+            arms = (REMOTE, LOCAL) if alone else (REMOTE, LOCAL, NONE) if remote else (LOCAL, NONE)
+            arm = self.gate.choose(len(steps), arms)
         if arm == NONE:
             for s in steps:
                 s.skip_draft()

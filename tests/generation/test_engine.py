@@ -383,6 +383,54 @@ class _RecordingRemote:
         return [DraftTree.empty() for _ in drafters]
 
 
+class _SlowRemote:
+    """A remote source whose trees are the request's own prompt-lookup tree credited to the datastore, answered
+    after a pause: by the sizer's measure a source worth asking (its accepted nodes had no local evidence), by the
+    clock one that adds nothing but its round trip."""
+
+    name, remote, default_source = "rest", True, SOURCES.index("datastore")
+
+    def __init__(self, pause_s: float):
+        self.pause_s, self.local, self.calls = pause_s, PromptLookupDrafter(), 0
+
+    def propose(self, context_ids, max_nodes):
+        self.calls += 1
+        time.sleep(self.pause_s)
+        tree = self.local.propose(context_ids, max_nodes)
+        p = np.zeros_like(tree.source_p)
+        p[:, SOURCES.index("datastore")] = tree.source_p.max(axis=1)
+        return DraftTree(tree.tokens, tree.parents, tree.scores, matched_suffix=tree.context_matched_suffix,
+                         num_matches=1, source_p=p)
+
+
+def test_a_lone_request_asks_a_slow_remote_source_only_now_and_then(tm32):
+    """The draft gate measures a lone request's steps too, so a remote source the sizer keeps asking (its nodes are
+    accepted) is skipped when its round trip (50 ms here) makes the steps slower than in-process drafts, and still
+    tried now and then. Outputs equal AR."""
+    prompt = encode(tm32, "def f(x):\n    return x\n\ndef g(x):\n    return x\n\ndef h(x):\n    return x\n\ndef")
+    params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
+    ar = [t for out, _ in decode(tm32, prompt, params, prefill_chunk=PREFILL) for t in out]
+    drafters: dict[int, object] = {}
+    engine = _engine(tm32, drafters)
+    remote = _SlowRemote(0.05)
+    try:
+        outs = []
+        for _ in range(4):  # one request at a time: every step is a lone request's
+            job = _job(prompt, params, "rest")
+            drafters[id(job)] = remote
+            engine.submit(job)
+            outs.append(_collect(job))
+    finally:
+        engine.stop()
+    assert all(tokens == ar for tokens, _, _ in outs)  # Not an output the gate's choice changed
+    chosen = {arm: engine.gate.chosen.get((1, arm), 0) for arm in ("remote", "local", "none")}
+    assert sum(chosen.values()) > 0, chosen  # Not steps of a lone request left ungated
+    assert chosen["local"] > 3 * chosen["remote"], chosen  # Not the slow source asked on most steps
+    assert chosen["remote"] >= 2, chosen  # Not dropped after one slow step: its rate is measured again
+    assert chosen["none"] == 0, chosen  # alone, the sizer chooses AR steps; the gate weighs only the source
+    assert remote.calls <= chosen["remote"]
+
+
 def test_a_pass_asks_remote_sources_of_one_client_in_one_call(tm32):
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     log: list = []

@@ -56,6 +56,7 @@ def warm(work: Path) -> None:
         ds.set_delta(Shard.from_documents(_documents(rng, vocab, 4), vocab_size=vocab, tokenizer_id=_TID))
         ds.warmup()
         if vocab == _VOCABS[0]:
+            build_store(ds, work / "crest-2.rns", max_n=4, t=16, progress=False)  # counting over 2-4 shards
             ds.set_delta(None)
             store = work / "crest.rns"
             build_store(ds, store, max_n=4, t=16, progress=False)

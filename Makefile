@@ -48,10 +48,13 @@ install: $(STAMP) system-packages stubs kernels
 # "unavailable" and q4_1 serves the same weights dequantized to fp32 (with a warning). Then the retrieval service's
 # float16 exact-search kernel (retrieval_service/knowledge/fp16_scan.cpp, ~2 s; without g++ exact search uses faiss),
 # and the SIGBUS guard of memory-mapped stores (retrieval_service/datastore/map_guard.c, plain C, < 1 s).
+# Last, the numba drafting kernels into numba's disk cache (~40 s once; tools/warm_kernels.py): otherwise a user's
+# first request, or every process of a fresh checkout's test run, compiles them.
 kernels: $(STAMP)
 	$(PYTHON) -m generation_service.model.kernels.build
 	$(PYTHON) -m retrieval_service.knowledge.fp16_scan
 	$(PYTHON) -m retrieval_service.datastore.map_guard
+	$(PYTHON) -m tools.warm_kernels
 
 # gRPC stubs are generated, never committed (pinned grpcio-tools = grpcio version).
 proto/%_pb2.py: proto/%.proto $(STAMP)

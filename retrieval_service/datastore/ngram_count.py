@@ -29,6 +29,8 @@ import numba as nb
 import numpy as np
 from tqdm import tqdm
 
+from retrieval_service.datastore.suffix_array import SHARD_SLOTS
+
 _JIT = dict(nogil=True, cache=True)
 # Merged suffix-array entries per kernel call: progress updates frequent enough to watch, rare enough to cost nothing.
 _CHUNK = 2_000_000
@@ -241,9 +243,12 @@ def count_ngrams(datastore, max_n: int, top: int, *, progress: bool = True) -> N
     if isinstance(top, bool) or not isinstance(top, (int, np.integer)) or top < 0:
         raise ValueError(f"top must be an integer >= 0, got {top!r}")
     shards = datastore.shards
-    toks = tuple(_readonly(s.tokens) for s in shards)
-    sas = tuple(_readonly(s.sa) for s in shards)
     n_shards = len(shards)
+    # A tuple's length is part of the kernels' numba type: padded with empty arrays to the datastore's tuple sizes,
+    # one compiled scan serves 2-4 shards (and so on), not one per shard count.
+    pad = next((k for k in SHARD_SLOTS if k >= n_shards), n_shards) - n_shards
+    toks = tuple(_readonly(s.tokens) for s in shards) + (_readonly(shards[0].tokens[:0]),) * pad
+    sas = tuple(_readonly(s.sa) for s in shards) + (_readonly(shards[0].sa[:0]),) * pad
     sep = shards[0].separator
     m = int(max_n)
     cursors = np.zeros(n_shards, np.int64)

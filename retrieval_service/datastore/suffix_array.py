@@ -54,7 +54,7 @@ SOURCES = ("datastore", "context", "merged")
 # (datastore, context) weights of the merged trie; each source's rows are normalised by their count first.
 MERGE_WEIGHTS = (1.0, 1.0)
 SAMPLING = ("even", "first")
-_SHARD_SLOTS = (1, 4, 16, 64, 256)
+SHARD_SLOTS = (1, 4, 16, 64, 256)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -88,9 +88,9 @@ class SuffixArrayDatastore:
         # its type, so tuples are padded with empty arrays to a few fixed sizes: one cached specialisation serves
         # 1 shard, one 2-4 shards, and so on, instead of one per shard count.
         n = len(shards)
-        slots = next((k for k in _SHARD_SLOTS if k >= n), None)
+        slots = next((k for k in SHARD_SLOTS if k >= n), None)
         if slots is None:
-            raise DatastoreError(f"{n} shards exceed the supported {_SHARD_SLOTS[-1]}; rebuild with larger shards")
+            raise DatastoreError(f"{n} shards exceed the supported {SHARD_SLOTS[-1]}; rebuild with larger shards")
         pad = slots - n
         toks = tuple(_readonly(s.tokens) for s in shards) + (_readonly(shards[0].tokens[:0]),) * pad
         sas = tuple(_readonly(s.sa) for s in shards) + (_readonly(shards[0].sa[:0]),) * pad

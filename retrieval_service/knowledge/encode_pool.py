@@ -55,9 +55,9 @@ def write_chunk(path: Path, vecs: np.ndarray) -> None:
 
 
 def _worker(work: EncodeWork, tasks, results) -> None:
-    encoder = Encoder(threads=work.threads, cache_size=0, dtype=work.encoder_dtype)
-    store = PassageStore(Path(work.passages_dir))
+    store = PassageStore(Path(work.passages_dir))  # first: a worker that cannot read them dies before the encoder loads
     try:
+        encoder = Encoder(threads=work.threads, cache_size=0, dtype=work.encoder_dtype)
         while (span := tasks.get()) is not None:
             texts = [passage_input(r["title"], r["text"]) for r in store.iter_range(*span)]
             vecs = encoder.encode(texts, batch_size=work.batch_size).astype(work.dtype)

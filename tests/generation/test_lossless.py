@@ -100,10 +100,17 @@ def prompts(tm32):
     return [encode(tm32, p) for p in humaneval_prompts(2)] + [chat(tm32, "Write a haiku about the sea.")]
 
 
-def test_greedy_fp32_identical(tm32, prompts):
+@pytest.fixture(scope="module")
+def greedy_ar(tm32, prompts) -> list[list[int]]:
+    """Each prompt's greedy AR output (N_NEW tokens), the reference of most tests here: decoded once, not once per
+    test. Greedy AR decoding of fewer tokens gives its prefix."""
     params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
-    for prompt in prompts:
-        ar = tokens_of(tm32, prompt, params)
+    return [tokens_of(tm32, prompt, params) for prompt in prompts]
+
+
+def test_greedy_fp32_identical(tm32, prompts, greedy_ar):
+    params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
+    for prompt, ar in zip(prompts, greedy_ar):
         adv = AdversarialDrafter(list(prompt) + ar, seed=len(prompt))
         assert tokens_of(tm32, prompt, params, drafter=adv) == ar
         assert adv.off_path == 0
@@ -114,11 +121,11 @@ def test_greedy_fp32_identical(tm32, prompts):
     dict(temperature=0.8, top_p=0.9, seed=11),
     dict(temperature=1.3, top_k=20, seed=12345),
 ])
-def test_seeded_sampling_fp32_identical(tm32, prompts, sampling):
+def test_seeded_sampling_fp32_identical(tm32, prompts, greedy_ar, sampling):
     params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True, **sampling)
-    for prompt in prompts[:2]:
+    for prompt, greedy in zip(prompts[:2], greedy_ar):
         ar = tokens_of(tm32, prompt, params)
-        assert ar != tokens_of(tm32, prompt, SamplingParams(max_new_tokens=N_NEW, ignore_eos=True))  # it samples
+        assert ar != greedy  # it samples
         adv = AdversarialDrafter(list(prompt) + ar, seed=1)
         assert tokens_of(tm32, prompt, params, drafter=adv) == ar
         assert tokens_of(tm32, prompt, params, drafter=PromptLookupDrafter()) == ar
@@ -156,10 +163,9 @@ class Flaky:
         return self.inner.propose(context_ids, max_nodes)
 
 
-def test_degraded_steps_still_identical(tm32, prompts):
-    prompt = prompts[0]
+def test_degraded_steps_still_identical(tm32, prompts, greedy_ar):
+    prompt, ar = prompts[0], greedy_ar[0]
     params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
-    ar = tokens_of(tm32, prompt, params)
     res = generate(tm32, prompt, params, drafter=Flaky(AdversarialDrafter(list(prompt) + ar)), tokenizer=None)
     assert res.token_ids == ar and res.finish_reason == "length"
     st = res.stats
@@ -168,10 +174,9 @@ def test_degraded_steps_still_identical(tm32, prompts):
     assert st.draft_tokens_accepted > 0  # the healthy steps still speculated
 
 
-def test_stats_account_for_every_token(tm32, prompts):
-    prompt = prompts[1]
+def test_stats_account_for_every_token(tm32, prompts, greedy_ar):
+    prompt, ar = prompts[1], greedy_ar[1]
     params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
-    ar = tokens_of(tm32, prompt, params)
     res = generate(tm32, prompt, params, drafter=AdversarialDrafter(list(prompt) + ar, depth=8), decoding="rest")
     st = res.stats
     hist = st.accepted_length_histogram
@@ -186,9 +191,8 @@ def test_stats_account_for_every_token(tm32, prompts):
 
 
 @pytest.mark.parametrize("n", [1, 5, 13])
-def test_max_new_tokens_inside_an_accepted_chunk(tm32, prompts, n):
-    prompt = prompts[0]
-    ar = tokens_of(tm32, prompt, SamplingParams(max_new_tokens=20, ignore_eos=True))
+def test_max_new_tokens_inside_an_accepted_chunk(tm32, prompts, greedy_ar, n):
+    prompt, ar = prompts[0], greedy_ar[0][:20]
     res = generate(tm32, prompt, SamplingParams(max_new_tokens=n, ignore_eos=True),
                    drafter=AdversarialDrafter(list(prompt) + ar, depth=10))
     assert res.token_ids == ar[:n] and res.finish_reason == "length"
@@ -207,10 +211,8 @@ def test_eos_inside_an_accepted_chunk(tm32):
     assert ignoring.token_ids == ar and ignoring.finish_reason == "length"
 
 
-def test_stop_sequence_inside_an_accepted_chunk_and_streaming(tm32, prompts):
-    prompt = prompts[0]
-    params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
-    ar = tokens_of(tm32, prompt, params)
+def test_stop_sequence_inside_an_accepted_chunk_and_streaming(tm32, prompts, greedy_ar):
+    prompt, ar = prompts[0], greedy_ar[0]
     text = tm32.tokenizer.decode(ar, skip_special_tokens=True)
     cut = next(i for i in range(len(text) // 3, len(text) - 4) if text.find(text[i:i + 4]) == i)
     stop = text[cut:cut + 4]
@@ -227,8 +229,8 @@ def test_stop_sequence_inside_an_accepted_chunk_and_streaming(tm32, prompts):
     assert final.prompt_tokens == len(prompt) and final.completion_tokens == len(ids)
 
 
-def test_cancellation(tm32, prompts):
-    prompt = prompts[0]
+def test_cancellation(tm32, prompts, greedy_ar):
+    prompt, ar = prompts[0], greedy_ar[0]
     calls = {"n": 0}
 
     def cancelled_after_three() -> bool:
@@ -236,7 +238,6 @@ def test_cancellation(tm32, prompts):
         return calls["n"] > 3
 
     params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
-    ar = tokens_of(tm32, prompt, params)
     res = generate(tm32, prompt, params, drafter=PromptLookupDrafter(), is_cancelled=cancelled_after_three)
     assert res.finish_reason == "cancelled"
     assert 1 <= len(res.token_ids) < N_NEW and res.token_ids == ar[:len(res.token_ids)]
@@ -256,26 +257,24 @@ def test_bad_inputs_name_the_field(tm32):
         generate(tm32, [1, 2], SamplingParams(max_new_tokens=10**6))
 
 
-def test_chunked_prefill_and_cancellation_during_prefill(tm32, prompts):
+def test_chunked_prefill_and_cancellation_during_prefill(tm32, prompts, greedy_ar):
     import torch
 
     from generation_service.engine.speculative import prefill
     from generation_service.model.target import new_cache
 
     prompt = torch.tensor(prompts[0])  # > 100 tokens
-    ar = tokens_of(tm32, prompts[0], SamplingParams(max_new_tokens=1))
     logits = prefill(tm32, new_cache(tm32), prompt, None, chunk=16)
-    assert int(logits.argmax()) == ar[0]
+    assert int(logits.argmax()) == greedy_ar[0][0]
     cache = new_cache(tm32)
     assert prefill(tm32, cache, prompt, lambda: True, chunk=16) is None
     assert cache.get_seq_length() == 16  # stopped after the first chunk  # Not len(prompt)
 
 
-def test_hf_generate_still_works_on_the_same_model(tm32, prompts):
+def test_hf_generate_still_works_on_the_same_model(tm32, prompts, greedy_ar):
     import torch
 
-    prompt = prompts[0]
-    ar = tokens_of(tm32, prompt, SamplingParams(max_new_tokens=16, ignore_eos=True))
+    prompt, ar = prompts[0], greedy_ar[0][:16]
     ids = torch.tensor([prompt])
     for extra in ({}, {"prompt_lookup_num_tokens": 5}):  # the second verifies several tokens per pass
         out = tm32.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,

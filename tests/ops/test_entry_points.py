@@ -6,12 +6,11 @@ every unit test, then breaks `make up` inside the container; running each main's
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -36,27 +35,60 @@ def test_discovery_finds_the_servers():
     assert not any(n.startswith("tests.") for n in names)
 
 
-def run_help(module: str) -> subprocess.CompletedProcess:
+# One interpreter loads what nearly every entry point imports (torch alone takes seconds of CPU), then forks a
+# child per entry point that runs it as `python -m` would (runpy as __main__, fresh argv, its own stdout/stderr):
+# a subprocess per entry point spent most of ~30 s of CPU importing torch again and again.
+HELP_RUNNER = """
+import json, os, runpy, sys, tempfile, traceback
+import grpc, numba, numpy, torch
+out = {}
+for module in sys.argv[1:]:
+    with tempfile.TemporaryFile() as o, tempfile.TemporaryFile() as e:
+        pid = os.fork()
+        if pid == 0:
+            os.dup2(o.fileno(), 1)
+            os.dup2(e.fileno(), 2)
+            code = 1
+            try:
+                sys.argv = [module, "--help"]
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
+                code = 0
+            except SystemExit as exit:
+                code = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        o.seek(0)
+        e.seek(0)
+        out[module] = [code, o.read().decode(errors="replace"), e.read().decode(errors="replace")]
+print(json.dumps(out))
+"""
+
+
+def run_helps(modules: list[str]) -> dict[str, subprocess.CompletedProcess]:
     env = {**os.environ, "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=180)
+    run = subprocess.run([sys.executable, "-c", HELP_RUNNER, *modules], capture_output=True, text=True, env=env,
+                         cwd=ROOT, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return {m: subprocess.CompletedProcess([m, "--help"], code, stdout, stderr)
+            for m, (code, stdout, stderr) in json.loads(run.stdout.splitlines()[-1]).items()}
 
 
 @pytest.fixture(scope="module")
-def helps(request) -> Iterator[dict[str, Future]]:
-    """The `--help` of every entry point this session tests, started at once on as many processes as there are
-    cores: each spends ~3 s importing torch and friends; one after another they took ~50 s of the suite, two at a
-    time ~30."""
+def helps(request) -> dict[str, subprocess.CompletedProcess]:
+    """The `--help` of every entry point this session tests."""
     selected = [item.callspec.params["module"] for item in request.session.items
                 if getattr(item, "originalname", "") == "test_help_exits_zero"]
-    pool = ThreadPoolExecutor(max_workers=max(1, len(os.sched_getaffinity(0))))
-    yield {m: pool.submit(run_help, m) for m in selected}
-    pool.shutdown(wait=True, cancel_futures=True)
+    return run_helps(selected)
 
 
 @pytest.mark.parametrize("module", entry_points())
 def test_help_exits_zero(helps, module):
-    out = helps[module].result()
+    out = helps[module]
     assert out.returncode == 0, out.stderr[-2000:]
     assert "usage:" in out.stdout.lower(), out.stdout[:500]
 

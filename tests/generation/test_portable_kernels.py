@@ -68,3 +68,16 @@ def test_a_dead_builds_lock_is_cleared(tmp_path, lock_age_s, removed):
         os.utime(lock, (t, t))
     assert clear_stale_lock(tmp_path) == removed
     assert lock.exists() == (lock_age_s is not None and not removed)
+
+
+def test_each_checkout_builds_in_its_own_directory(tmp_path, monkeypatch):
+    """torch's build files name the sources by absolute path: two checkouts of the same code sharing one build
+    directory rebuilt it each time the other had loaded it. Same sources, same place -> same directory."""
+    here = q4_kernel.build_dir("x86-64-v3")
+    copy = tmp_path / "checkout" / "kernels"
+    copy.mkdir(parents=True)
+    for p in q4_kernel._SOURCES:
+        (copy / p.name).write_bytes(p.read_bytes())
+    assert q4_kernel.build_dir("x86-64-v3") == here  # Not a new directory per call
+    monkeypatch.setattr(q4_kernel, "_SOURCES", tuple(copy / p.name for p in q4_kernel._SOURCES))
+    assert q4_kernel.build_dir("x86-64-v3") != here  # Not the other checkout's directory

@@ -58,6 +58,9 @@ def build_dir(march: str = "native") -> Path:
     """Where the extension for `march` lives: native builds hash this CPU's flags too, level builds do not."""
     h = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES))
     h.update(f"{torch.__version__}|{' '.join(_cflags(march) + _LDFLAGS)}".encode())
+    # The checkout too: torch's build files name the sources by absolute path, so two checkouts of the same code
+    # sharing one build directory rebuilt it (~80 s on 2 cores) each time the other one had loaded it.
+    h.update(str(_SOURCES[0].resolve().parent).encode())
     if march == "native":
         h.update(" ".join(cpu_info()[1]).encode())
         return ragserve_home() / "kernels" / f"blockquant-{h.hexdigest()[:16]}"

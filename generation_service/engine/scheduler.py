@@ -17,8 +17,8 @@ One step:
     advance     every RAG / kNN-LM loop runs until it needs rows of the next pass or waits on retrieval
     drafts      every decoding tree request's drafter (its drafting facet) is asked at once (remote drafts: one
                 DraftBatch call per retrieval client); engine/draft_gate.py decides from measured step rates,
-                per batch size, whether to draft remotely, in process only, or not at all (a lone request with a
-                remote source: remotely or in process; its sizer already chooses AR steps where no node pays)
+                per batch size, whether to draft remotely, in process only, or not at all (a lone `rest` request:
+                remotely or in process; its sizer already chooses AR steps where no node pays)
     sizes       draft_budget.batch_sizes: the nodes worth verifying across the whole batch, best first, from the
                 calibrated pass cost of the batch's decoding rows — trees shrink as the batch grows
     one pass    forward_batch over [last + tree] of every decoding tree request, every loop's AR rows, and prefill

@@ -29,7 +29,7 @@ import numba as nb
 import numpy as np
 from tqdm import tqdm
 
-from retrieval_service.datastore.suffix_array import SHARD_SLOTS
+from retrieval_service.datastore.suffix_array import shard_tuple
 
 _JIT = dict(nogil=True, cache=True)
 # Merged suffix-array entries per kernel call: progress updates frequent enough to watch, rare enough to cost nothing.
@@ -244,11 +244,8 @@ def count_ngrams(datastore, max_n: int, top: int, *, progress: bool = True) -> N
         raise ValueError(f"top must be an integer >= 0, got {top!r}")
     shards = datastore.shards
     n_shards = len(shards)
-    # A tuple's length is part of the kernels' numba type: padded with empty arrays to the datastore's tuple sizes,
-    # one compiled scan serves 2-4 shards (and so on), not one per shard count.
-    pad = next((k for k in SHARD_SLOTS if k >= n_shards), n_shards) - n_shards
-    toks = tuple(_readonly(s.tokens) for s in shards) + (_readonly(shards[0].tokens[:0]),) * pad
-    sas = tuple(_readonly(s.sa) for s in shards) + (_readonly(shards[0].sa[:0]),) * pad
+    # Padded as the datastore pads them: one compiled scan serves 2-4 shards (and so on), not one per shard count.
+    toks, sas = shard_tuple(shards, "tokens"), shard_tuple(shards, "sa")
     sep = shards[0].separator
     m = int(max_n)
     cursors = np.zeros(n_shards, np.int64)
@@ -274,11 +271,3 @@ def count_ngrams(datastore, max_n: int, top: int, *, progress: bool = True) -> N
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return NgramCounts(m, ngrams, counts, {k + 1: int(distinct[k]) for k in range(m)},
                        {k + 1: int(total[k]) for k in range(m)}, peak)
-
-
-def _readonly(a: np.ndarray) -> np.ndarray:
-    # One numba type for memory-mapped (read-only) and in-memory arrays: one compiled kernel.
-    if a.flags.writeable:
-        a = a.view()
-        a.flags.writeable = False
-    return a

@@ -88,13 +88,7 @@ class SuffixArrayDatastore:
         # its type, so tuples are padded with empty arrays to a few fixed sizes: one cached specialisation serves
         # 1 shard, one 2-4 shards, and so on, instead of one per shard count.
         n = len(shards)
-        slots = next((k for k in SHARD_SLOTS if k >= n), None)
-        if slots is None:
-            raise DatastoreError(f"{n} shards exceed the supported {SHARD_SLOTS[-1]}; rebuild with larger shards")
-        pad = slots - n
-        toks = tuple(_readonly(s.tokens) for s in shards) + (_readonly(shards[0].tokens[:0]),) * pad
-        sas = tuple(_readonly(s.sa) for s in shards) + (_readonly(shards[0].sa[:0]),) * pad
-        buckets = tuple(_readonly(s.bucket) for s in shards) + (_readonly(shards[0].bucket[:0]),) * pad
+        toks, sas, buckets = (shard_tuple(shards, field) for field in ("tokens", "sa", "bucket"))
         # One tuple, swapped atomically: a concurrent draft sees either the old or the new shard set. Shards past
         # the base ones (set_extra: learned online) are the "learned" source of a draft's per-source estimates.
         self._state = (tuple(shards), toks, sas, buckets, n, len(self._base), shards[0].separator)
@@ -371,6 +365,17 @@ def _corrupted(shards: Sequence[Shard], e: IndexError) -> DatastoreCorrupted:
     files = ", ".join(s.name for s in shards)
     return DatastoreCorrupted(f"{files} is corrupted: {what} ({', '.join(map(str, values))}); rebuild or restore "
                               f"the datastore", [s.path for s in shards])
+
+
+def shard_tuple(shards: Sequence[Shard], field: str) -> tuple[np.ndarray, ...]:
+    """One array of every shard (its `field`: tokens, sa, bucket) as the kernels take them: read-only, the tuple
+    padded with empty arrays to the next of SHARD_SLOTS (a tuple's length is part of its numba type)."""
+    n = len(shards)
+    slots = next((k for k in SHARD_SLOTS if k >= n), None)
+    if slots is None:
+        raise DatastoreError(f"{n} shards exceed the supported {SHARD_SLOTS[-1]}; rebuild with larger shards")
+    arrays = [_readonly(getattr(s, field)) for s in shards]
+    return tuple(arrays) + (arrays[0][:0],) * (slots - n)
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:

@@ -399,12 +399,13 @@ class ClusterNgramStore(StoreHeaderFields):
 # Push
 
 
-def _wait_for_replicas(client, timeout_ms: float) -> None:
-    """Block until every primary that has replicas has one acknowledging all writes so far (WAIT)."""
+def _wait_for_replicas(client, timeout_ms: float, key: bytes | str | None = None) -> None:
+    """Block until every primary that has replicas (only `key`'s, if given) has one acknowledging all writes so far
+    (WAIT)."""
     replicas: dict[str, int] = {}
     for nodes in client.nodes_manager.slots_cache.values():
         replicas[nodes[0].name] = max(replicas.get(nodes[0].name, 0), len(nodes) - 1)
-    for node in client.get_primaries():
+    for node in client.get_primaries() if key is None else [client.get_node_from_key(key)]:
         if replicas.get(node.name, 0) > 0:
             acked = client.execute_command("WAIT", 1, int(timeout_ms), target_nodes=node)
             if int(acked) < 1:
@@ -451,6 +452,9 @@ def push_to_cluster(store: EmbeddedNgramStore, url: str, namespace: str, *, batc
                     pipe.execute()
                     _wait_for_replicas(client, timeout_ms)
                     client.set(pushed_key, i + 1)  # counted only once a replica holds the batch
+                    # and the count itself held by a replica: else a failover right after could lose it, and a
+                    # push run again would start from an older count (safe, but it rewrites what was in)
+                    _wait_for_replicas(client, timeout_ms, pushed_key)
                     written += pending
                     bar.update(pending)
                     pending = 0

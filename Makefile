@@ -43,18 +43,19 @@ $(STAMP): pyproject.toml requirements/nodeps.txt
 
 install: $(STAMP) system-packages stubs kernels
 
-# The block-quantized linear kernel of the q4_1 weight format (generation_service/model/kernels/q4_kernel.cpp), compiled for this
-# CPU into $(RAGSERVE_HOME)/kernels (~30 s, once per CPU + torch version). Without g++/ninja it reports
-# "unavailable" and q4_1 serves the same weights dequantized to fp32 (with a warning). Then the retrieval service's
-# float16 exact-search kernel (retrieval_service/knowledge/fp16_scan.cpp, ~2 s; without g++ exact search uses faiss),
-# and the SIGBUS guard of memory-mapped stores (retrieval_service/datastore/map_guard.c, plain C, < 1 s).
-# Last, the numba drafting kernels into numba's disk cache (~40 s once; tools/warm_kernels.py): otherwise a user's
-# first request, or every process of a fresh checkout's test run, compiles them.
+# The SIGBUS guard of memory-mapped stores (retrieval_service/datastore/map_guard.c, plain C, < 1 s). Then, at once:
+# the numba drafting kernels into numba's disk cache (~40 s on one core, once; tools/warm_kernels.py: otherwise a
+# user's first request, or every process of a fresh checkout's test run, compiles them), and the C++ builds: the
+# block-quantized linear kernel of the q4_1 weight format (generation_service/model/kernels/q4_kernel.cpp), compiled
+# for this CPU into $(RAGSERVE_HOME)/kernels (~40 s, once per CPU + torch version; without g++/ninja it reports
+# "unavailable" and q4_1 serves the same weights dequantized to fp32, with a warning), and the retrieval service's
+# float16 exact-search kernel (retrieval_service/knowledge/fp16_scan.cpp, ~2 s; without g++ exact search uses
+# faiss). Side by side they take about the longer of the two: the warm-up keeps one core, ninja's jobs the rest.
 kernels: $(STAMP)
-	$(PYTHON) -m generation_service.model.kernels.build
-	$(PYTHON) -m retrieval_service.knowledge.fp16_scan
 	$(PYTHON) -m retrieval_service.datastore.map_guard
-	$(PYTHON) -m tools.warm_kernels
+	@$(PYTHON) -m tools.warm_kernels & warm=$$!; \
+	$(PYTHON) -m generation_service.model.kernels.build && $(PYTHON) -m retrieval_service.knowledge.fp16_scan; \
+	rc=$$?; wait $$warm || rc=1; exit $$rc
 
 # gRPC stubs are generated, never committed (pinned grpcio-tools = grpcio version).
 proto/%_pb2.py: proto/%.proto $(STAMP)
@@ -76,14 +77,15 @@ run: datastore
 
 # The stdlib datastore (~15 s) lets the tests of the real store's verification and draft latency run, not skip.
 # make test is the fast tier; make test-slow the tests marked slow (CI runs both). The model tests run in one
-# process (they keep both cores busy; a second process only slows them), the service tests on two (they wait on
-# servers and sockets). Two groups, so no process holds every session fixture at once (one held ~17 GB of 24).
+# process (they keep both cores busy; a second process only slows them), the service tests on three (they wait on
+# servers and sockets; a third process fills more of those waits, ~12 GB at most). Two groups, so no process holds
+# every session fixture at once (one held ~17 GB of 24).
 # Every group runs; the target fails if any group failed.
 PYTEST := $(PYTHON) -m pytest -q -p no:cacheprovider
 test: model datastore lint node-sdk
 	@rc=0; \
 	$(PYTEST) -m "not slow" tests/generation || rc=1; \
-	$(PYTEST) -m "not slow" -n 2 tests --ignore=tests/generation || rc=1; \
+	$(PYTEST) -m "not slow" -n 3 tests --ignore=tests/generation || rc=1; \
 	exit $$rc
 
 test-slow: model datastore

@@ -2,7 +2,9 @@
 // compiles q4_kernel.cpp, lean_forward.cpp, claim_pool.cpp and int8_linear.cpp into one module).
 #pragma once
 
-#include <torch/extension.h>
+// The tensor type only: torch/extension.h (Python bindings, the whole C++ API) took most of each file's compile
+// time; the two files that bind to Python (q4_kernel.cpp, lean_forward.cpp) include it themselves.
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -21,8 +23,8 @@ constexpr int64_t kWideFromRows = 11;
 // wide: optional, w prepared for this CPU's bf16 path (same bits: the same values in the same sums): where
 // wide_bf16(), bf16 [N, K], w's weights as the bf16 path multiplies them (decode_bf16), taken instead of w by passes
 // of at least wide_from rows; where bf16_kernel() is "amx", w's group layout (amx_layout), taken by every pass.
-torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& w, bool bf16,
-                           const torch::Tensor& wide = torch::Tensor(), int64_t wide_from = kWideFromRows);
+at::Tensor block_linear(const at::Tensor& x, const at::Tensor& w, bool bf16,
+                           const at::Tensor& wide = at::Tensor(), int64_t wide_from = kWideFromRows);
 
 // Whether bf16-activation linears run here: the AMX path (built for it, tile state granted) or AVX512-BF16.
 bool bf16_available();
@@ -38,11 +40,11 @@ bool wide_bf16();
 // i8_layout(GGUF Q4_1 or Q8_0 blocks [N, K / 32 * block bytes], K); each row's activations quantized per block of 32
 // from that row alone, exact integer dot products, a fixed order for the rest: a row gets the same bits in any pass
 // and on every path.
-torch::Tensor i8_linear(const torch::Tensor& x, const torch::Tensor& layout, int64_t N);
-torch::Tensor i8_layout(const torch::Tensor& w, int64_t K);
+at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& layout, int64_t N);
+at::Tensor i8_layout(const at::Tensor& w, int64_t K);
 // x -> (codes int8 [M, K], scales float32 [M, K / 32], scale * code sums float32 [M, K / 32]): what i8_linear
 // multiplies (for tests against a reference).
-std::vector<torch::Tensor> i8_quantize(const torch::Tensor& x);
+std::vector<at::Tensor> i8_quantize(const at::Tensor& x);
 // The path i8_linear takes ("avx512_vnni", "avx_vnni", "avx2", "scalar"), those this CPU runs (best first), and a
 // choice among them ("" = the best): every path gives the same bits, so this is for tests and benchmarks.
 std::string i8_path();
@@ -50,9 +52,6 @@ std::vector<std::string> i8_paths();
 void set_i8_path(const std::string& name);
 int64_t i8_groups();
 void set_i8_groups(int64_t n);
-
-// Registers LeanForward (lean_forward.cpp) in the module.
-void bind_lean_forward(pybind11::module_& m);
 
 // Runs piece(0) .. piece(n - 1), each once, on the calling thread and helper threads of our own (claim_pool.cpp):
 // each thread claims pieces of its own share, then what is left of the others', so a thread the OS has descheduled

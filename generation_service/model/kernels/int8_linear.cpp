@@ -22,7 +22,10 @@
 //        inputs 4p..4p+3, high nibbles 16+4p..16+4p+3), then 16 fp16 d, then 16 fp16 m;
 //   Q8_0, 544 bytes: codes 8 x 64 (vector k, lane i = u = q + 128 of inputs 4k..4k+3 of column i), then 16 fp16 d.
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/StringUtil.h>
 
 #include "cpu_kernels.h"
 
@@ -116,7 +119,7 @@ enum class Path { kScalar, kAvx2, kAvxVnni, kAvx512Vnni };
 
 // The activations of M rows; the AVX512-VNNI path quantizes 16 lanes at a time (the same codes), the others one by
 // one: before the threaded part of every linear, this serial loop was a visible share of a pass of many rows.
-Acts quantize(const torch::Tensor& x, Path path) {
+Acts quantize(const at::Tensor& x, Path path) {
   Acts a;
   a.M = x.size(0), a.K = x.size(1), a.nb = a.K / kBlock;
   a.q.resize(a.M * a.K);
@@ -485,14 +488,14 @@ void set_i8_path(const std::string& name) {
   TORCH_CHECK(false, "int8 path ", name, " does not run here; this CPU runs: ", c10::Join(", ", i8_paths()));
 }
 
-torch::Tensor i8_layout(const torch::Tensor& w, int64_t K) {
-  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous() && K % kBlock == 0 && K > 0,
+at::Tensor i8_layout(const at::Tensor& w, int64_t K) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() && K % kBlock == 0 && K > 0,
               "w must be contiguous GGUF blocks uint8 [N, K / 32 * block bytes], K a multiple of 32");
   const int64_t N = w.size(0), nb = K / kBlock, rb = w.size(1);
   const bool q8 = rb == nb * 34;
   TORCH_CHECK(q8 || rb == nb * 20, "a packed row of ", rb, " bytes is neither Q4_1 nor Q8_0 for K = ", K);
   const int64_t G = (N + kCols - 1) / kCols, gb = q8 ? kQ8GroupBytes : kQ4GroupBytes;
-  auto out = torch::zeros({G, nb * gb}, torch::kUInt8);
+  auto out = at::zeros({G, nb * gb}, at::kByte);
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   for (int64_t n = 0; n < N; ++n) {
@@ -516,30 +519,30 @@ torch::Tensor i8_layout(const torch::Tensor& w, int64_t K) {
   return out;
 }
 
-std::vector<torch::Tensor> i8_quantize(const torch::Tensor& x) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.size(1) % kBlock == 0,
+std::vector<at::Tensor> i8_quantize(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) % kBlock == 0,
               "x must be float32 [M, K], K a multiple of 32");
-  const torch::Tensor xc = x.contiguous();
+  const at::Tensor xc = x.contiguous();
   Acts a = quantize(xc, chosen());
-  auto q = torch::empty({a.M, a.K}, torch::kInt8);
-  auto dx = torch::empty({a.M, a.nb}, torch::kFloat32), xs = torch::empty({a.M, a.nb}, torch::kFloat32);
+  auto q = at::empty({a.M, a.K}, at::kChar);
+  auto dx = at::empty({a.M, a.nb}, at::kFloat), xs = at::empty({a.M, a.nb}, at::kFloat);
   std::memcpy(q.data_ptr<int8_t>(), a.q.data(), a.q.size());
   std::memcpy(dx.data_ptr<float>(), a.dx.data(), a.dx.size() * 4);
   std::memcpy(xs.data_ptr<float>(), a.xs.data(), a.xs.size() * 4);
   return {q, dx, xs};
 }
 
-torch::Tensor i8_linear(const torch::Tensor& x, const torch::Tensor& layout, int64_t N) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous() && x.size(1) % kBlock == 0,
+at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& layout, int64_t N) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) % kBlock == 0,
               "x must be contiguous float32 [M, K], K a multiple of 32, got ", x.sizes());
   const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock, G = (N + kCols - 1) / kCols;
-  TORCH_CHECK(layout.scalar_type() == torch::kUInt8 && layout.dim() == 2 && layout.is_contiguous() &&
+  TORCH_CHECK(layout.scalar_type() == at::kByte && layout.dim() == 2 && layout.is_contiguous() &&
                   layout.size(0) == G && layout.size(1) % nb == 0,
               "layout must be i8_layout's [ceil(N / 16), K / 32 * group bytes] for N = ", N, ", K = ", K);
   const int64_t gb = layout.size(1) / nb;
   TORCH_CHECK(gb == kQ4GroupBytes || gb == kQ8GroupBytes, "layout rows of ", layout.size(1),
               " bytes are not i8_layout's for K = ", K);
-  auto out = torch::empty({M, N}, x.options());
+  auto out = at::empty({M, N}, x.options());
   if (M == 0) return out;
   const Path path = chosen();
   const Acts a = quantize(x, path);

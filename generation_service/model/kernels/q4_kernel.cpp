@@ -1111,6 +1111,9 @@ torch::Tensor by_block_kind(const torch::Tensor& w, int64_t K, F f) {
 
 }  // namespace
 
+// Registers LeanForward (lean_forward.cpp) in the module.
+void bind_lean_forward(pybind11::module_& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_1_linear", &linear<Q41>, "x[M, K] float32 @ Q4_1 weight[N, K]^T -> [M, N]");
   m.def("q8_0_linear", &linear<Q80>, "x[M, K] float32 @ Q8_0 weight[N, K]^T -> [M, N]");

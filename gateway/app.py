@@ -4,10 +4,12 @@
     GET  /v1/models, /v1/models/{id}, /health (live), /ready (a worker is SERVING), /metrics (Prometheus)
 
 A request becomes one worker call per prompt and choice (n fans out), routed by prefix affinity (routing.py).
-Streams are opened, and their first message awaited, before the HTTP status goes out: a refused request gets its
-real status (400, 429, 503, ...), not a 200 stream holding an error. After that a failure (a worker that died, the
-deadline) ends the stream with an error event, `data: {"error": {...}}`. A client that goes away cancels its
-worker calls (gRPC cancellation: the worker stops the request at its next step).
+Streams are opened, and the worker's acceptance awaited, before the HTTP status goes out: a refused request gets its
+real status (400, 429, 503, ...), not a 200 stream holding an error. The worker accepts with its initial metadata
+as soon as the request is admitted, so the response starts while the prompt is prefilled and its first token goes
+out as soon as it comes (a worker that sends no early metadata accepts with its first message). After acceptance a
+failure (a worker that died, the deadline) ends the stream with an error event, `data: {"error": {...}}`. A client
+that goes away cancels its worker calls (gRPC cancellation: the worker stops the request at its next step).
 """
 
 from __future__ import annotations
@@ -137,7 +139,7 @@ class Gateway:
                 w.inflight -= 1
 
     async def open_stream(self, req: generation_pb2.GenerateRequest, key: str) -> "WorkerStream":
-        """A started stream whose first message is in (retried elsewhere while nothing was received)."""
+        """A stream the worker accepted (retried elsewhere while it was refused)."""
         tried: set[str] = set()
         while True:
             w = self._pick(key, tried, "retry" if tried else None)
@@ -157,7 +159,7 @@ class Gateway:
 
 
 class WorkerStream:
-    """One GenerateStream call: started (first message read), then read to its end; close() cancels it."""
+    """One GenerateStream call: started (accepted by the worker), then read to its end; close() cancels it."""
 
     def __init__(self, gw: Gateway, w: Worker, req: generation_pb2.GenerateRequest):
         self.gw, self.w = gw, w
@@ -167,26 +169,31 @@ class WorkerStream:
         self.first: generation_pb2.GenerateStreamResponse | None = None
 
     async def start(self) -> None:
-        msg = await self.call.read()
-        if msg is grpc.aio.EOF:
-            raise APIError(502, f"worker {self.w.address} ended the stream without a reply", code="bad_gateway")
-        self.first = msg
+        """Until the worker accepted the request (its initial metadata) or refused it (AioRpcError)."""
+        await self.call.initial_metadata()
+        if self.call.done():  # a refusal comes as a status without metadata: read() raises it
+            msg = await self.call.read()
+            if msg is grpc.aio.EOF:
+                raise APIError(502, f"worker {self.w.address} ended the stream without a reply", code="bad_gateway")
+            self.first = msg
 
     async def messages(self) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
-        """The first message, then the rest; a failure raises APIError (and marks a dead worker)."""
-        msg = self.first
+        """Every message to the final one; a failure raises APIError (and marks a dead worker)."""
+        msg, self.first = self.first, None
         while True:
+            if msg is None:
+                try:
+                    msg = await self.call.read()
+                except grpc.aio.AioRpcError as e:
+                    self.gw.pool.failed(self.w, e)
+                    raise from_grpc(e, self.w.address) from None
+                if msg is grpc.aio.EOF:
+                    raise APIError(502, f"worker {self.w.address} ended the stream without a final message",
+                                   code="bad_gateway")
             yield msg
             if msg.finish_reason:
                 return
-            try:
-                msg = await self.call.read()
-            except grpc.aio.AioRpcError as e:
-                self.gw.pool.failed(self.w, e)
-                raise from_grpc(e, self.w.address) from None
-            if msg is grpc.aio.EOF:
-                raise APIError(502, f"worker {self.w.address} ended the stream without a final message",
-                               code="bad_gateway")
+            msg = None
 
     def close(self) -> None:
         if self._open:
@@ -284,12 +291,12 @@ async def _stream(request: Request, gw: Gateway, p: Parsed, model: str, endpoint
         for s in opened:
             s.close()
         raise
-    gw.metrics.child(gw.metrics.ttft, endpoint).observe(time.perf_counter() - t0)
-    return EventSourceResponse(_events(gw, p, model, opened), sep="\n", ping=15,
+    return EventSourceResponse(_events(gw, p, model, opened, endpoint, t0), sep="\n", ping=15,
                                headers={WORKER_HEADER: ",".join(s.w.address for s in opened)})
 
 
-async def _events(gw: Gateway, p: Parsed, model: str, streams: list[WorkerStream]) -> AsyncIterator[dict]:
+async def _events(gw: Gateway, p: Parsed, model: str, streams: list[WorkerStream], endpoint: str,
+                  t0: float) -> AsyncIterator[dict]:
     """SSE events of all choices (merged as they come), then usage (stream_options.include_usage), then [DONE]."""
     prompt_tokens = completion_tokens = 0
     ext: list[dict] = []
@@ -298,6 +305,9 @@ async def _events(gw: Gateway, p: Parsed, model: str, streams: list[WorkerStream
     n = len(p.requests[0])
     try:
         async for index, msg in _merge(streams):
+            if t0:  # the request's first message: its time to first token
+                gw.metrics.child(gw.metrics.ttft, endpoint).observe(time.perf_counter() - t0)
+                t0 = 0.0
             choice = openai_api.stream_choice(p, index, msg, first[index], offsets[index])
             offsets[index] += len(msg.text_delta)
             first[index] = False

@@ -495,6 +495,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     def GenerateStream(self, request, context):
         job = self._start(request, context)
+        # Accepted: headers now, before the prompt is prefilled. A caller that answers its own client (the HTTP
+        # gateway) can start its response on them and send the first token the moment it comes; a refusal above
+        # is a status without them.
+        context.send_initial_metadata(())
         finished = False
         for chunk in self._chunks(job, context):
             finished = chunk.finish_reason is not None

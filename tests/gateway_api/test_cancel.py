@@ -44,3 +44,28 @@ def test_unary_disconnect_cancels(gateway, model_id, engine):
     with pytest.raises(httpx.TimeoutException):
         httpx.post(gateway.url + "/v1/completions", json=body, timeout=1.0)  # the client gives up after 1 s
     _idle(engine, gateway.app)
+
+
+def test_a_stream_starts_when_the_worker_accepts_it(tm, model_id):
+    """The HTTP status goes out once the worker has admitted the request (its initial metadata), not with its first
+    token: a request queued behind another already has its 200 and headers. Not: a client that waits for the whole
+    queue and prefill before it even knows the request was accepted."""
+    from tests.gateway_api.conftest import start_gateway, start_worker
+
+    running, servicer = start_worker(tm, max_batch=1)
+    gw = start_gateway(running.address)
+    engine = servicer.worker.engine
+    body = {"model": model_id, "prompt": "Once upon a time", "stream": True, **LONG}
+    try:
+        with httpx.stream("POST", gw.url + "/v1/completions", json=body, timeout=30) as first:
+            lines = first.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))  # it holds the only batch slot
+            with httpx.stream("POST", gw.url + "/v1/completions", json=body, timeout=5) as second:
+                assert second.status_code == 200
+                assert engine.depth() == 1 and len(engine.running) == 1  # the second still waits for the slot
+                first.close()  # the slot frees: the second's tokens follow
+                assert next(line for line in second.iter_lines() if line.startswith("data: "))
+    finally:
+        gw.stop()
+        running.stop(0)
+        servicer.worker.stop()

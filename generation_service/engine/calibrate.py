@@ -55,8 +55,10 @@ is quiet (Calibration.noisy_then_quiet).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
@@ -65,7 +67,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Sequence, TypeVar
+from typing import Callable, Iterable, Iterator, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -619,23 +621,29 @@ def calibrated_model(model: str = "", device: str = "auto", dtype: str = "auto",
     wanted = [(d, t) for d in dtypes for t in thread_list]
     missing = [w for w in wanted if cal is None or cal.find(*w) is None]
     loaded: dict[str, TargetModel] = {}
-    if missing:
-        t0, load = time.perf_counter(), _load()
-        loaded["fp32"] = base
-        for d in sorted({d for d, _ in missing} - {"fp32"}):
-            loaded[d] = convert(base, d)
-        miss_dtypes = {d: loaded[d] for d in sorted({d for d, _ in missing})}
-        miss_threads = sorted({t for _, t in missing}, reverse=True)
-        log.info("calibrating %s on %s: %s x threads %s", path.name, key["cpu"], list(miss_dtypes), miss_threads)
-        curves = measure_curves(miss_dtypes, miss_threads, reps=reps, progress=progress)
-        # Only the missing (dtype, threads) pairs: the product may hold pairs the cache already had.
-        new = [c for c in curves if (c.dtype, c.threads) in missing]
-        old = [c for c in cal.curves if (c.dtype, c.threads) not in missing] if cal is not None else []
-        cal = Calibration(key, old + new, time.strftime("%Y-%m-%dT%H:%M:%S%z"), time.perf_counter() - t0, load)
-        try:
-            save_cache(cpath, cal)
-        except OSError as e:  # a read-only home must not stop the server; it re-measures next time
-            log.warning("calibration cache %s not written: %s", cpath, e)
+    with measuring(cpath) if missing else contextlib.nullcontext():
+        if missing and not force:  # another process may have measured them while this one waited
+            again = load_cache(cpath, key)
+            if again is not None and not again.noisy_then_quiet():
+                cal = again
+                missing = [w for w in wanted if cal.find(*w) is None]
+        if missing:
+            t0, load = time.perf_counter(), _load()
+            loaded["fp32"] = base
+            for d in sorted({d for d, _ in missing} - {"fp32"}):
+                loaded[d] = convert(base, d)
+            miss_dtypes = {d: loaded[d] for d in sorted({d for d, _ in missing})}
+            miss_threads = sorted({t for _, t in missing}, reverse=True)
+            log.info("calibrating %s on %s: %s x threads %s", path.name, key["cpu"], list(miss_dtypes), miss_threads)
+            curves = measure_curves(miss_dtypes, miss_threads, reps=reps, progress=progress)
+            # Only the missing (dtype, threads) pairs: the product may hold pairs the cache already had.
+            new = [c for c in curves if (c.dtype, c.threads) in missing]
+            old = [c for c in cal.curves if (c.dtype, c.threads) not in missing] if cal is not None else []
+            cal = Calibration(key, old + new, time.strftime("%Y-%m-%dT%H:%M:%S%z"), time.perf_counter() - t0, load)
+            try:
+                save_cache(cpath, cal)
+            except OSError as e:  # a read-only home must not stop the server; it re-measures next time
+                log.warning("calibration cache %s not written: %s", cpath, e)
     assert cal is not None
     curve, warnings = choose(cal.curves, dtype, threads, automatic)
     for w in warnings:
@@ -648,6 +656,29 @@ def calibrated_model(model: str = "", device: str = "auto", dtype: str = "auto",
     tm.step_cost = StepCost(curve.rows, curve.step_ms)
     apply_prefill_precision(tm, prefill_precision, curve.bf16_prefill_pays)
     return tm, Choice(curve, cal, tuple(warnings))
+
+
+@contextlib.contextmanager
+def measuring(cpath: Path) -> Iterator[None]:
+    """Held while this process measures the candidates of cache file `cpath`: one process measures, the others wait
+    and take its cache. Why: workers started together on a fresh machine (compose replicas, a test run's services)
+    each measured every candidate at once, several times the work and each under the others' load. A home that
+    cannot hold the lock file (read-only) measures without it."""
+    try:
+        cpath.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(cpath.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("another process is calibrating (%s); waiting for its measurements", cpath.with_suffix(".lock"))
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def apply_prefill_precision(tm: TargetModel, precision: str, measured_faster: bool = False) -> str:

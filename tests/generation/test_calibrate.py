@@ -319,3 +319,47 @@ def test_real_calibration_measures_then_reuses_and_survives_a_corrupt_cache(cali
         assert json.loads(path.read_text())["format"] == FORMAT_VERSION  # and the cache is whole again
     finally:
         mt.stop(wait=True)
+
+
+def test_processes_that_calibrate_at_once_measure_once(tmp_path, monkeypatch):
+    """Workers started together on a fresh machine: the first measures, the other waits for it and takes its cache.
+    Not: each measuring every candidate, under the other's load. (The lock is a file lock: threads with their own
+    descriptors contend for it as processes do.)"""
+    import time
+
+    from ragcore.model_files import default_model_dir, is_model_dir
+
+    if not is_model_dir(default_model_dir()):
+        pytest.skip("default model not prepared (make model)")
+    model = str(default_model_dir())  # before the home moves
+    monkeypatch.setenv("RAGSERVE_HOME", str(tmp_path))
+    monkeypatch.setattr(calibrate, "candidate_dtypes", lambda device: ["fp32"])  # one real candidate, quick
+    monkeypatch.setattr(calibrate, "candidate_threads", lambda cores: [1])
+    monkeypatch.setattr(calibrate, "_load", lambda: 1.0)
+    measuring, calls = threading.Event(), []
+    real = calibrate.measure_curves
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        measuring.set()
+        time.sleep(0.3)  # the other one arrives while this one measures
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(calibrate, "measure_curves", counting)
+    choices = {}
+
+    def start(name: str) -> None:
+        mt = ModelThread(f"test-{name}")
+        try:
+            choices[name] = mt.call(calibrated_model, model, "cpu", "fp32", 1, reps=1)[1]
+        finally:
+            mt.stop(wait=True)
+
+    first = threading.Thread(target=start, args=("first",))
+    first.start()
+    assert measuring.wait(120)
+    start("second")
+    first.join()
+    assert len(calls) == 1  # Not measured twice
+    assert choices["first"].calibration.source == "measured"
+    assert choices["second"].calibration.source == "cache"

@@ -886,7 +886,14 @@ class LeanForward {
       while (b < jobs.size() && jobs[b].first == jobs[a].first) ++b;  // the rows of one segment
       const Segment& s = segs[jobs[a].first];
 #if defined(RAGSERVE_ROW_KERNEL)
-      const int64_t run = s.mask.defined() ? per : std::max(per, kTileRows);  // prompt rows: whole tiles
+      // Prompt rows: whole tiles; a piece of at most T tiles (one carried beside decoding rows, deep in a long
+      // prompt) cut into T runs per kv head instead. Why: as one run per kv head, 3 kv heads on 2 threads left one
+      // thread a head's rows alone while the other did two heads' (the pass waited a third longer for its prompt
+      // rows), and re-reading a head's keys for a second run costs little beside the rows' multiply-adds.
+      const int64_t q = (int64_t)(b - a);
+      const int64_t run = s.mask.defined() ? per
+                          : q <= T * kTileRows ? (q + T - 1) / T
+                                               : std::max(per, kTileRows);
 #else
       const int64_t run = per;
 #endif

@@ -619,6 +619,10 @@ def calibrated_model(model: str = "", device: str = "auto", dtype: str = "auto",
     if threads and threads not in thread_list:
         thread_list.append(threads)
     wanted = [(d, t) for d in dtypes for t in thread_list]
+    if dtype != "auto" and threads:
+        # Both pinned: only that candidate serves, so only it is measured now (seconds, not a minute). The others,
+        # and the warning that one of them is faster, come with a start that leaves a choice (or make calibrate).
+        wanted = [(dtype, threads)]
     missing = [w for w in wanted if cal is None or cal.find(*w) is None]
     loaded: dict[str, TargetModel] = {}
     with measuring(cpath) if missing else contextlib.nullcontext():

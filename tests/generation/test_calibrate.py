@@ -321,9 +321,11 @@ def test_real_calibration_measures_then_reuses_and_survives_a_corrupt_cache(cali
         mt.stop(wait=True)
 
 
+@pytest.mark.slow  # a real measurement (~9 s): the slow tier, like the other calibration runs
 def test_processes_that_calibrate_at_once_measure_once(tmp_path, monkeypatch):
-    """Workers started together on a fresh machine: the first measures, the other waits for it and takes its cache.
-    Not: each measuring every candidate, under the other's load. (The lock is a file lock: threads with their own
+    """Workers started together on a fresh machine with --dtype fp32 --threads 1: the first measures that one
+    candidate (the only one that can serve), the other waits for it and takes its cache. Not: each measuring, under
+    the other's load, every weight format at every thread count. (The lock is a file lock: threads with their own
     descriptors contend for it as processes do.)"""
     import time
 
@@ -332,9 +334,8 @@ def test_processes_that_calibrate_at_once_measure_once(tmp_path, monkeypatch):
     if not is_model_dir(default_model_dir()):
         pytest.skip("default model not prepared (make model)")
     model = str(default_model_dir())  # before the home moves
+    kernel()  # loaded from the user's home too (a new home would build the CPU kernels again)
     monkeypatch.setenv("RAGSERVE_HOME", str(tmp_path))
-    monkeypatch.setattr(calibrate, "candidate_dtypes", lambda device: ["fp32"])  # one real candidate, quick
-    monkeypatch.setattr(calibrate, "candidate_threads", lambda cores: [1])
     monkeypatch.setattr(calibrate, "_load", lambda: 1.0)
     measuring, calls = threading.Event(), []
     real = calibrate.measure_curves
@@ -363,3 +364,5 @@ def test_processes_that_calibrate_at_once_measure_once(tmp_path, monkeypatch):
     assert len(calls) == 1  # Not measured twice
     assert choices["first"].calibration.source == "measured"
     assert choices["second"].calibration.source == "cache"
+    assert [(c.dtype, c.threads) for c in choices["second"].calibration.curves] == [("fp32", 1)]
+

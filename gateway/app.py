@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API (Starlette) over the worker pool (grpc.aio).
 
-    POST /v1/completions, /v1/chat/completions   (stream: SSE through sse-starlette, ending in `data: [DONE]`)
+    POST /v1/completions, /v1/chat/completions   (stream: SSE, ending in `data: [DONE]`; sse.py)
     GET  /v1/models, /v1/models/{id}, /health (live), /ready (a worker is SERVING), /metrics (Prometheus)
 
 A request becomes one worker call per prompt and choice (n fans out), routed by prefix affinity (routing.py).
@@ -24,7 +24,6 @@ from typing import AsyncIterator, Awaitable, TypeVar
 
 import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -36,6 +35,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import APIError, from_grpc
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import Parsed
+from gateway.sse import EventStream
 from gateway.workers import Worker, WorkerPool
 from proto import generation_pb2
 
@@ -291,13 +291,13 @@ async def _stream(request: Request, gw: Gateway, p: Parsed, model: str, endpoint
         for s in opened:
             s.close()
         raise
-    return EventSourceResponse(_events(gw, p, model, opened, endpoint, t0), sep="\n", ping=15,
-                               headers={WORKER_HEADER: ",".join(s.w.address for s in opened)})
+    return EventStream(_events(gw, p, model, opened, endpoint, t0), gw.cfg.sse_ping_s,
+                       headers={WORKER_HEADER: ",".join(s.w.address for s in opened)})
 
 
 async def _events(gw: Gateway, p: Parsed, model: str, streams: list[WorkerStream], endpoint: str,
-                  t0: float) -> AsyncIterator[dict]:
-    """SSE events of all choices (merged as they come), then usage (stream_options.include_usage), then [DONE]."""
+                  t0: float) -> AsyncIterator[str]:
+    """SSE events' data of all choices (merged as they come), then usage (stream_options.include_usage), then [DONE]."""
     prompt_tokens = completion_tokens = 0
     ext: list[dict] = []
     first = [True] * len(streams)
@@ -316,16 +316,16 @@ async def _events(gw: Gateway, p: Parsed, model: str, streams: list[WorkerStream
                 if index % n == 0:
                     prompt_tokens += msg.usage.prompt_tokens
                 ext.append(openai_api.speculation(index, msg.stats))
-            yield {"data": _dumps(openai_api.chunk(p, model, [choice]))}
+            yield _dumps(openai_api.chunk(p, model, [choice]))
         ext.sort(key=lambda e: e["index"])
         gw.metrics.tokens.inc(completion_tokens)
         if p.include_usage:
-            yield {"data": _dumps(openai_api.chunk(p, model, [], openai_api.usage(prompt_tokens, completion_tokens),
-                                                   {"choices": ext}))}
-        yield {"data": "[DONE]"}
+            yield _dumps(openai_api.chunk(p, model, [], openai_api.usage(prompt_tokens, completion_tokens),
+                                          {"choices": ext}))
+        yield "[DONE]"
     except APIError as e:
         log.warning("stream %s ended with an error: %s", p.id, e.message)
-        yield {"data": _dumps(e.body())}
+        yield _dumps(e.body())
     finally:
         for s in streams:
             s.close()

@@ -33,6 +33,7 @@ FLAG_HELP = {
     "request_timeout_s": "deadline of one generation on the worker, seconds (a slower one answers 504)",
     "max_body_bytes": "largest request body, bytes (larger: 413)",
     "max_n": "largest n (choices per request)",
+    "sse_ping_s": "seconds between keep-alive comment lines on a stream (proxies close silent connections; 0 = none)",
     "log_level": "log verbosity: debug | info | warning | error",
 }
 
@@ -66,6 +67,7 @@ class GatewayConfig:
     request_timeout_s: float = 600.0
     max_body_bytes: int = 4 << 20
     max_n: int = 16
+    sse_ping_s: float = 15.0
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -75,6 +77,8 @@ class GatewayConfig:
         for name in ("dns_refresh_s", "request_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.sse_ping_s < 0:
+            raise ValueError(f"sse_ping_s: must be >= 0, got {self.sse_ping_s}")
         if self.workers_dns and ":" not in self.workers_dns:
             raise ValueError(f"workers_dns: {self.workers_dns!r} is not NAME:PORT")
         for target in self.worker_list():

@@ -16,7 +16,10 @@ def test_gateway_bench_smoke(worker, gateway, tmp_path):
     data = json.loads(out.read_text())
     assert data["machine"]["cpu"] and len(data["loadavg_start"]) == 3
     assert data["stream_ms"]["tokens_direct"] == data["stream_ms"]["tokens_gateway"] == 4  # Not cut short
-    for side in ("request_ms", "stream_ms", "ttft_ms", "ttft_cached_ms"):
-        assert data[side]["direct_p50"] > 0 and data[side]["gateway_p50"] > 0
-    assert set(data["targets"]) == {"request_overhead_ms", "stream_overhead_ms_per_token", "ttft_ratio"}
-    assert all(isinstance(t["met"], bool) for t in data["targets"].values())
+    assert data["httpx2"]["stream_ms"]["tokens_gateway"] == 4
+    for figures in (data, data["httpx2"]):  # the standard library's client, and the OpenAI SDK's transport
+        for side in ("request_ms", "stream_ms", "ttft_ms", "ttft_cached_ms"):
+            assert figures[side]["direct_p50"] > 0 and figures[side]["gateway_p50"] > 0
+        assert set(figures["targets"]) == {"request_overhead_ms", "stream_overhead_ms_per_token", "ttft_ratio"}
+        assert all(isinstance(t["met"], bool) for t in figures["targets"].values())
+    assert data["httpx2"]["ttft_ms"]["direct_p50"] == data["ttft_ms"]["direct_p50"]  # one series of direct calls

@@ -1,10 +1,10 @@
-"""RaLMSpec's speed-up against the baseline's retrieval share, over knowledge-base sizes.
+"""RaLMSpec's speed-up against the baseline's retrieval share, over knowledge-base sizes and backends.
 
 Each point is one `python -m bench.ralm` run on one KB (one JSON each, e.g. the 100 K / 300 K prefixes of the
-large KB and the whole of it, `make kb-large` + `build --limit-passages N --embeddings-from`). This merges them:
-per KB size x retriever, B's retrieval share R / (R + G) and every config's speed-up (ratio of mean latencies and
-the median of per-question ratios), identical-output counts; the targets; a PNG of speed-up vs B's retrieval
-share.
+large KB and the whole of it, `make kb-large` + `build --limit-passages N --embeddings-from`, in process or loaded
+into PostgreSQL with `build --to`). This merges them: per backend x KB size x retriever, B's retrieval share
+R / (R + G) and every config's speed-up (ratio of mean latencies and the median of per-question ratios),
+identical-output counts; the targets; a PNG of speed-up vs B's retrieval share, both backends on one plot.
 
     python -m bench.ralm_curve bench/results/ralm-100k.json bench/results/ralm-300k.json \\
         bench/results/ralm-1m.json --json bench/results/ralm-curve.json --png bench/results/ralm-curve.png
@@ -43,10 +43,11 @@ def _paired(run: dict, retriever: str, config: str) -> list[tuple[float, float]]
 
 
 def points(runs: list[dict]) -> list[dict]:
-    """bench.ralm results -> one point per (KB size, retriever, config), sorted by size."""
+    """bench.ralm results -> one point per (backend, KB size, retriever, config), sorted by backend and size."""
     out = []
     for run in runs:
         n = (run.get("kb") or {}).get("passages")
+        backend = (run.get("kb") or {}).get("backend") or "in-process"
         for retriever, configs in (run.get("retrievers") or {}).items():
             base = configs.get("B")
             if not base:
@@ -54,14 +55,15 @@ def points(runs: list[dict]) -> list[dict]:
             b_share = base["retrieval_s"] / base["latency_s"] if base["latency_s"] else 0.0
             for config, v in configs.items():
                 pairs = _paired(run, retriever, config) if config != "B" else []
-                out.append({"passages": n, "retriever": retriever, "config": config, "b_r_share": b_share,
+                out.append({"backend": backend, "passages": n, "retriever": retriever, "config": config,
+                            "b_r_share": b_share,
                             "speedup": v.get("speedup"), "speedup_paired_median": v.get("speedup_paired_median"),
                             "speedup_ci95": list(speedup_ci(pairs)) if len(pairs) >= 2 else None,
                             "identical": v["identical"], "n": v["n"], "latency_s": v["latency_s"],
                             "retrieval_s": v["retrieval_s"], "generation_s": v["generation_s"],
                             "speculation_accuracy": v.get("speculation_accuracy"),
                             "sequential_rounds": v.get("sequential_rounds")})
-    return sorted(out, key=lambda p: (p["passages"] or 0, p["retriever"], p["config"]))
+    return sorted(out, key=lambda p: (p["backend"], p["passages"] or 0, p["retriever"], p["config"]))
 
 
 def targets(pts: list[dict]) -> dict:
@@ -70,17 +72,19 @@ def targets(pts: list[dict]) -> dict:
     psa = [p for p in spec if p["config"] == "PSA" and p["retriever"] == "edr" and p["b_r_share"] >= SHARE_FOR_TARGET]
     worst = min(spec, key=lambda p: p["speedup"] or 0.0, default=None)
     return {
-        "psa_edr_at_share_0.5": {"target": PSA_TARGET, "points": [(p["passages"], p["speedup"]) for p in psa],
+        "psa_edr_at_share_0.5": {"target": PSA_TARGET,
+                                 "points": [(p["backend"], p["passages"], p["speedup"]) for p in psa],
                                  "met": bool(psa) and all(p["speedup"] >= PSA_TARGET for p in psa) if psa else None},
         "never_slower": {"target": NEVER_SLOWER,
                          "worst": None if worst is None else {k: worst[k] for k in
-                                                              ("passages", "retriever", "config", "speedup",
-                                                               "speedup_ci95")},
+                                                              ("backend", "passages", "retriever", "config",
+                                                               "speedup", "speedup_ci95")},
                          "met": None if worst is None else worst["speedup"] >= NEVER_SLOWER,
                          # Weaker, said separately: no point is shown slower than the target beyond run noise
                          # (its 95 % interval over questions reaches the target).
                          "below_by_more_than_noise": [
-                             {k: p[k] for k in ("passages", "retriever", "config", "speedup", "speedup_ci95")}
+                             {k: p[k] for k in ("backend", "passages", "retriever", "config", "speedup",
+                                                "speedup_ci95")}
                              for p in spec if p["speedup_ci95"] and p["speedup_ci95"][1] < NEVER_SLOWER]},
         "identical": {"met": all(p["identical"] == p["n"] for p in pts) if pts else None,
                       "outputs": sum(p["n"] for p in spec), "identical": sum(p["identical"] for p in spec)},
@@ -92,18 +96,29 @@ def plot(pts: list[dict], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for config in sorted({p["config"] for p in pts} - {"B"}):
-        for retriever, marker in (("edr", "o"), ("adr", "s"), ("sr", "^")):
-            xs = [(p["b_r_share"], p["speedup"]) for p in pts if p["config"] == config and p["retriever"] == retriever]
-            if xs:
-                ax.plot(*zip(*sorted(xs)), marker=marker, label=f"{config} {retriever}", lw=1)
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    configs = sorted({p["config"] for p in pts} - {"B"})
+    colors = {c: plt.cm.tab10(i % 10) for i, c in enumerate(configs)}
+    markers = {"edr": "o", "adr": "s", "sr": "^"}
+    styles = {"in-process": "-", "postgresql": "--"}
+    for config in configs:
+        for backend in sorted({p["backend"] for p in pts}):
+            for retriever, marker in markers.items():
+                xs = [(p["b_r_share"], p["speedup"]) for p in pts
+                      if (p["config"], p["backend"], p["retriever"]) == (config, backend, retriever)]
+                if xs:
+                    ax.plot(*zip(*sorted(xs)), marker=marker, ls=styles.get(backend, ":"), color=colors[config],
+                            lw=1, markerfacecolor="none" if backend == "postgresql" else colors[config])
+    key = [Line2D([], [], color=colors[c], lw=2, label=c) for c in configs]
+    key += [Line2D([], [], color="gray", ls="", marker=m, label=r) for r, m in markers.items()]
+    key += [Line2D([], [], color="gray", ls=ls, label=b) for b, ls in styles.items()]
     ax.axhline(1.0, color="k", lw=0.8)
     ax.axhline(NEVER_SLOWER, color="r", lw=0.8, ls=":")
     ax.set_xlabel("retrieval share of RaLMSeq (B) latency")
     ax.set_ylabel("speed-up vs B")
-    ax.legend(fontsize=6, ncol=3)
+    ax.legend(handles=key, fontsize=7, ncol=3)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     tmp = path.with_name(path.stem + ".tmp.png")
@@ -131,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.png:
         plot(pts, args.png)
     for p in pts:
-        print(f"{p['passages'] or 0:>8} {p['retriever']:3} {p['config']:4} B R-share {p['b_r_share']:.2f} "
+        print(f"{p['backend']:10} {p['passages'] or 0:>8} {p['retriever']:3} {p['config']:4} B R-share {p['b_r_share']:.2f} "
               f"speed-up {p['speedup'] or 0:.2f} (median {p['speedup_paired_median'] or 0:.2f}) "
               f"identical {p['identical']}/{p['n']}")
     print(json.dumps(result["targets"], indent=1))

@@ -187,21 +187,22 @@ def ralm_curve(name: str, d: dict) -> str:
     order = ["P", "S", "A", "PS", "SA", "PA", "PSA"]
     cells: dict = {}
     for p in d["points"]:
-        key = (p["passages"] or 0, p["retriever"])
+        key = (p.get("backend", "in-process"), p["passages"] or 0, p["retriever"])
         row = cells.setdefault(key, {"share": p["b_r_share"], "ident": [0, 0]})
         if p["config"] != "B":
             row[p["config"]] = p["speedup"]
             row["ident"][0] += p["identical"]
             row["ident"][1] += p["n"]
-    rows = [[f"{n:,}", ret, _f(c["share"])] + [_f(c.get(x)) + "×" if c.get(x) else "–" for x in order]
-            + [f"{c['ident'][0]}/{c['ident'][1]}"] for (n, ret), c in sorted(cells.items())]
+    rows = [[backend, f"{n:,}", ret, _f(c["share"])] + [_f(c.get(x)) + "×" if c.get(x) else "–" for x in order]
+            + [f"{c['ident'][0]}/{c['ident'][1]}"] for (backend, n, ret), c in sorted(cells.items())]
     t = d["targets"]
     psa, never = t["psa_edr_at_share_0.5"], t["never_slower"]
     verdict = lambda met: "**met**" if met else ("not measured" if met is None else "**not met**")
     worst = never.get("worst") or {}
     lines = [f"- PSA ≥ {psa['target']}× with edr where B's retrieval share ≥ 0.5: {verdict(psa['met'])}",
-             f"- every config ≥ {never['target']}× B at every KB size: {verdict(never['met'])}"
-             + (f" (worst {worst['config']} {worst['retriever']} at {worst['passages'] or 0:,} passages: "
+             f"- every config ≥ {never['target']}× B at every KB size and backend: {verdict(never['met'])}"
+             + (f" (worst {worst['config']} {worst['retriever']} at {worst['passages'] or 0:,} passages"
+                f"{', ' + worst['backend'] if worst.get('backend') else ''}: "
                 f"{worst['speedup']:.2f}×)" if worst else ""),
              f"- identical outputs: {t['identical']['identical']}/{t['identical']['outputs']}"]
     if "below_by_more_than_noise" in never:
@@ -211,7 +212,7 @@ def ralm_curve(name: str, d: dict) -> str:
                          f"{p['config']} {p['retriever']} at {p['passages'] or 0:,} ({p['speedup']:.2f}×, "
                          f"{p['speedup_ci95'][0]:.2f}–{p['speedup_ci95'][1]:.2f})" for p in below) or "none"))
     cmds = "; ".join(f"`{s.get('command', '')}`" for s in d.get("runs", []) if s.get("command"))
-    return _table(["KB passages", "retriever", "B: R share", *order, "identical"], rows) + "\n\n" + \
+    return _table(["KB", "passages", "retriever", "B: R share", *order, "identical"], rows) + "\n\n" + \
         "\n".join(lines) + "\n\n" + f"_Source: `bench/results/{name}` (merged from {', '.join(d['sources'])})._" + \
         (f" Runs: {cmds}" if cmds else "")
 

@@ -5,12 +5,12 @@ import pytest
 from bench.ralm_curve import points, targets
 
 
-def run(passages, retriever, b, **configs):
+def run(passages, retriever, b, backend=None, **configs):
     """A bench.ralm result with B's (R, G) and each config's latency; identical unless latency is negative."""
     def cfg(lat, r=0.0):
         return {"latency_s": abs(lat), "retrieval_s": r, "generation_s": abs(lat) - r, "identical": 2 if lat > 0 else 1,
                 "n": 2, "speedup": (b[0] + b[1]) / abs(lat)}
-    return {"kb": {"passages": passages},
+    return {"kb": {"passages": passages, **({"backend": backend} if backend else {})},
             "retrievers": {retriever: {"B": cfg(b[0] + b[1], b[0]), **{c: cfg(v) for c, v in configs.items()}}}}
 
 
@@ -87,3 +87,32 @@ def test_points_carry_the_interval_from_per_question_rows():
     assert psa["speedup_ci95"] == pytest.approx([0.8, 0.8])
     t = targets(points([r]))
     assert [p["config"] for p in t["never_slower"]["below_by_more_than_noise"]] == ["PSA"]
+
+
+def test_backends_stay_apart():
+    """The same KB in process and in PostgreSQL: two points per config, each with its own share and speed-up (not
+    one point averaging them); the worst point names its backend."""
+    pts = points([run(100_000, "edr", (0.5, 9.5), PSA=10.0), run(100_000, "edr", (6.0, 4.0), "postgresql", PSA=5.0)])
+    psa = {p["backend"]: p for p in pts if p["config"] == "PSA"}
+    assert set(psa) == {"in-process", "postgresql"}
+    assert psa["postgresql"]["b_r_share"] == pytest.approx(0.6) and psa["postgresql"]["speedup"] == pytest.approx(2.0)
+    assert psa["in-process"]["b_r_share"] == pytest.approx(0.05) and psa["in-process"]["speedup"] == pytest.approx(1.0)
+    t = targets(pts)
+    assert t["psa_edr_at_share_0.5"]["points"] == [("postgresql", 100_000, pytest.approx(2.0))]
+    assert t["never_slower"]["worst"]["backend"] == "in-process"
+
+
+def test_the_plot_and_the_report_take_both_backends(tmp_path):
+    import json
+
+    from bench.ralm_curve import main
+    from bench.report import ralm_curve
+
+    for name, r in (("a", run(100_000, "edr", (0.5, 9.5), PSA=10.0)),
+                    ("b", run(100_000, "edr", (6.0, 4.0), "postgresql", PSA=5.0))):
+        (tmp_path / f"ralm-{name}.json").write_text(json.dumps(r))
+    curve, png = tmp_path / "curve.json", tmp_path / "curve.png"
+    main([str(tmp_path / "ralm-a.json"), str(tmp_path / "ralm-b.json"), "--json", str(curve), "--png", str(png)])
+    assert png.stat().st_size > 0
+    table = ralm_curve("curve.json", json.loads(curve.read_text()))
+    assert "| postgresql | 100,000 | edr | 0.60 |" in table and "| in-process | 100,000 | edr | 0.05 |" in table

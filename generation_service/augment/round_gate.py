@@ -21,7 +21,12 @@ request, measuring every arm in every request was most of what speculation lost 
 
 Where the searches are a small share of a sequential step (under MIN_SEARCH_SHARE of its wall time, prefill
 included, pooled like the costs) no other arm is measured: speculation could at most save that share, and the
-rounds' differences there are smaller than their noise, so probing them only paid for wrong guesses.
+rounds' differences there are smaller than their noise, so probing them only paid for wrong guesses. The same
+bound holds once verifications are measured and the KB turns out not to batch: a round saves at most, per step,
+a search minus what a query costs inside a batched verification (sync), plus the step's generation a verification
+in flight can hide (async). Where that is under MIN_SEARCH_SHARE of a step (PostgreSQL's full-text search, which
+costs the same per query in a batch of 8 as alone, with a cheap model step beside it), speculation cannot pay and
+RaLMSeq's steps run: probing it there made every speculative config 13-21 % slower than RaLMSeq.
 
 Inside a speculative round, a guessed passage *change* is the expensive guess: acting on it prefills a new prompt
 (hundreds of tokens, on a CPU tens of decode steps' worth), thrown away if the guess is wrong, while a guess that
@@ -60,6 +65,9 @@ MIN_SEARCH_SHARE = 0.2
 # depending on whether a prefill fell in the window.
 SEARCH_WINDOW = 32
 SEARCH_DECAY = 0.95
+# Batched verifications of at least this many queries say what a query costs inside a batch (one query alone is a
+# single search, which says nothing about batching).
+MIN_BATCH = 2
 
 # Cores a worker needs before async rounds are tried by default. On 2 cores an async round's LM passes share
 # them with the verification's scan, and served on 2 cores OS³ with async rounds allowed gained clearly less than
@@ -127,6 +135,7 @@ class SharedRoundCosts:
         self._schedules: dict[Hashable, ProbeSchedule] = {}
         self._changes: dict[Hashable, tuple[float, float]] = {}
         self._search: dict[Hashable, tuple[float, float]] = {}  # key -> averaged (search s, sequential step s)
+        self._verify: dict[Hashable, tuple[float, float]] = {}  # key -> averaged (verification s, its queries)
         self._strides: dict[tuple[Hashable, tuple], StrideScheduler] = {}
         self._lock = threading.Lock()  # requests of a worker may run on other threads (solo streams)
 
@@ -158,6 +167,15 @@ class SharedRoundCosts:
     def add_search(self, key: Hashable, search_s: float, step_s: float) -> None:
         with self._lock:
             self._search[key] = decayed(self._search.get(key), (search_s, step_s), SEARCH_DECAY)
+
+    def verification_prior(self, key: Hashable) -> tuple[float, float] | None:
+        """The pooled average batched verification: (seconds, queries), or None before any."""
+        with self._lock:
+            return self._verify.get(key)
+
+    def add_verification(self, key: Hashable, seconds: float, queries: int) -> None:
+        with self._lock:
+            self._verify[key] = decayed(self._verify.get(key), (seconds, float(queries)), SEARCH_DECAY)
 
     def prior_round(self, key: Hashable, arm: str) -> tuple[float, float] | None:
         """The pooled average round of `arm`: (seconds, committed steps), or None before any."""
@@ -242,10 +260,14 @@ class RoundGate:
         self.measured = {a: 0 for a in self.arms}  # rounds per arm, this request's and the worker's pooled ones
         self._changes = (0.0, 0.0)  # (hits, guesses) of change guesses when no worker pools them
         self.searches: deque[tuple[float, float]] = deque(maxlen=SEARCH_WINDOW)  # sequential: (search s, all s)
+        self.verifications: deque[tuple[float, float]] = deque(maxlen=SEARCH_WINDOW)  # batched: (s, queries)
         if shared is not None:
             p = shared.search_prior(key)
             if p is not None:
                 self.searches.append(p)
+            p = shared.verification_prior(key)
+            if p is not None:
+                self.verifications.append(p)
             for a in self.arms:  # one pseudo-measurement each: this request's own ones soon outweigh it
                 p = shared.prior_round(key, a)
                 if p is not None:
@@ -270,14 +292,37 @@ class RoundGate:
         if self.shared is not None:
             self.shared.add_search(self.key, search_s, step_s)
 
+    def record_verification(self, seconds: float, queries: int) -> None:
+        """A batched verification of `queries` queries took `seconds` (only batches of MIN_BATCH or more count)."""
+        if queries >= MIN_BATCH:
+            self.verifications.append((seconds, float(queries)))
+            if self.shared is not None:
+                self.shared.add_verification(self.key, seconds, queries)
+
+    def saveable_share(self) -> float | None:
+        """The most a speculative round saves per step, as a share of a sequential step: a search less a query's
+        cost inside a batched verification, plus (async) the generation a verification in flight hides; None
+        before both a sequential step and a batched verification are measured."""
+        if not self.searches or not self.verifications:
+            return None
+        step = sum(t for _, t in self.searches) / len(self.searches)
+        search = sum(s for s, _ in self.searches) / len(self.searches)
+        per_query = sum(s for s, _ in self.verifications) / sum(q for _, q in self.verifications)
+        hidden = min(per_query, max(step - search, 0.0)) if ASYNC in self.arms else 0.0
+        return (max(search - per_query, 0.0) + hidden) / step if step > 0 else None
+
     def search_share(self) -> float | None:
         """Share of the recent sequential steps' time in their searches: the most speculation could save."""
         total = sum(t for _, t in self.searches)
         return sum(s for s, _ in self.searches) / total if total > 0 else None
 
     def retrieval_too_cheap(self) -> bool:
-        share = self.search_share()
-        return SEQUENTIAL in self.arms and share is not None and share < self.min_search_share
+        """Speculation could save less than min_search_share of a sequential step: the searches are cheap, or the
+        KB does not batch them."""
+        if SEQUENTIAL not in self.arms:
+            return False
+        share, saveable = self.search_share(), self.saveable_share()
+        return any(x is not None and x < self.min_search_share for x in (share, saveable))
 
     def mean(self, arm: str) -> float | None:
         xs = self.costs[arm]

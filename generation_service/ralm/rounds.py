@@ -311,6 +311,8 @@ class RagRounds:
             if not r.ver.done():
                 yield Wait(r.ver.future)
             true = r.ver.settle()
+            if true is not None and r.ver.latency_s is not None:
+                self.gate.record_verification(r.ver.latency_s, len(r.ver.asked))
             dt = time.perf_counter() - t0
             r.r_round += dt
             stats.verification_wait_ms += dt * 1e3

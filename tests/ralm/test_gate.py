@@ -304,3 +304,42 @@ def test_a_new_request_knows_the_workers_search_share():
     # pooled: (0.95 * 0.004 + 0.05 * 0.006) / 0.1
     assert second.search_share() == pytest.approx(0.041) and second.search_share() < MIN_SEARCH_SHARE
     assert second.choose() == SEQUENTIAL  # Not a first sync round to measure it
+
+
+# (search s, sequential step s) of the sequential steps and (seconds, queries) of batched verifications -> the next
+# round. Speculation is measured cheaper per step in every case: only what a batch saves differs.
+@pytest.mark.parametrize("arms, searches, verifications, want", [
+    # PostgreSQL full-text search: 0.5 s a query alone or batched, a 0.06 s model step: at most 11 % saveable
+    # (async hides the step) though the search is 89 % of the step. Not a speculative round.
+    ((ASYNC, SYNC, SEQUENTIAL), [(0.5, 0.56)] * 3, [(1.5, 3)], SEQUENTIAL),
+    ((SYNC, SEQUENTIAL), [(0.5, 0.56)] * 3, [(1.5, 3)], SEQUENTIAL),
+    # PostgreSQL exact search: 55 ms alone, 20 ms a query in a batch of 3: sync saves 37 % of a step.
+    ((SYNC, SEQUENTIAL), [(0.055, 0.095)] * 3, [(0.06, 3)], SYNC),
+    # A KB that does not batch beside a slow model step: sync saves nothing, async hides a search behind the
+    # step (a third of it). Async allowed: the costs decide; sync only: sequential.
+    ((ASYNC, SYNC, SEQUENTIAL), [(0.1, 0.3)] * 3, [(0.3, 3)], ASYNC),
+    ((SYNC, SEQUENTIAL), [(0.1, 0.3)] * 3, [(0.3, 3)], SEQUENTIAL),
+    # Verifications of one query say nothing about batching: ignored, the costs decide.
+    ((SYNC, SEQUENTIAL), [(0.5, 0.56)] * 3, [(0.5, 1)] * 3, SYNC),
+])
+def test_speculation_where_the_kb_does_not_batch(arms, searches, verifications, want):
+    gate = RoundGate(arms, window=5, probe=1)
+    for a in arms:
+        gate.record(a, 0.05 if a == SEQUENTIAL else (0.02 if a == ASYNC else 0.025))
+    for s, t in searches:
+        gate.record_search(s, t)
+    for seconds, queries in verifications:
+        gate.record_verification(seconds, queries)
+    picks = [gate.choose() for _ in range(8)]
+    assert picks == [want] * 8 if want == SEQUENTIAL else want in picks
+    assert gate.cache_wanted() is (want != SEQUENTIAL)
+
+
+def test_a_new_request_knows_the_workers_verification_cost():
+    shared = SharedRoundCosts()
+    first = RoundGate((SYNC, SEQUENTIAL), shared=shared, key="sr")
+    first.record_search(0.5, 0.56)
+    first.record_verification(1.5, 3)
+    second = RoundGate((SYNC, SEQUENTIAL), shared=shared, key="sr")
+    assert second.saveable_share() == pytest.approx(0.0)
+    assert second.choose() == SEQUENTIAL  # Not a first sync round to measure it

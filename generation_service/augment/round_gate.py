@@ -25,8 +25,9 @@ rounds' differences there are smaller than their noise, so probing them only pai
 bound holds once verifications are measured and the KB turns out not to batch: a round saves at most, per step,
 a search minus what a query costs inside a batched verification (sync), plus the step's generation a verification
 in flight can hide (async). Where that is under MIN_SEARCH_SHARE of a step (PostgreSQL's full-text search, which
-costs the same per query in a batch of 8 as alone, with a cheap model step beside it), speculation cannot pay and
-RaLMSeq's steps run: probing it there made every speculative config 13-21 % slower than RaLMSeq.
+costs the same per query in a batch of 8 as alone, beside a cheap model step), speculation cannot pay and
+RaLMSeq's steps run. Only batches of MIN_BATCH queries or more say what batching gives, so OS³'s stride-1 rounds
+(a one-query verification each) do not trigger it.
 
 Inside a speculative round, a guessed passage *change* is the expensive guess: acting on it prefills a new prompt
 (hundreds of tokens, on a CPU tens of decode steps' worth), thrown away if the guess is wrong, while a guess that

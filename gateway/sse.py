@@ -77,8 +77,8 @@ class EventStream(StreamingResponse):
             if not self.gone:
                 raise  # cancelled from outside (server shutdown): not ours to absorb
             task.uncancel()
-        except OSError:
-            pass  # the client went away between two sends (uvicorn's ClientDisconnected)
+        except OSError:  # the client went away between two sends (uvicorn's ClientDisconnected): nothing to send
+            return
         finally:
             self.ended = True
             watcher.cancel()

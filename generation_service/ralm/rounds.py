@@ -327,6 +327,10 @@ class RagRounds:
             self.fallback = r.failure
             stats.fallback, stats.fallback_reason = True, r.failure[:500]
             stats.retrieval_ms += r.r_round * 1e3
+            # The round committed nothing: it cost its whole time for RaLMSeq's next step. Recorded, a worker's
+            # later requests learn from it (a KB whose verifications outrun --kb-spec-timeout-ms made every
+            # request pay one such round before falling back).
+            self.gate.record(self.arm, time.perf_counter() - self.t_round, 1)
             return None
         r.true = true
         return true

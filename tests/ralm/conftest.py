@@ -68,7 +68,7 @@ def prompts(tm) -> list[np.ndarray]:
 
 
 def run_rag(tm, kb_client, prompt: np.ndarray, rag, *, n_tokens: int = N_TOKENS, wrap=None, spec_timeout_s: float = 10.0,
-            encoder=None):
+            encoder=None, round_costs=None):
     """One RAG request in-process -> (committed tokens, RagStats). wrap: retriever -> retriever (fault injection)."""
     from generation_service.engine.passage_rows import passage_budget
     from generation_service.model.sampling import SamplingParams
@@ -82,7 +82,7 @@ def run_rag(tm, kb_client, prompt: np.ndarray, rag, *, n_tokens: int = N_TOKENS,
     stats = RagStats()
     out: list[int] = []
     for tokens, _ in ralm_decode(tm, prompt, SamplingParams(max_new_tokens=n_tokens, ignore_eos=True), rag, retr,
-                                 stats=stats):
+                                 stats=stats, round_costs=round_costs):
         out += tokens
     return out, stats
 

@@ -26,6 +26,41 @@ def test_slow_kb_during_speculation_falls_back_to_sequential(tm, kb_client, prom
     assert st.speculative_steps == 0  # nothing speculative was committed
 
 
+class SlowVerifications:
+    """The real retriever, whose verifications (non-sequential searches) get a 0.1 ms deadline: each one misses it
+    on the real KB server, while the cache lookups of the speculative steps keep their own."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def search(self, queries, k, *, sequential):
+        if sequential:
+            return self.inner.search(queries, k, sequential=True)
+        kept, self.inner.spec_timeout_s = self.inner.spec_timeout_s, 1e-4
+        try:
+            return self.inner.search(queries, k, sequential=False)
+        finally:
+            self.inner.spec_timeout_s = kept
+
+
+def test_a_worker_learns_from_a_verification_that_missed_its_deadline(tm, kb_client, prompts, reference):
+    """Verifications that outrun the speculative deadline: the first request pays one failed round and falls back;
+    the worker's pooled costs then keep the next request on RaLMSeq's steps. Not: every request paying it."""
+    from generation_service.augment.round_gate import SharedRoundCosts
+
+    want = reference("edr", 0, STRIDE)
+    shared = SharedRoundCosts()
+    rag = RagParams(retriever="edr", stride=STRIDE, os3=False, async_verify=False, min_search_share=0.0)
+    runs = [run_rag(tm, kb_client, prompts[0], rag, wrap=SlowVerifications, round_costs=shared) for _ in range(2)]
+    (first, st1), (second, st2) = runs
+    assert first == second == want
+    assert st1.fallback and "DEADLINE_EXCEEDED" in st1.fallback_reason
+    assert not st2.fallback and st2.speculative_steps == 0  # sequential steps only: no round to fail
+
+
 class StopsKB:
     """The real retriever; after `after` sequential searches the KB server is stopped for real."""
 

@@ -399,6 +399,10 @@ class TreeRequest:
             useful = False
         else:
             useful = probe_was_useful(probe.answer, self.context[probe.start:probe.end], probe.local_accepted)
+            failure = None if probe.answer.cancelled() else probe.answer.exception()
+            if failure is not None:  # the step did not wait for it, but the caller must still learn the source is down
+                degrade(self.stats, str(failure) if isinstance(failure, DraftUnavailable)
+                        else f"drafter error: {type(failure).__name__}: {failure}")
         self._probe = None
         if self.sizer is not None:
             self.sizer.probe_result(useful)

@@ -419,7 +419,7 @@ def check_kill_mid_stream(stack: Stack, report: Report, conn: dict) -> None:
         return
     metrics_addr = {c: stack.port_of(c, 9100) for c in replicas}
     client = conn["client"]
-    n = 192
+    n = 256  # ~1.5 s of decoding: the kill (a CLI call) lands well before the stream ends
     reference = client.generate(LONG_PROMPT, decoding="ar", max_new_tokens=n, ignore_eos=True,
                                 timeout=RPC_TIMEOUT_S * 2)
     tls = conn["metrics_tls"]
@@ -450,13 +450,14 @@ def check_kill_mid_stream(stack: Stack, report: Report, conn: dict) -> None:
     other = next(c for c in replicas if c != serving)
     at = len(got)
     run(["docker", "kill", serving])
+    after_kill = len(got)
     t.join(timeout=RPC_TIMEOUT_S * 2)
     drafts_other = drafts(scrape(metrics_addr[other], tls)) - drafts1[other]
     stats = last[0].stats if last else None
     identical = got == list(reference.token_ids)
     report.check("kill the drafting retrieval replica mid-stream: stream completes, output identical",
                  not err and not t.is_alive() and identical and last and last[0].finish_reason == "length",
-                 f"killed {serving[:12]} after {at}/{n} tokens; {len(got)} tokens, identical={identical}"
+                 f"killed {serving[:12]} after {at}-{after_kill}/{n} tokens; {len(got)} tokens, identical={identical}"
                  + (f", error {err[0]}" if err else ""))
     failed_over = drafts_other > 0
     report.check("stats say degraded or the other replica took over",
@@ -465,7 +466,7 @@ def check_kill_mid_stream(stack: Stack, report: Report, conn: dict) -> None:
                  f"{stats.degraded_reason if stats else ''}), drafts on the other replica after the kill: "
                  f"{drafts_other:.0f}, M={stats.mean_accepted_length if stats else 0:.2f}")
     state = stack.inspect(serving)["State"]  # `docker kill` counts as a manual stop: no restart by the policy
-    report.figures["kill"] = {"killed_after_tokens": at, "tokens": len(got), "identical": identical,
+    report.figures["kill"] = {"killed_after_tokens": at, "tokens_when_kill_returned": after_kill, "tokens": len(got), "identical": identical,
                               "degraded_steps": stats.degraded_steps if stats else None,
                               "drafts_on_other_replica_after_kill": drafts_other,
                               "killed_replica": f"{state['Status']} (exit {state['ExitCode']})"}

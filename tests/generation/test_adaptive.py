@@ -9,7 +9,7 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 
-from generation_service.drafting.drafters import PromptLookupDrafter
+from generation_service.drafting.drafters import DraftUnavailable, PromptLookupDrafter
 from generation_service.engine.speculative import decode, generate
 from generation_service.model.sampling import SamplingParams
 from generation_service.model.step_cost import StepCost
@@ -148,6 +148,30 @@ def test_a_probe_that_finds_the_continuation_brings_the_waited_asks_back(tm32, l
     assert useless_first.calls > 2  # asked every step again once a probe found the continuation, Not left skipped
     # A third of the output undrafted, then the oracle's chains: Not ~1, as a source left skipped would give.
     assert res.stats.mean_accepted_length > 1.5
+
+
+class DownInTheBackground(Probed):
+    """A remote source that answers its waited-for asks and then goes down: every background probe fails."""
+
+    def propose_async(self, context_ids, max_nodes) -> Future:
+        self.background_calls += 1
+        answer: Future = Future()
+        answer.set_exception(DraftUnavailable("retrieval: UNAVAILABLE (connection refused)"))
+        return answer
+
+
+def test_a_failed_background_probe_marks_the_request_degraded(tm32, looping_prompt):
+    params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
+    ar = tokens_of(tm32, looping_prompt, params)
+    flat = dataclasses.replace(tm32, step_cost=FLAT)
+    remote = DownInTheBackground(wrong_datastore_tree,
+                                 local=Counting(PromptLookupDrafter().propose, remote=False, name="pld"))
+    res = generate(flat, looping_prompt, params, drafter=remote, tokenizer=None)
+    assert res.token_ids == ar  # a source that went down changes nothing but the stats
+    assert remote.background_calls >= 1
+    # Not silent: the caller learns the source was down although no step waited for it
+    assert res.stats.degraded and res.stats.degraded_steps == remote.background_calls
+    assert "UNAVAILABLE" in res.stats.degraded_reason
 
 
 @pytest.mark.parametrize("emitted, local_accepted, answer, useful", [

@@ -36,6 +36,7 @@ ADR_EF_SEARCH = 320
 # Hits per query up to which a Search also returns passage texts (~700 bytes each): then neither RaLMSeq's step
 # nor a mismatched verification needs a GetDocuments round trip; prefetching 256 would make that 180 KB/query.
 _TEXT_K = 32
+SPEC_SLACK = 2.0  # a speculative search may take this many times its queries' last measured latency
 
 
 @dataclass
@@ -104,25 +105,37 @@ class LocalEncoder:
         return manifest.get("build", {}).get("edr", {}).get("encoder_dtype", "float32")
 
 
+def speculative_timeout(n_queries: int, per_query_s: float, configured_s: float, ceiling_s: float,
+                        slack: float = SPEC_SLACK) -> float:
+    """Deadline of a speculative search of n queries: the configured one, or `slack` times what n queries take at
+    the KB's last measured rate when that is longer, never past the sequential calls' own deadline (ceiling_s).
+    A KB whose single query takes most of the configured deadline (full-text ranking in a database) would
+    otherwise fail every verification of a few queries, and each failure costs the deadline plus the sequential
+    redo; a KB that hangs still times out."""
+    return max(configured_s, min(ceiling_s, slack * n_queries * per_query_s))
+
+
 class KBRetriever:
     """The real Retriever over a KBClient (one per request)."""
 
     def __init__(self, kb: KBClient, retriever: str, tokenizer, passage_budget: int, *,
                  encoder: LocalEncoder | None = None, ef_search: int = 0, deadline: float | None = None,
-                 kb_timeout_s: float = 10.0, spec_timeout_s: float = 2.0):
-        """passage_budget: max model tokens of a passage incl. the separator; deadline: time.monotonic()."""
+                 kb_timeout_s: float = 10.0, spec_timeout_s: float = 2.0, spec_slack: float = SPEC_SLACK):
+        """passage_budget: max model tokens of a passage incl. the separator; deadline: time.monotonic();
+        spec_slack: see speculative_timeout (0: the configured deadline only)."""
         self.kb, self.retriever, self.tok = kb, retriever, tokenizer
         self.encoder = encoder if retriever != "sr" else None
         self.dim = self.encoder.dim if self.encoder is not None else 0
         self.budget = passage_budget
         self.ef = (ef_search or ADR_EF_SEARCH) if retriever == "adr" else 0
         self.deadline = deadline
-        self.kb_timeout_s, self.spec_timeout_s = kb_timeout_s, spec_timeout_s
+        self.kb_timeout_s, self.spec_timeout_s, self.spec_slack = kb_timeout_s, spec_timeout_s, spec_slack
         self._sep = list(tokenizer(PASSAGE_SEPARATOR, add_special_tokens=False)["input_ids"])
         self._tokens: dict[int, list[int]] = {}  # doc -> passage tokens, tokenized when first prepended
         self._texts: dict[int, tuple[str, str]] = {}  # doc -> (title, text) a reply carried, not tokenized yet
         # This request's round trips (the KBClient is shared by every request, and their calls run side by side).
         self.calls = 0
+        self.per_query_s = 0.0  # the last search's wall time per query (speculative_timeout)
         self.encode_s = 0.0  # local query encoding time (part of R)
 
     def query(self, window: np.ndarray) -> Query | None:
@@ -141,11 +154,15 @@ class KBRetriever:
             return {"vectors": np.stack([q.vector for q in queries])}  # [B, D]
         return {"texts": [q.text for q in queries]}
 
+    def spec_timeout(self, n_queries: int) -> float:
+        return speculative_timeout(n_queries, self.per_query_s, self.spec_timeout_s, self.kb_timeout_s,
+                                   self.spec_slack)
+
     def search(self, queries: list[Query], k: int, *, sequential: bool) -> list[Hits]:
         self.calls += 1
         reply = self.kb.search(self.retriever, k, with_vectors=self.dim > 0, with_text=k <= _TEXT_K,
                                ef_search=self.ef, deadline=self.deadline,
-                               timeout_s=self.kb_timeout_s if sequential else self.spec_timeout_s,
+                               timeout_s=self.kb_timeout_s if sequential else self.spec_timeout(len(queries)),
                                **self._payload(queries))
         self.remember(reply)
         return reply.hits
@@ -153,12 +170,15 @@ class KBRetriever:
     def search_async(self, queries: list[Query], k: int) -> SearchFuture:
         self.calls += 1
         return self.kb.search_async(self.retriever, k, with_vectors=self.dim > 0, with_text=k <= _TEXT_K, ef_search=self.ef,
-                                    deadline=self.deadline, timeout_s=self.spec_timeout_s, **self._payload(queries))
+                                    deadline=self.deadline, timeout_s=self.spec_timeout(len(queries)),
+                                    **self._payload(queries))
 
     def remember(self, reply: SearchReply) -> None:
         """Keep the passage texts a reply carried (a later mismatch then needs no GetDocuments call). Only
         stored: a verification with prefetch carries 20 texts per query and most are never prepended, so
         tokenizing them here would put their cost on the critical path for nothing."""
+        if reply.rpc_s > 0 and reply.hits:
+            self.per_query_s = reply.rpc_s / len(reply.hits)
         for h in reply.hits:
             for d in h.documents or ():
                 if d.id not in self._tokens:

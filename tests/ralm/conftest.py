@@ -68,7 +68,7 @@ def prompts(tm) -> list[np.ndarray]:
 
 
 def run_rag(tm, kb_client, prompt: np.ndarray, rag, *, n_tokens: int = N_TOKENS, wrap=None, spec_timeout_s: float = 10.0,
-            encoder=None, round_costs=None):
+            encoder=None, round_costs=None, spec_slack: float | None = None):
     """One RAG request in-process -> (committed tokens, RagStats). wrap: retriever -> retriever (fault injection)."""
     from generation_service.engine.passage_rows import passage_budget
     from generation_service.model.sampling import SamplingParams
@@ -76,7 +76,7 @@ def run_rag(tm, kb_client, prompt: np.ndarray, rag, *, n_tokens: int = N_TOKENS,
     from generation_service.ralm.retrieval import KBRetriever
 
     retr = KBRetriever(kb_client, rag.retriever, tm.tokenizer, passage_budget(len(prompt), rag), encoder=encoder,
-                       spec_timeout_s=spec_timeout_s)
+                       spec_timeout_s=spec_timeout_s, **({} if spec_slack is None else {"spec_slack": spec_slack}))
     if wrap is not None:
         retr = wrap(retr)
     stats = RagStats()

@@ -20,15 +20,16 @@ def test_slow_kb_during_speculation_falls_back_to_sequential(tm, kb_client, prom
     want = reference("edr", 0, STRIDE)
     # Speculative calls (ScoreCandidates, verification) get 0.1 ms: every one of them misses its deadline.
     rag = RagParams(retriever="edr", stride=STRIDE, os3=False, async_verify=async_verify, adaptive=False)
-    got, st = run_rag(tm, kb_client, prompts[0], rag, spec_timeout_s=1e-4)
+    got, st = run_rag(tm, kb_client, prompts[0], rag, spec_timeout_s=1e-4, spec_slack=0.0)
     assert got == want  # Not a shorter output or one written with the unverified guess
     assert st.fallback and "DEADLINE_EXCEEDED" in st.fallback_reason
     assert st.speculative_steps == 0  # nothing speculative was committed
 
 
 class SlowVerifications:
-    """The real retriever, whose verifications (non-sequential searches) get a 0.1 ms deadline: each one misses it
-    on the real KB server, while the cache lookups of the speculative steps keep their own."""
+    """The real retriever, whose verifications (non-sequential searches) get a 0.1 ms deadline, whatever the KB's
+    measured latency: each one misses it on the real KB server, while the cache lookups of the speculative steps
+    keep their own."""
 
     def __init__(self, inner):
         self.inner = inner
@@ -39,11 +40,12 @@ class SlowVerifications:
     def search(self, queries, k, *, sequential):
         if sequential:
             return self.inner.search(queries, k, sequential=True)
-        kept, self.inner.spec_timeout_s = self.inner.spec_timeout_s, 1e-4
+        kept = self.inner.spec_timeout_s, self.inner.spec_slack
+        self.inner.spec_timeout_s, self.inner.spec_slack = 1e-4, 0.0
         try:
             return self.inner.search(queries, k, sequential=False)
         finally:
-            self.inner.spec_timeout_s = kept
+            self.inner.spec_timeout_s, self.inner.spec_slack = kept
 
 
 def test_a_worker_learns_from_a_verification_that_missed_its_deadline(tm, kb_client, prompts, reference):
@@ -103,3 +105,17 @@ def test_kb_down_during_speculation_fails_unavailable_never_wrong(tm, rag_kb, pr
     finally:
         kb.close()
         server.stop(0)
+
+
+@pytest.mark.parametrize("n, per_query_s, want, not_want", [
+    (3, 0.0, 2.0, None),  # nothing measured yet: the configured deadline
+    (3, 0.05, 2.0, 0.3),  # a fast KB: the configured deadline, Not 2 x 3 x 50 ms
+    (3, 0.7, 4.2, 2.0),  # full-text ranking at 0.7 s a query: room for three, Not a certain miss at 2 s
+    (16, 0.7, 10.0, 22.4),  # never past the sequential calls' own deadline
+])
+def test_speculative_timeout_scales_with_the_measured_latency(n, per_query_s, want, not_want):
+    from generation_service.ralm.retrieval import speculative_timeout
+
+    got = speculative_timeout(n, per_query_s, configured_s=2.0, ceiling_s=10.0, slack=2.0)
+    assert got == pytest.approx(want)
+    assert not_want is None or got != pytest.approx(not_want)

@@ -533,7 +533,8 @@ def _long_beside_decoding(engine: Engine, short: Job, long: Job) -> tuple[list[i
 
 @pytest.mark.parametrize("fixture, shared", [
     ("tmq4i8", True),  # rows pass-invariant: pieces by load, outputs exactly the solo ones, prefix cache kept
-    ("tm32", False),   # fp32's prompt linears round by row count: whole chunks beside the decoding request
+    # fp32's prompt linears round by row count: whole chunks beside the decoding request (the slow tier)
+    pytest.param("tm32", False, marks=pytest.mark.slow),
 ])
 def test_a_long_prompt_shares_passes_with_decoding_requests(fixture, shared, request, monkeypatch):
     """While a request decodes, a long prompt is prefilled in the pieces the prefill share allows (here the

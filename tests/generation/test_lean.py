@@ -56,7 +56,8 @@ def test_logits_match_transformers_in_fp32(tm32, hf32, kv, atol):
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("text", ["def fib(n):", "import json\n\n\ndef load(path):\n", "The capital of France"])
+@pytest.mark.parametrize("text", ["def fib(n):", pytest.param("import json\n\n\ndef load(path):\n", marks=pytest.mark.slow),
+                                  pytest.param("The capital of France", marks=pytest.mark.slow)])
 def test_greedy_tokens_equal_transformers(tm32, hf32, text):
     ids = tm32.tokenizer(text)["input_ids"]
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)

@@ -173,7 +173,8 @@ def test_a_row_gets_the_same_bits_in_a_step_and_in_a_small_tree(lean):
 
 
 @pytest.mark.parametrize("pasts", [
-    [40, 40, 40, 40, 300, 300, 300, 300],  # the long ones last: contiguous thread ranges would split them unevenly
+    # the long ones last: contiguous thread ranges would split them unevenly (the slow tier)
+    pytest.param([40, 40, 40, 40, 300, 300, 300, 300], marks=pytest.mark.slow),
     [300, 5, 220, 17, 90, 260, 1, 130],    # ragged, as a running batch is
 ])
 def test_an_ar_row_gets_the_same_bits_alone_and_in_a_ragged_batch(lean, pasts):

@@ -18,6 +18,13 @@ when there is none:
            the time from one verification's start to the next is
            time = γ^s·max(s·a, b) + (1 − γ^s)·(s·a + b)
 
+The verification's cost. The paper takes b as one constant: a batched search costs about one search (a GPU, faiss).
+Not every knowledge base batches: PostgreSQL's full-text ranking costs the same per query in a batch of 16 as
+alone, so b grows with s. When verifications report how many queries they carried, b(s) = b0 + b1·s is fitted
+to the window's (queries, seconds) pairs (least squares, b0, b1 >= 0); until two batch sizes were seen it is the
+paper's constant, and the stride never goes past twice the largest batch measured, so a cost that grows with the
+batch shows before a long round pays for it.
+
 OS³ maximizes E[verified] / time over s. γ is estimated from the last w verifications as
 γ̂ = ΣM / (ΣM + #(M < s)) (M = matched speculative steps of a verification of stride s: every matched step is a
 success, every verification that stopped short is one failure), capped at γ_max so a lucky streak cannot send
@@ -59,8 +66,11 @@ def expected_verified(gamma: float, s: int) -> float:
 OVERLAPS = ("step", "round")
 
 
-def round_time(gamma: float, s: int, a: float, b: float, async_verify: bool = False, overlap: str = "step") -> float:
-    """Expected seconds of one speculate-s-then-verify round (see the module docstring)."""
+def round_time(gamma: float, s: int, a: float, b: float, async_verify: bool = False, overlap: str = "step",
+               b_per_query: float = 0.0) -> float:
+    """Expected seconds of one speculate-s-then-verify round (see the module docstring); the verification
+    costs b + b_per_query·s."""
+    b = b + b_per_query * s
     if not async_verify:
         return s * a + b
     hit = gamma ** s
@@ -70,32 +80,51 @@ def round_time(gamma: float, s: int, a: float, b: float, async_verify: bool = Fa
 
 
 def expected_rate(gamma: float, s: int, a: float, b: float, async_verify: bool = False,
-                  overlap: str = "step") -> float:
+                  overlap: str = "step", b_per_query: float = 0.0) -> float:
     """Expected verified steps per second with stride s (the OS³ objective).
 
     sync: (1 − γ^s) / ((1 − γ)(s·a + b)); async: E[verified] / ((s − 1)·a + γ^s·max(a, b) + (1 − γ^s)(a + b)).
     """
-    _check_rate_args(gamma, a, b)
+    _check_rate_args(gamma, a, b + b_per_query)
     if isinstance(s, bool) or not isinstance(s, int) or s < 1:
         raise ValueError(f"s must be an integer >= 1, got {s!r}")
     if overlap not in OVERLAPS:
         raise ValueError(f"overlap must be one of {OVERLAPS}, got {overlap!r}")
-    t = round_time(gamma, s, a, b, async_verify, overlap)
+    if not (math.isfinite(b_per_query) and b_per_query >= 0.0):
+        raise ValueError(f"b_per_query must be a finite number >= 0 (seconds), got {b_per_query!r}")
+    t = round_time(gamma, s, a, b, async_verify, overlap, b_per_query)
     return math.inf if t == 0.0 else expected_verified(gamma, s) / t
 
 
 def best_stride(gamma: float, a: float, b: float, s_max: int = 16, async_verify: bool = False,
-                overlap: str = "step") -> int:
+                overlap: str = "step", b_per_query: float = 0.0) -> int:
     """argmax_{1 <= s <= s_max} expected_rate; ties go to the smaller stride (less work thrown away)."""
     if isinstance(s_max, bool) or not isinstance(s_max, int) or s_max < 1:
         raise ValueError(f"s_max must be an integer >= 1, got {s_max!r}")
-    _check_rate_args(gamma, a, b)
+    _check_rate_args(gamma, a, b + b_per_query)
     best, best_rate = 1, -1.0
     for s in range(1, s_max + 1):
-        r = expected_rate(gamma, s, a, b, async_verify, overlap)
+        r = expected_rate(gamma, s, a, b, async_verify, overlap, b_per_query)
         if r > best_rate * (1.0 + 1e-12):  # a float-level tie is not a reason to speculate further
             best, best_rate = s, r
     return best
+
+
+def fit_verification_cost(batches: list[tuple[int, float]], mean_s: float) -> tuple[float, float]:
+    """(b0, b1) >= 0 with b0 + b1·n the least-squares line through the (n queries, seconds) pairs; (mean_s, 0)
+    while fewer than two batch sizes were seen (the paper's constant b)."""
+    if len({n for n, _ in batches}) < 2:
+        return mean_s, 0.0
+    k = len(batches)
+    mn = sum(n for n, _ in batches) / k
+    mt = sum(t for _, t in batches) / k
+    b1 = sum((n - mn) * (t - mt) for n, t in batches) / sum((n - mn) ** 2 for n, _ in batches)
+    if b1 <= 0.0:  # a batch costs no more than a single query: the constant model
+        return max(mt, 0.0), 0.0
+    b0 = mt - b1 * mn
+    if b0 < 0.0:  # through the origin instead: all of it per query
+        return 0.0, sum(n * t for n, t in batches) / sum(n * n for n, _ in batches)
+    return b0, b1
 
 
 @dataclass
@@ -133,6 +162,7 @@ class StrideScheduler:
         self._outcomes: deque[tuple[int, int]] = deque(maxlen=w)  # (matched, stride)
         self._spec: deque[float] = deque(maxlen=w)
         self._verify: deque[float] = deque(maxlen=w)
+        self._batches: deque[tuple[int, float]] = deque(maxlen=w)  # (queries, seconds) of sized verifications
         self._lock = threading.Lock()
 
     def gamma(self) -> float | None:
@@ -150,6 +180,18 @@ class StrideScheduler:
             return None
         return sum(self._spec) / len(self._spec), sum(self._verify) / len(self._verify)
 
+    def verification_cost(self) -> tuple[float, float]:
+        """(b0, b1): a verification of n queries costs b0 + b1·n, fitted over the window's sized verifications;
+        (mean latency, 0) until two batch sizes were seen. Call with latencies() not None."""
+        return fit_verification_cost(list(self._batches), sum(self._verify) / len(self._verify))
+
+    def stride_cap(self) -> int:
+        """The longest stride the measurements vouch for: twice the largest batch verified (s_max before any
+        verification reported its size, as the paper has it)."""
+        if not self._batches:
+            return self.cfg.s_max
+        return max(self.cfg.s_init, min(self.cfg.s_max, 2 * max(n for n, _ in self._batches)))
+
     def next_stride(self, async_verify: bool | None = None) -> int:
         """The stride for the next round. async_verify: the objective of the round about to run when it is not the
         configured one (RaLMSpec's gate runs sync rounds in an async config: the async objective's s = 1 makes a
@@ -160,7 +202,9 @@ class StrideScheduler:
             if g is None or ab is None or (ab[0] == 0.0 and ab[1] == 0.0):
                 s = self.cfg.s_init
             else:
-                s = best_stride(g, ab[0], ab[1], self.cfg.s_max, overlapped, self.cfg.overlap)
+                b0, b1 = self.verification_cost()
+                s = best_stride(g, ab[0], b0, self.stride_cap(), overlapped, self.cfg.overlap, b1) if (
+                    ab[0] > 0.0 or b0 > 0.0 or b1 > 0.0) else self.cfg.s_init
             self.history.append(s)
             return s
 
@@ -173,8 +217,13 @@ class StrideScheduler:
         with self._lock:
             self._outcomes.append((matched, stride))
 
-    def record_latency(self, *, speculation_s: float | None = None, verification_s: float | None = None) -> None:
-        """speculation_s: one speculation step; verification_s: one batched verification (seconds)."""
+    def record_latency(self, *, speculation_s: float | None = None, verification_s: float | None = None,
+                       queries: int | None = None) -> None:
+        """speculation_s: one speculation step; verification_s: one batched verification (seconds) of `queries`
+        queries when the caller knows it (then the verification's cost may grow with its batch)."""
+        if queries is not None and verification_s is not None and queries >= 1 and math.isfinite(verification_s):
+            with self._lock:
+                self._batches.append((int(queries), float(verification_s)))
         for name, v, q in (("speculation_s", speculation_s, self._spec),
                            ("verification_s", verification_s, self._verify)):
             if v is None:

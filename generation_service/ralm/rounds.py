@@ -362,7 +362,7 @@ class RagRounds:
         if self.sched is not None and specs:
             self.sched.record_verification(matched, len(specs))
             self.sched.record_latency(speculation_s=sum(r.step_s) / len(r.step_s) if r.step_s else None,
-                                      verification_s=r.ver.latency_s)
+                                      verification_s=r.ver.latency_s, queries=len(r.ver.asked) or None)
         if m is not None:  # rolled back to before step m: it runs again with the true passage, not speculative
             t0 = time.perf_counter()
             passage = yield from passage_effects(retr, true[m])  # KBUnavailable: fails the request (no fallback)

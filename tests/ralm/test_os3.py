@@ -140,3 +140,61 @@ def test_round_overlap_worked_example():
     assert round_time(0.75, 5, 0.06, 0.45, True, "round") < round_time(0.75, 5, 0.06, 0.45, False)
     with pytest.raises(ValueError, match="overlap"):
         OS3Config(async_verify=True, overlap="page")
+
+
+@pytest.mark.parametrize("batches, mean_s, want", [
+    ([], 0.3, (0.3, 0.0)),  # nothing sized: the paper's constant b
+    ([(3, 0.3), (3, 0.5)], 0.4, (0.4, 0.0)),  # one batch size says nothing about the slope
+    ([(1, 0.6), (2, 1.2), (4, 2.4)], 1.4, (0.0, 0.6)),  # full-text ranking in a database: all of it per query
+    ([(1, 0.10), (8, 0.17)], 0.135, (0.09, 0.01)),  # a batching scan: mostly fixed
+    ([(1, 0.2), (8, 0.1)], 0.15, (0.15, 0.0)),  # a batch cheaper than one query (noise): constant, Not negative
+    ([(2, 0.1), (4, 0.5)], 0.3, (0.0, 0.11)),  # an intercept below 0: the line through the origin instead
+])
+def test_fit_verification_cost(batches, mean_s, want):
+    from generation_service.augment.os3 import fit_verification_cost
+
+    b0, b1 = fit_verification_cost(batches, mean_s)
+    assert (b0, b1) == pytest.approx(want, abs=1e-9)
+    assert b0 >= 0.0 and b1 >= 0.0
+
+
+def brute_best_stride(gamma, a, b0, b1, s_max):
+    rates = [(sum(gamma ** i for i in range(s)) / (s * a + b0 + b1 * s), -s) for s in range(1, s_max + 1)]
+    return -max(rates)[1]
+
+
+@pytest.mark.parametrize("gamma, a, b0, b1", [(0.9, 0.06, 0.6, 0.0), (0.9, 0.06, 0.0, 0.6), (0.6, 0.01, 0.05, 0.01),
+                                               (0.85, 0.1, 0.3, 0.05), (0.5, 0.02, 0.0, 0.0001)])
+def test_best_stride_with_a_per_query_cost_equals_brute_force(gamma, a, b0, b1):
+    assert best_stride(gamma, a, b0, 16, b_per_query=b1) == brute_best_stride(gamma, a, b0, b1, 16)
+
+
+def test_a_verification_that_grows_with_its_batch_keeps_the_stride_short():
+    """Sync rounds, γ = 0.9, a step 60 ms; each query of a verification costs 0.6 s (a database's full-text
+    ranking). Measured at s = 1 the paper's constant b sends s to 6; the cap holds it at 2, and once two sizes
+    are measured the fitted cost brings it back to 1. Not 6: a 6-query verification would take ~3.6 s."""
+    sched = StrideScheduler(OS3Config(window=5, gamma_max=0.9))
+    for _ in range(3):
+        sched.record_verification(1, 1)
+    sched.record_verification(0, 1)
+    sched.record_latency(speculation_s=0.06, verification_s=0.6, queries=1)
+    assert best_stride(0.75, 0.06, 0.6, 16) == 6  # what the constant model alone would run
+    assert sched.next_stride() == 2
+    sched.record_latency(verification_s=1.2, queries=2)
+    assert sched.next_stride() == 1
+
+
+def test_a_batching_verification_still_reaches_long_strides():
+    """The same request on a KB whose batch of 16 costs little more than one query: doubling from the first
+    measurement reaches the fitted optimum after a few rounds."""
+    sched = StrideScheduler(OS3Config(window=5, gamma_max=0.9))
+    sched.record_verification(1, 1)
+    sched.record_latency(speculation_s=0.06, verification_s=0.6, queries=1)
+    strides = []
+    for _ in range(5):
+        s = sched.next_stride()
+        strides.append(s)
+        sched.record_verification(s, s)
+        sched.record_latency(speculation_s=0.06, verification_s=0.6 + 0.005 * s, queries=s)
+    best = best_stride(0.9, 0.06, 0.6, 16, b_per_query=0.005)
+    assert best > 8 and strides == [2, 4, 8, best, best]

@@ -79,7 +79,8 @@ FLAG_HELP = {
     "knnlm_timeout_ms": "deadline of one kNN-LM Search call, ms",
     "kb_target": "knowledge service target(s) for RAG requests (\"\" = no RAG)",
     "kb_timeout_ms": "deadline of a sequential RAG retrieval, ms",
-    "kb_spec_timeout_ms": "deadline of a speculative RAG call; a slower one falls back to sequential, ms",
+    "kb_spec_timeout_ms": "deadline of a speculative RAG call (stretched to 2x its queries at the measured rate); "
+                          "a slower one falls back to sequential, ms",
     "acceptance_state": "draft-acceptance evidence kept across restarts: auto (per model, in RAGSERVE_HOME/"
                         "calibration) | off | a file path",
 }

@@ -4,6 +4,8 @@ unverified passage."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from generation_service.augment.kb_client import KBClient, KBUnavailable
@@ -119,3 +121,44 @@ def test_speculative_timeout_scales_with_the_measured_latency(n, per_query_s, wa
     got = speculative_timeout(n, per_query_s, configured_s=2.0, ceiling_s=10.0, slack=2.0)
     assert got == pytest.approx(want)
     assert not_want is None or got != pytest.approx(not_want)
+
+
+class NoBatching:
+    """The real retriever, slowed as a KB whose search does not batch (full-text ranking in a database): every
+    search waits PER_QUERY_S per query it carries, on top of the real search."""
+
+    PER_QUERY_S = 0.08
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _slow(self, queries) -> None:
+        time.sleep(self.PER_QUERY_S * len(queries))
+
+    def search(self, queries, k, *, sequential):
+        self._slow(queries)
+        return self.inner.search(queries, k, sequential=sequential)
+
+    def search_async(self, queries, k):
+        self._slow(queries)  # answered late as a whole: the wait is the caller's either way
+        return self.inner.search_async(queries, k)
+
+
+def test_os3_keeps_the_stride_short_where_verifications_do_not_batch(tm, kb_client, prompts, reference):
+    """Every round speculative (no gate), OS³ on, a KB whose verification of s queries costs s searches: the strides
+    stay short and the output is RaLMSeq's. Not the paper's constant verification cost, which measured at s = 1
+    would run strides of 6 or more (each verification ~0.5 s of 80 ms queries)."""
+    from generation_service.augment.os3 import best_stride
+    from generation_service.augment.round_gate import SharedRoundCosts
+
+    want = reference("edr", 0, STRIDE)
+    shared = SharedRoundCosts()
+    rag = RagParams(retriever="edr", stride=STRIDE, os3=True, async_verify=False, adaptive=False)
+    got, st = run_rag(tm, kb_client, prompts[0], rag, wrap=NoBatching, round_costs=shared)
+    assert got == want
+    spec = [s for s in st.strides if s > 0]
+    assert len(spec) >= 3 and max(spec) <= 3, st.strides
+    assert best_stride(0.9, 0.02, NoBatching.PER_QUERY_S, 16) >= 6  # what the constant model would have run

@@ -255,6 +255,12 @@ def summarize(rows: list[dict], configs: list[str]) -> dict:
     return out
 
 
+# Per-request RaLM stats a concurrent cell also averages: where a config's extra time goes when the requests share
+# the cores (prefills, KB round trips, rollbacks and the generation they threw away).
+DIAGNOSTICS = ("prefill_tokens", "prefill_s", "kb_calls", "prefetches", "rollbacks", "wasted_generation_s",
+               "verification_wait_s")
+
+
 def run_concurrent(backend, prompts: list[np.ndarray], configs: list[str], retriever: str, args,
                    solo_b: dict[tuple[int, str], list[int]]) -> dict:
     """--clients N closed-loop clients per config (--requests-per-client x N requests, the questions in turn),
@@ -276,7 +282,8 @@ def run_concurrent(backend, prompts: list[np.ndarray], configs: list[str], retri
                 bar.update(1)
                 return {"latency_s": lat, "tokens": len(toks), "identical": toks == solo_b[(q, retriever)],
                         "retrieval_s": d["retrieval_s"], "generation_s": d["generation_s"],
-                        "sequential_rounds": d["strides"].count(0), "rounds": len(d["strides"])}
+                        "sequential_rounds": d["strides"].count(0), "rounds": len(d["strides"]),
+                        **{k: d[k] for k in DIAGNOSTICS}}
 
             cells[c].append(closed_loop(n_req, args.clients, one))
     bar.close()
@@ -289,7 +296,8 @@ def run_concurrent(backend, prompts: list[np.ndarray], configs: list[str], retri
                   "round_tokens_per_s": [sum(x["tokens"] for x in part) / w for part, w in parts],
                   "identical": sum(x["identical"] for x in runs),
                   **{k: statistics.fmean(x[k] for x in runs)
-                     for k in ("latency_s", "retrieval_s", "generation_s", "sequential_rounds", "rounds")}}
+                     for k in ("latency_s", "retrieval_s", "generation_s", "sequential_rounds", "rounds",
+                               *DIAGNOSTICS)}}
     if "B" in out:
         for v in out.values():
             v["throughput_x"] = v["tokens_per_s"] / out["B"]["tokens_per_s"]

@@ -49,7 +49,10 @@ class _Backend:
             self.order.append(config)
         time.sleep(self.delay_s[config])
         toks = [9] * max_new_tokens if config == "X" else [int(prompt[0])] * max_new_tokens
-        return toks, self.delay_s[config], {"retrieval_s": 0.0, "generation_s": 0.0, "strides": [0, 3]}
+        stats = {"retrieval_s": 0.0, "generation_s": 0.0, "strides": [0, 3], "prefill_tokens": 10, "prefill_s": 0.0,
+                 "kb_calls": 2, "prefetches": 0, "rollbacks": 1 if config == "S" else 0, "wasted_generation_s": 0.0,
+                 "verification_wait_s": 0.0}
+        return toks, self.delay_s[config], stats
 
 
 @pytest.mark.parametrize("rounds, order", [
@@ -81,3 +84,4 @@ def test_concurrent_cells_pool_rounds(rounds, order):
     assert out["S"]["throughput_x"] == pytest.approx(out["S"]["tokens_per_s"] / out["B"]["tokens_per_s"])
     assert out["B"]["throughput_x"] == 1.0
     assert out["X"]["identical"] == 0 and out["B"]["identical"] == 4 * rounds
+    assert out["S"]["rollbacks"] == 1.0 and out["B"]["rollbacks"] == 0.0  # the cells' mean RaLM stats

@@ -187,6 +187,36 @@ def test_probe_interval_is_capped():
     assert max(gaps) == MAX_PROBE + 1  # Not an interval that grows without bound
 
 
+# Concurrent requests whose own measurements name different winners in turn: each winner keeps its interval.
+# A single interval reset at every change of name probed 86 times in 600 rounds of six-to-one, and never when
+# the names alternated (the losing arms went unmeasured).
+@pytest.mark.parametrize("winners, max_probes", [
+    ([SEQUENTIAL], 12),  # one winner: intervals 4, 8, 16, 32, 64, 64 ... over 600 rounds
+    ([SEQUENTIAL] * 6 + [ASYNC], 24),
+    ([SEQUENTIAL] * 10 + [SYNC], 24),
+    ([SEQUENTIAL, ASYNC], 24),
+])
+def test_requests_that_disagree_on_the_winner_do_not_reset_the_probe_interval(winners, max_probes):
+    from generation_service.augment.round_gate import ProbeSchedule
+
+    s = ProbeSchedule(4)
+    probes = sum(s.tick(winners[i % len(winners)]) for i in range(600))
+    assert 1 <= probes <= max_probes
+
+
+def test_a_winner_back_after_a_long_absence_probes_soon_again():
+    from generation_service.augment.round_gate import MAX_PROBE, ProbeSchedule
+
+    s = ProbeSchedule(4)
+    for _ in range(200):
+        s.tick(SEQUENTIAL)
+    assert s.probe == MAX_PROBE
+    for _ in range(MAX_PROBE + 1):  # the costs changed: another arm won for a while
+        s.tick(SYNC)
+    probed = [s.tick(SEQUENTIAL) for _ in range(5)]
+    assert probed == [False] * 4 + [True]  # probe0 again; Not after another MAX_PROBE rounds
+
+
 @pytest.mark.parametrize("hits, misses, prefill_s, verify_s, hold", [
     # Nothing scored yet (accuracy 0.5): a 0.45 s prefill gambled against a 40 ms search: hold.
     (0, 0, 0.45, 0.04, True),

@@ -101,8 +101,8 @@ class ProbeSchedule:
     A worker's concurrent requests share one schedule, and where two arms cost about the same their own
     measurements name different winners from round to round. So each winner keeps its own interval, and only a
     winner that had not won for MAX_PROBE rounds starts again from probe0 (the costs changed): with one interval
-    reset whenever the winner named changed, four requests that disagreed probed every few rounds, and the probes'
-    wrong guesses cost RaLMSpec ~5-10 % against RaLMSeq from 4 clients."""
+    reset whenever the winner named changed, requests that disagreed now and then probed every few rounds, each
+    probe's wrong guesses a re-prefill, and requests that disagreed every round never probed."""
 
     def __init__(self, probe0: int):
         self.probe0 = probe0

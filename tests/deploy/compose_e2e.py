@@ -431,7 +431,10 @@ def check_kill_mid_stream(stack: Stack, report: Report, conn: dict) -> None:
 
     def consume() -> None:
         try:
-            for msg in client.stream(LONG_PROMPT, decoding="rest", max_new_tokens=n, ignore_eos=True,
+            # rest-ds: drafts from the retrieval service only. A lone `rest` request may run on its in-process
+            # drafts for a hundred steps or more when the engine's draft gate rates them above the remote ones,
+            # and then never asks a replica after the kill; rest-ds asks at least every MAX_BACKOFF steps.
+            for msg in client.stream(LONG_PROMPT, decoding="rest-ds", max_new_tokens=n, ignore_eos=True,
                                      timeout=RPC_TIMEOUT_S * 2):
                 got.extend(msg.token_ids)
                 last[:] = [msg]
@@ -464,7 +467,8 @@ def check_kill_mid_stream(stack: Stack, report: Report, conn: dict) -> None:
                  stats is not None and (stats.degraded or failed_over),
                  f"degraded={stats.degraded if stats else None} ({stats.degraded_steps if stats else 0} steps: "
                  f"{stats.degraded_reason if stats else ''}), drafts on the other replica after the kill: "
-                 f"{drafts_other:.0f}, M={stats.mean_accepted_length if stats else 0:.2f}")
+                 f"{drafts_other:.0f}, skipped drafts {stats.skipped_drafts if stats else 0}, "
+                 f"M={stats.mean_accepted_length if stats else 0:.2f}")
     state = stack.inspect(serving)["State"]  # `docker kill` counts as a manual stop: no restart by the policy
     report.figures["kill"] = {"killed_after_tokens": at, "tokens_when_kill_returned": after_kill, "tokens": len(got), "identical": identical,
                               "degraded_steps": stats.degraded_steps if stats else None,

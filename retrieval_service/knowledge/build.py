@@ -57,13 +57,14 @@ def read_passages_jsonl(path: Path) -> Iterable[P.Passage]:
                 yield P.Passage(rec.get("key") or f"jsonl:{n}", rec.get("title", ""), rec["text"])
 
 
-def is_prefix(passages: Path, parent: Path, parent_offsets: Path, n: int) -> bool:
-    """Are `passages` (n records) byte for byte the first n records of `parent`?"""
+def share_prefix(passages: Path, offsets: Path, parent: Path, parent_offsets: Path) -> bool:
+    """Do two passage stores begin alike: the shorter one's records byte for byte the first of the other's?"""
     if not parent.is_file() or not parent_offsets.is_file():
         return False
-    offsets = np.load(parent_offsets, mmap_mode="r")
-    size = passages.stat().st_size
-    if len(offsets) <= n or int(offsets[n]) != size:
+    ours, theirs = np.load(offsets, mmap_mode="r"), np.load(parent_offsets, mmap_mode="r")
+    m = min(len(ours), len(theirs)) - 1  # records both have
+    size = int(ours[m])
+    if m < 1 or int(theirs[m]) != size:
         return False
     with open(passages, "rb") as a, open(parent, "rb") as b:
         while size > 0:
@@ -72,6 +73,14 @@ def is_prefix(passages: Path, parent: Path, parent_offsets: Path, n: int) -> boo
                 return False
             size -= step
     return True
+
+
+def _parent_count(parent: Path) -> int:
+    """Passages of the KB in `parent` (written so far)."""
+    offsets = parent / P.OFFSETS_FILE
+    if not (parent / P.PASSAGES_FILE).is_file() or not offsets.is_file():
+        raise ValueError(f"embeddings_from: {parent} has no passages yet")
+    return len(np.load(offsets, mmap_mode="r")) - 1
 
 
 def _parent_passages(parent: Path, limit: int | None) -> Iterator[P.Passage]:
@@ -99,9 +108,11 @@ def build_kb(out: str | Path, passages: Iterable[P.Passage] | None = None, *,
 
     passages: an explicit corpus (tests, --passages-jsonl); None = extract docstrings (+ reST) offline.
     corpus: a description of `passages` for the resume check (same description -> passages are reused).
-    embeddings_from: a KB (built or still encoding) whose first passages become this one's (its first `limit`, read
-    from its passage store: the corpus on disk may have changed since it was extracted, with packages installed
-    since) and whose rows are copied instead of encoded (a 100 K / 300 K KB from the large one's prefix).
+    embeddings_from: a KB (built or still encoding) whose rows are copied instead of encoded where its passages
+    and these are the same. A larger one gives this one its first `limit` passages, read from its passage store (the
+    corpus on disk may have changed since it was extracted, with packages installed since): a 100 K / 300 K KB from
+    the large one's prefix. A smaller one gives its rows to a KB that grows it (300 K from a 100 K KB built before):
+    the passages come from the corpus and must begin with the parent's.
     encode_workers: encoder processes of omp_threads torch threads each (0: one per omp_threads usable cores); an
     explicit `encoder` encodes in this process.
     """
@@ -128,7 +139,8 @@ def build_kb(out: str | Path, passages: Iterable[P.Passage] | None = None, *,
         print(f"passages: reusing {n} passages in {out}")
     else:
         t0 = time.perf_counter()
-        if passages is None and embeddings_from is not None:
+        if passages is None and embeddings_from is not None and (
+                limit is None or _parent_count(Path(embeddings_from).expanduser()) >= limit):
             passages = _parent_passages(Path(embeddings_from).expanduser(), limit)
         elif passages is None:
             docs = P.iter_documents(rst=rst, site=site, workers=workers, code=code, man=man, headers=headers)
@@ -167,8 +179,9 @@ def build_kb(out: str | Path, passages: Iterable[P.Passage] | None = None, *,
             reuse = None
             if embeddings_from is not None:
                 parent = Path(embeddings_from).expanduser()
-                if not is_prefix(out / P.PASSAGES_FILE, parent / P.PASSAGES_FILE, parent / P.OFFSETS_FILE, n):
-                    raise ValueError(f"embeddings_from: the passages of {parent} do not begin with these {n}")
+                if not share_prefix(out / P.PASSAGES_FILE, out / P.OFFSETS_FILE, parent / P.PASSAGES_FILE,
+                                    parent / P.OFFSETS_FILE):
+                    raise ValueError(f"embeddings_from: the passages of {parent} and these {n} begin differently")
                 reuse = dense.prefix_rows(parent / DENSE_DIR, encoder=enc.name, encoder_dtype=encoder_dtype,
                                           dtype=dtype, dim=enc.dim)
             pool = None if encoder is not None else EncodeWork(
@@ -295,7 +308,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--jvm-heap", default="", help="Anserini indexer -Xmx, e.g. 4g")
     ap.add_argument("--force", action="store_true", help="rebuild everything")
     ap.add_argument("--embeddings-from", default=None,
-                    help="a KB (built or still encoding) whose passages begin with these: copy its rows, do not encode")
+                    help="a KB (built or still encoding, larger or smaller) whose passages begin like these: "
+                         "copy its rows where both have them, encode only the rest")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     ap.add_argument("--to", default="",
                     help="also load the KB into PostgreSQL at this postgresql:// URL (pgvector; --retrievers picks its "

@@ -262,6 +262,27 @@ def test_prefix_kb_copies_the_parent_rows(tmp_path, encoder):
                  encoder=counting, embeddings_from=tmp_path / "big", progress=False)
 
 
+def test_a_kb_that_grows_a_smaller_one_encodes_only_the_new_rows(tmp_path, encoder):
+    """A parent smaller than the new KB (300 K grown from a 100 K one): its rows are copied where whole chunks of
+    it exist, the rest encoded; the result equals a build from scratch. Passages that begin differently are refused."""
+    corpus = tiny_corpus()[:14]
+    build_kb(tmp_path / "small", corpus, retrievers=("edr",), corpus={"source": "p"}, limit=8, chunk=4,
+             encoder=encoder, progress=False)
+    build_kb(tmp_path / "scratch", corpus, retrievers=("edr",), corpus={"source": "p"}, chunk=4, encoder=encoder,
+             progress=False)
+    counting = _CountingEncoder(encoder)
+    build_kb(tmp_path / "grown", corpus, retrievers=("edr",), corpus={"source": "p"}, chunk=4, encoder=counting,
+             embeddings_from=tmp_path / "small", progress=False)
+    grown = np.load(tmp_path / "grown" / "dense" / "embeddings.npy")
+    assert np.array_equal(grown, np.load(tmp_path / "scratch" / "dense" / "embeddings.npy"))
+    assert counting.texts == 14 - 8  # not 14
+    edr = json.loads((tmp_path / "grown" / "kb.json").read_text())["build"]["edr"]
+    assert (edr["encoded_rows"], edr["copied_rows"]) == (6, 8)
+    with pytest.raises(ValueError, match="embeddings_from"):
+        build_kb(tmp_path / "other", corpus[1:], retrievers=("edr",), corpus={"source": "q"}, chunk=4,
+                 encoder=counting, embeddings_from=tmp_path / "small", progress=False)
+
+
 def test_a_prefix_kb_takes_its_passages_from_the_parent_not_the_corpus(tmp_path, encoder):
     """No passages given (a `--limit-passages N --embeddings-from` build): the parent's first N as written there,
     even when the corpus on disk has changed since (here: nothing of it is read at all)."""

@@ -234,7 +234,7 @@ def summarize(rows: list[dict], configs: list[str]) -> dict:
                 "prefetches": statistics.fmean(x.get("prefetches", 0) for x in xs),
                 **{k: statistics.fmean(x.get(k, 0.0) for x in xs)
                    for k in ("sequential_retrieval_s", "speculation_retrieval_s", "verification_wait_s",
-                             "held_changes", "held_change_hits", "revisits")},
+                             "held_changes", "held_change_hits", "revisits", "in_order_verifications")},
             }
         base = out[r].get("B")
         for c, v in out[r].items():
@@ -550,7 +550,7 @@ def measure(args, argv, retrievers: list[str], configs: list[str], load_start, b
                                                   "strides", "fallback_reason", "retrievals", "prefetches",
                                                   "sequential_retrieval_s", "speculation_retrieval_s",
                                                   "verification_wait_s", "held_changes", "held_change_hits",
-                                                  "revisits")},
+                                                  "revisits", "in_order_verifications")},
                              "loadavg_1m": os.getloadavg()[0]})
                 bar.update(1)
                 bar.set_postfix_str(f"q{qi} {r} {c} {lat:.1f}s")

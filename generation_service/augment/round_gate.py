@@ -52,6 +52,7 @@ from ragcore.machine import usable_cores
 log = logging.getLogger(__name__)
 
 SEQUENTIAL, SYNC, ASYNC = "sequential", "sync", "async"
+CHANGE, STEP = "change", "step"  # kinds of guesses whose accuracy is counted
 CHANGE_DECAY = 0.95  # weight of the old change-guess counts per new guess: the guesses' accuracy may drift
 ARMS = (ASYNC, SYNC, SEQUENTIAL)
 # Below this share of a sequential step's wall time in its search (RagParams.min_search_share's default),
@@ -156,7 +157,7 @@ class SharedRoundCosts:
         self._sums: dict[tuple[Hashable, str], tuple[float, float]] = {}  # (key, arm) -> averaged (seconds, steps)
         self._rounds: dict[tuple[Hashable, str], int] = {}  # (key, arm) -> rounds pooled
         self._schedules: dict[Hashable, ProbeSchedule] = {}
-        self._changes: dict[Hashable, tuple[float, float]] = {}
+        self._guesses: dict[tuple[Hashable, str], tuple[float, float]] = {}  # (key, kind) -> decayed (hits, n)
         self._search: dict[Hashable, tuple[float, float]] = {}  # key -> averaged (search s, sequential step s)
         self._verify: dict[Hashable, tuple[float, float]] = {}  # key -> averaged (verification s, its queries)
         self._strides: dict[tuple[Hashable, tuple], StrideScheduler] = {}
@@ -173,14 +174,15 @@ class SharedRoundCosts:
         with self._lock:
             return self._schedules.setdefault(key, ProbeSchedule(probe0))
 
-    def change_guesses(self, key: Hashable) -> tuple[float, float]:
-        """(hits, guesses) of passage-change guesses pooled for `key`, decayed counts."""
+    def guesses(self, key: Hashable, kind: str) -> tuple[float, float]:
+        """(hits, guesses) pooled for `key`, decayed counts: kind CHANGE (passage-change guesses) or STEP (every
+        speculated step's passage)."""
         with self._lock:
-            return self._changes.get(key, (0.0, 0.0))
+            return self._guesses.get((key, kind), (0.0, 0.0))
 
-    def add_change_guess(self, key: Hashable, hit: bool) -> None:
+    def add_guess(self, key: Hashable, kind: str, hit: bool) -> None:
         with self._lock:
-            self._changes[key] = counted_guess(self._changes.get(key, (0.0, 0.0)), hit)
+            self._guesses[(key, kind)] = counted_guess(self._guesses.get((key, kind), (0.0, 0.0)), hit)
 
     def search_prior(self, key: Hashable) -> tuple[float, float] | None:
         """The pooled average sequential step: (seconds in its search, seconds in all), or None before any."""
@@ -232,6 +234,19 @@ def counted_guess(counts: tuple[float, float], hit: bool) -> tuple[float, float]
     return CHANGE_DECAY * counts[0] + hit, CHANGE_DECAY * counts[1] + 1
 
 
+def in_order_pays(search_s: float, per_query_s: float, accuracy: float, stride: int) -> bool:
+    """Is asking a round's queries one at a time, stopping after the first wrong guess, expected to cost less than
+    one batched search of all `stride`? The queries after a wrong guess are thrown away (those steps run again,
+    with other queries), so in order a round asks 1 + a + ... + a^(s-1) searches on average (a: the chance a
+    guess is right), each at a search's cost alone, against s queries at their cost inside a batch. Where the KB
+    does not batch (PostgreSQL's full-text search costs as much per query in a batch as alone) that is always
+    cheaper; where it batches well (the float16 scan: a batch of 8 for about two searches) it never is."""
+    if stride < 2 or search_s <= 0:
+        return False
+    expected_asked = stride if accuracy >= 1.0 else (1.0 - accuracy ** stride) / (1.0 - accuracy)
+    return search_s * expected_asked < per_query_s * stride
+
+
 def change_waste(hits: float, guesses: float, prefill_s: float) -> float:
     """Expected seconds thrown away by acting on a guessed passage change: a wrong guess's prefill. The accuracy is
     Laplace's estimate (hits + 1) / (guesses + 2): 0.5 before any guess is scored, so an unmeasured guess is not
@@ -281,7 +296,7 @@ class RoundGate:
         self.explore = explore
         self.far_behind = far_behind  # a losing arm beyond this factor of the winner waits for MAX_PROBE
         self.measured = {a: 0 for a in self.arms}  # rounds per arm, this request's and the worker's pooled ones
-        self._changes = (0.0, 0.0)  # (hits, guesses) of change guesses when no worker pools them
+        self._guesses = {CHANGE: (0.0, 0.0), STEP: (0.0, 0.0)}  # (hits, guesses) when no worker pools them
         self.searches: deque[tuple[float, float]] = deque(maxlen=SEARCH_WINDOW)  # sequential: (search s, all s)
         self.verifications: deque[tuple[float, float]] = deque(maxlen=SEARCH_WINDOW)  # batched: (s, queries)
         if shared is not None:
@@ -384,8 +399,7 @@ class RoundGate:
 
     def change_waste(self, prefill_s: float) -> float:
         """Expected seconds thrown away by acting on a guessed passage change (its prefill, when wrong)."""
-        hits, n = self.shared.change_guesses(self.key) if self.shared is not None else self._changes
-        return change_waste(hits, n, prefill_s)
+        return change_waste(*self._counts(CHANGE), prefill_s)
 
     def hold_change(self, prefill_s: float, verify_s: float) -> bool:
         """A guessed passage change: end the round and verify first (True), or prefill the guess (False)?"""
@@ -393,10 +407,30 @@ class RoundGate:
 
     def record_change_guess(self, hit: bool) -> None:
         """A passage-change guess (acted on or held) was the KB's passage (hit) or not."""
+        self._add_guess(CHANGE, hit)
+
+    def record_step_guess(self, hit: bool) -> None:
+        """A speculated step's passage was the KB's (hit) or not (only steps up to a round's first wrong one)."""
+        self._add_guess(STEP, hit)
+
+    def _counts(self, kind: str) -> tuple[float, float]:
+        return self.shared.guesses(self.key, kind) if self.shared is not None else self._guesses[kind]
+
+    def _add_guess(self, kind: str, hit: bool) -> None:
         if self.shared is not None:
-            self.shared.add_change_guess(self.key, hit)
+            self.shared.add_guess(self.key, kind, hit)
         else:
-            self._changes = counted_guess(self._changes, hit)
+            self._guesses[kind] = counted_guess(self._guesses[kind], hit)
+
+    def verify_in_order(self, stride: int) -> bool:
+        """Verify a round of `stride` guesses one query at a time, stopping at the first wrong guess (True), or in
+        one batched search (False)? See in_order_pays."""
+        if not self.searches or not self.verifications:
+            return False  # batching unmeasured: RaLMSpec's batched verification
+        search = sum(s for s, _ in self.searches) / len(self.searches)
+        per_query = sum(s for s, _ in self.verifications) / sum(q for _, q in self.verifications)
+        hits, n = self._counts(STEP)
+        return in_order_pays(search, per_query, (hits + 1.0) / (n + 2.0), stride)
 
     def cache_wanted(self) -> bool:
         """Will the next round (probably) read the speculation cache? Asked during a sequential step."""

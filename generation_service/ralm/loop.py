@@ -180,6 +180,7 @@ class RagStats:
     held_changes: int = 0  # guessed passage changes not acted on: verified first (ralm_gate.hold_change)
     held_change_hits: int = 0  # ... whose guess was the KB's passage
     revisits: int = 0  # prefills that took up an earlier passage's kept KV rows (only the output since)
+    in_order_verifications: int = 0  # sync verifications asked one query at a time (round_gate.in_order_pays)
 
     @property
     def speculation_accuracy(self) -> float:

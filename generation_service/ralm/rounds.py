@@ -54,11 +54,16 @@ def resolve_true(queries: list[Query | None], hits: list[Hits], prev: int | None
 
 
 class _Verification:
-    """One round's verification, in flight (start) or run as a Call (run), parsed once."""
+    """One round's verification, in flight (start) or run as Calls (run), parsed once. Run in order (specs given),
+    it asks one query at a time and stops at the first step whose guess (specs[i]) the KB contradicts: the steps
+    after it are never committed, so where the KB does not batch their searches would be thrown away
+    (round_gate.in_order_pays)."""
 
-    def __init__(self, retr: Retriever, queries: list[Query | None], k: int, prev: int | None):
-        self.queries, self.prev, self.k = queries, prev, k
+    def __init__(self, retr: Retriever, queries: list[Query | None], k: int, prev: int | None,
+                 specs: list[int | None] | None = None):
+        self.queries, self.prev, self.k, self.specs = queries, prev, k, specs
         self.asked = [q for q in queries if q is not None]
+        self.batched = specs is None
         self.future = None
         self.reply_hits: list[Hits] | None = None
         self.error = ""
@@ -76,15 +81,32 @@ class _Verification:
         return self
 
     def run(self) -> Effects:
-        """Sync verification: one blocking search (a Call)."""
+        """Sync verification: one blocking batched search (a Call), or in order one search per query."""
         if self.reply_hits is not None:
             return
         t0 = time.perf_counter()
         try:
-            self.reply_hits = yield call(self._retr.search, self.asked, self.k, sequential=False)
+            if self.batched:
+                self.reply_hits = yield call(self._retr.search, self.asked, self.k, sequential=False)
+            else:
+                self.reply_hits = yield from self._in_order()
         except KBUnavailable as e:
             self.error = str(e) or "verification failed"
         self.latency_s = time.perf_counter() - t0
+
+    def _in_order(self) -> Effects:
+        hits: list[Hits] = []
+        cur = self.prev
+        for i, q in enumerate(self.queries):
+            if q is not None:
+                (h,) = yield call(self._retr.search, [q], self.k, sequential=False)
+                hits.append(h)
+                cur = h.top1
+            if i < len(self.specs) and self.specs[i] != cur:
+                self.queries = self.queries[:i + 1]  # the true passages up to the wrong step: all that is used
+                break
+        self.asked = [q for q in self.queries if q is not None]
+        return hits
 
     def done(self) -> bool:
         return self.future is None or self.future.done()
@@ -306,12 +328,14 @@ class RagRounds:
         if not r.failure and (r.ckpts or r.held):
             t0 = time.perf_counter()
             if r.ver is None:  # sync, or the output ended before the round's last step
-                r.ver = _Verification(self.retr, r.queries, self.k_fetch, self.prev)
+                in_order = self.gate.verify_in_order(len(r.specs))
+                r.ver = _Verification(self.retr, r.queries, self.k_fetch, self.prev, r.specs if in_order else None)
                 yield from r.ver.run()
+                stats.in_order_verifications += in_order
             if not r.ver.done():
                 yield Wait(r.ver.future)
             true = r.ver.settle()
-            if true is not None and r.ver.latency_s is not None:
+            if true is not None and r.ver.latency_s is not None and r.ver.batched:
                 self.gate.record_verification(r.ver.latency_s, len(r.ver.asked))
             dt = time.perf_counter() - t0
             r.r_round += dt
@@ -356,8 +380,9 @@ class RagRounds:
         matched = settled.matched
         stats.speculative_steps += len(specs)
         stats.speculation_hits += matched
-        for i, d in enumerate(specs):  # the change guesses acted on, scored
-            if d != (self.prev if i == 0 else specs[i - 1]) and (m is None or i <= m):
+        for i, d in enumerate(specs[:len(specs) if m is None else m + 1]):  # the guesses judged, scored
+            gate.record_step_guess(d == true[i])
+            if d != (self.prev if i == 0 else specs[i - 1]):
                 gate.record_change_guess(d == true[i])
         if self.sched is not None and specs:
             self.sched.record_verification(matched, len(specs))

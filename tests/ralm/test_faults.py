@@ -162,3 +162,44 @@ def test_os3_keeps_the_stride_short_where_verifications_do_not_batch(tm, kb_clie
     spec = [s for s in st.strides if s > 0]
     assert len(spec) >= 3 and max(spec) <= 3, st.strides
     assert best_stride(0.9, 0.02, NoBatching.PER_QUERY_S, 16) >= 6  # what the constant model would have run
+
+
+class CountingQueries(NoBatching):
+    """NoBatching that also counts the queries the KB was asked, and whose cache guesses the first of every three
+    steps wrong (another passage than its top-1)."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.asked = 0
+        self.guesses = 0
+
+    def _slow(self, queries) -> None:
+        self.asked += len(queries)
+        super()._slow(queries)
+
+    def speculate(self, query, cache):
+        d = self.inner.speculate(query, cache)
+        self.guesses += 1
+        if d is None or self.guesses % 3 != 1:
+            return d
+        return d - 1 if d > 0 else d + 1
+
+
+def test_where_the_kb_does_not_batch_verifications_stop_at_the_first_wrong_guess(tm, kb_client, prompts):
+    """Every round speculative at stride 3 over a KB whose batch of s queries costs s searches, a wrong guess in
+    every third step: once a batched verification has shown that, the rounds are verified a query at a time up to
+    the first wrong guess, so no search is thrown away; the output is RaLMSeq's. Not the batched verification's
+    waste: the searches of the steps after a wrong guess, asked again for the steps that replace them."""
+    from generation_service.augment.round_gate import SharedRoundCosts
+
+    n = 12  # 6 steps: one sequential, a batched round, then in-order ones (each commits one step)
+    want, _ = run_rag(tm, kb_client, prompts[0], RagParams(retriever="edr", stride=STRIDE, speculate=False),
+                      n_tokens=n)
+    rag = RagParams(retriever="edr", stride=STRIDE, os3=False, spec_stride=3, async_verify=False, adaptive=False)
+    wrapped: list[CountingQueries] = []
+    got, st = run_rag(tm, kb_client, prompts[0], rag, round_costs=SharedRoundCosts(), n_tokens=n,
+                      wrap=lambda r: wrapped.append(CountingQueries(r)) or wrapped[-1])
+    assert got == want
+    assert st.in_order_verifications >= 2 and st.rollbacks >= 1, (st.strides, st.rollbacks, st.in_order_verifications)
+    # Every search is some committed step's, but for the first, batched verification (at most 3 queries).
+    assert wrapped[0].asked <= st.retrievals + 3, (wrapped[0].asked, st.retrievals)

@@ -373,3 +373,62 @@ def test_a_new_request_knows_the_workers_verification_cost():
     second = RoundGate((SYNC, SEQUENTIAL), shared=shared, key="sr")
     assert second.saveable_share() == pytest.approx(0.0)
     assert second.choose() == SEQUENTIAL  # Not a first sync round to measure it
+
+
+def _asked_brute_force(accuracy: float, stride: int) -> float:
+    """Expected searches of an in-order verification, over every pattern of right/wrong guesses."""
+    import itertools
+
+    total = 0.0
+    for pattern in itertools.product((True, False), repeat=stride):
+        p = math.prod(accuracy if ok else 1.0 - accuracy for ok in pattern)
+        first_wrong = pattern.index(False) if False in pattern else stride - 1
+        total += p * (first_wrong + 1)
+    return total
+
+
+@pytest.mark.parametrize("accuracy", [0.0, 0.3, 0.7, 0.95, 1.0])
+@pytest.mark.parametrize("stride", [2, 3, 5])
+@pytest.mark.parametrize("search_s,per_query_s", [(0.5, 0.5), (0.5, 0.2), (0.02, 0.005), (0.4, 0.45)])
+def test_in_order_pays_against_a_brute_force(accuracy, stride, search_s, per_query_s):
+    from generation_service.augment.round_gate import in_order_pays
+
+    want = search_s * _asked_brute_force(accuracy, stride) < per_query_s * stride
+    assert in_order_pays(search_s, per_query_s, accuracy, stride) == want
+
+
+# search alone s, per query inside a batched verification s, (hits, guesses) of step guesses, stride -> in order?
+IN_ORDER = [
+    ("full-text search in a database: no batching", 0.5, 0.5, (7, 10), 3, True),
+    ("no batching, every guess right so far", 0.5, 0.5, (40, 40), 3, True),  # Laplace: never certain
+    ("the float16 scan: a batch of 8 for two searches", 0.02, 0.005, (7, 10), 8, False),
+    ("batches a little, guesses mostly wrong", 0.5, 0.4, (1, 10), 3, True),
+    ("batches a little, guesses mostly right", 0.5, 0.4, (9, 10), 3, False),
+    ("a stride of one: nothing to stop early", 0.5, 0.5, (7, 10), 1, False),
+]
+
+
+@pytest.mark.parametrize("name,search_s,per_query_s,guesses,stride,want", IN_ORDER, ids=[c[0] for c in IN_ORDER])
+def test_verify_in_order(name, search_s, per_query_s, guesses, stride, want):
+    gate = RoundGate((SYNC, SEQUENTIAL))
+    assert not gate.verify_in_order(stride)  # batching not measured yet: RaLMSpec's batched verification
+    gate.record_search(search_s, search_s + 0.05)
+    gate.record_verification(per_query_s * 4, 4)
+    hits, n = guesses
+    for i in range(n):
+        gate.record_step_guess(i < hits)
+    assert gate.verify_in_order(stride) == want
+
+
+def test_step_guesses_are_pooled_per_key():
+    shared = SharedRoundCosts()
+    first = RoundGate((SYNC, SEQUENTIAL), shared=shared, key="sr")
+    for _ in range(20):
+        first.record_step_guess(False)
+    second = RoundGate((SYNC, SEQUENTIAL), shared=shared, key="sr")
+    other = RoundGate((SYNC, SEQUENTIAL), shared=shared, key="edr")
+    for g in (second, other):
+        g.record_search(0.5, 0.55)
+        g.record_verification(0.25 * 3, 3)
+    assert second.verify_in_order(3)  # the worker's guesses were wrong: stop at the first
+    assert not other.verify_in_order(3)  # Not another key's: unknown accuracy (0.5), and the batch halves a query

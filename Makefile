@@ -81,7 +81,7 @@ run: datastore
 # servers and sockets; a third process fills more of those waits, ~12 GB at most). Two groups, so no process holds
 # every session fixture at once (one held ~17 GB of 24).
 # Every group runs; the target fails if any group failed.
-PYTEST := $(PYTHON) -m pytest -q -p no:cacheprovider
+PYTEST := $(PYTHON) -m pytest -q -p no:cacheprovider --durations=12
 test: model datastore lint node-sdk
 	@rc=0; \
 	$(PYTEST) -m "not slow" tests/generation || rc=1; \

@@ -54,10 +54,13 @@ def resolve_true(queries: list[Query | None], hits: list[Hits], prev: int | None
 
 
 class _Verification:
-    """One round's verification, in flight (start) or run as Calls (run), parsed once. Run in order (specs given),
-    it asks one query at a time and stops at the first step whose guess (specs[i]) the KB contradicts: the steps
-    after it are never committed, so where the KB does not batch their searches would be thrown away
-    (round_gate.in_order_pays)."""
+    """One round's verification, in flight (start) or run as a Call (run), parsed once.
+
+    In order (specs given) it asks one query at a time, each sent once the one before has answered and confirmed
+    its step's guess (specs[i]), and stops at the first step the KB contradicts: the steps after it are never
+    committed, so where the KB does not batch their searches would be thrown away (round_gate.in_order_pays).
+    Its chain advances whenever done() is asked: between the passes of an async round's last step, and while
+    verify waits."""
 
     def __init__(self, retr: Retriever, queries: list[Query | None], k: int, prev: int | None,
                  specs: list[int | None] | None = None):
@@ -70,6 +73,8 @@ class _Verification:
         self.latency_s: float | None = None
         self._true: list[int | None] | None = None
         self._retr = retr
+        self._hits: list[Hits] = []  # in order: the answers so far
+        self._step = 0  # in order: the step judged next (its query is the one in flight)
         if not self.asked:
             self.reply_hits = []
             self.latency_s = 0.0
@@ -77,42 +82,69 @@ class _Verification:
     def start(self) -> "_Verification":
         """Send it (async verification: the round's last step runs while it is in flight)."""
         if self.reply_hits is None:
-            self.future = self._retr.search_async(self.asked, self.k)
+            if self.batched:
+                self.future = self._retr.search_async(self.asked, self.k)
+            else:
+                self.latency_s = 0.0
+                self._send_next(self.prev)
         return self
 
     def run(self) -> Effects:
-        """Sync verification: one blocking batched search (a Call), or in order one search per query."""
+        """Sync verification: one blocking batched search (a Call), or in order one search after another."""
         if self.reply_hits is not None:
+            return
+        if not self.batched:
+            self.start()
+            while not self.done():
+                yield Wait(self.future)
             return
         t0 = time.perf_counter()
         try:
-            if self.batched:
-                self.reply_hits = yield call(self._retr.search, self.asked, self.k, sequential=False)
-            else:
-                self.reply_hits = yield from self._in_order()
+            self.reply_hits = yield call(self._retr.search, self.asked, self.k, sequential=False)
         except KBUnavailable as e:
             self.error = str(e) or "verification failed"
         self.latency_s = time.perf_counter() - t0
 
-    def _in_order(self) -> Effects:
-        hits: list[Hits] = []
-        cur = self.prev
-        for i, q in enumerate(self.queries):
+    def _send_next(self, cur: int | None) -> None:
+        """In order: send the next step's query; a blank one keeps the passage (cur), judged without a search."""
+        while self._step < len(self.queries):
+            q = self.queries[self._step]
             if q is not None:
-                (h,) = yield call(self._retr.search, [q], self.k, sequential=False)
-                hits.append(h)
-                cur = h.top1
-            if i < len(self.specs) and self.specs[i] != cur:
-                self.queries = self.queries[:i + 1]  # the true passages up to the wrong step: all that is used
-                break
-        self.asked = [q for q in self.queries if q is not None]
-        return hits
+                self.future = self._retr.search_async([q], self.k)
+                return
+            if self._judge(cur):
+                return
+
+    def _judge(self, cur: int | None) -> bool:
+        """In order: the KB's passage for step self._step is cur. True once the verification is finished."""
+        i = self._step
+        self._step += 1
+        if (i < len(self.specs) and self.specs[i] != cur) or self._step == len(self.queries):
+            self.queries = self.queries[:i + 1]  # the true passages up to the wrong step: all that is used
+            self.asked = [q for q in self.queries if q is not None]
+            self.reply_hits, self.future = self._hits, None
+            return True
+        return False
 
     def done(self) -> bool:
-        return self.future is None or self.future.done()
+        if self.batched or self.future is None:
+            return self.future is None or self.future.done()
+        if not self.future.done():
+            return False
+        try:
+            reply: SearchReply = self.future.result()
+        except KBUnavailable as e:
+            self.error, self.future = str(e) or "verification failed", None
+            return True
+        self._retr.remember(reply)
+        self._hits.append(reply.hits[0])
+        self.latency_s += reply.rpc_s
+        if not self._judge(reply.hits[0].top1):
+            self._send_next(reply.hits[0].top1)
+        return self.future is None
 
     def settle(self) -> list[int | None] | None:
-        """Once done() -> the true passage per step (None on failure, see .error)."""
+        """Once done() -> the true passage per step (None on failure, see .error); in order, up to the wrong step."""
         if self._true is not None or self.error:
             return self._true
         if self.reply_hits is None:
@@ -126,7 +158,6 @@ class _Verification:
             self.latency_s = reply.rpc_s
         self._true = resolve_true(self.queries, self.reply_hits, self.prev)
         return self._true
-
 
 @dataclass
 class _Guess:
@@ -302,8 +333,10 @@ class RagRounds:
         r.queries.append(q)
         r.specs.append(d)
         r.guess_waste.append(expected)
-        if self.arm == ASYNC and i == r.s - 1:
-            r.ver = _Verification(retr, r.queries, self.k_fetch, self.prev).start()  # in flight during this step
+        if self.arm == ASYNC and i == r.s - 1:  # in flight during this step
+            in_order = gate.verify_in_order(r.s)
+            r.ver = _Verification(retr, r.queries, self.k_fetch, self.prev, r.specs if in_order else None).start()
+            stats.in_order_verifications += in_order
         dt = time.perf_counter() - t0
         r.r_round += dt
         stats.speculation_retrieval_ms += dt * 1e3
@@ -332,7 +365,7 @@ class RagRounds:
                 r.ver = _Verification(self.retr, r.queries, self.k_fetch, self.prev, r.specs if in_order else None)
                 yield from r.ver.run()
                 stats.in_order_verifications += in_order
-            if not r.ver.done():
+            while not r.ver.done():  # in order: a Wait per query
                 yield Wait(r.ver.future)
             true = r.ver.settle()
             if true is not None and r.ver.latency_s is not None and r.ver.batched:

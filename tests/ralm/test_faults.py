@@ -4,6 +4,8 @@ unverified passage."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import time
 
 import pytest
@@ -125,12 +127,14 @@ def test_speculative_timeout_scales_with_the_measured_latency(n, per_query_s, wa
 
 class NoBatching:
     """The real retriever, slowed as a KB whose search does not batch (full-text ranking in a database): every
-    search waits PER_QUERY_S per query it carries, on top of the real search."""
+    search waits PER_QUERY_S per query it carries, on top of the real search; a search in flight answers that
+    much later (and says so in its rpc_s), while the caller goes on."""
 
     PER_QUERY_S = 0.08
 
     def __init__(self, inner):
         self.inner = inner
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="slow-kb")
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -143,8 +147,12 @@ class NoBatching:
         return self.inner.search(queries, k, sequential=sequential)
 
     def search_async(self, queries, k):
-        self._slow(queries)  # answered late as a whole: the wait is the caller's either way
-        return self.inner.search_async(queries, k)
+        def late():
+            self._slow(queries)
+            reply = self.inner.search_async(queries, k).result()
+            return dataclasses.replace(reply, rpc_s=reply.rpc_s + self.PER_QUERY_S * len(queries))
+
+        return self._pool.submit(late)
 
 
 def test_os3_keeps_the_stride_short_where_verifications_do_not_batch(tm, kb_client, prompts, reference):
@@ -185,7 +193,9 @@ class CountingQueries(NoBatching):
         return d - 1 if d > 0 else d + 1
 
 
-def test_where_the_kb_does_not_batch_verifications_stop_at_the_first_wrong_guess(tm, kb_client, prompts):
+@pytest.mark.parametrize("async_verify", [False, True])
+def test_where_the_kb_does_not_batch_verifications_stop_at_the_first_wrong_guess(tm, kb_client, prompts,
+                                                                                  async_verify):
     """Every round speculative at stride 3 over a KB whose batch of s queries costs s searches, a wrong guess in
     every third step: once a batched verification has shown that, the rounds are verified a query at a time up to
     the first wrong guess, so no search is thrown away; the output is RaLMSeq's. Not the batched verification's
@@ -195,7 +205,8 @@ def test_where_the_kb_does_not_batch_verifications_stop_at_the_first_wrong_guess
     n = 12  # 6 steps: one sequential, a batched round, then in-order ones (each commits one step)
     want, _ = run_rag(tm, kb_client, prompts[0], RagParams(retriever="edr", stride=STRIDE, speculate=False),
                       n_tokens=n)
-    rag = RagParams(retriever="edr", stride=STRIDE, os3=False, spec_stride=3, async_verify=False, adaptive=False)
+    rag = RagParams(retriever="edr", stride=STRIDE, os3=False, spec_stride=3, async_verify=async_verify,
+                    adaptive=False)
     wrapped: list[CountingQueries] = []
     got, st = run_rag(tm, kb_client, prompts[0], rag, round_costs=SharedRoundCosts(), n_tokens=n,
                       wrap=lambda r: wrapped.append(CountingQueries(r)) or wrapped[-1])

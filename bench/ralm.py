@@ -27,6 +27,7 @@ the worker (local encoder + inner products with the cached vectors), for caches 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -47,6 +48,7 @@ from generation_service.model.sampling import SamplingParams
 from generation_service.ralm.cache import PassageCache
 from generation_service.ralm.loop import RagParams, RagStats, ralm_decode
 from generation_service.ralm.retrieval import KBRetriever, LocalEncoder
+from ragcore.config_util import from_env
 from ragcore.process import offline_process
 from retrieval_service.config import RetrievalConfig
 from retrieval_service.knowledge import pg, sparse
@@ -327,8 +329,10 @@ def kb_facts(kb: str | Path) -> dict:
     if pg.is_url(kb):
         import psycopg
 
+        # The table the retrieval service reads: its default, or RAGSERVE_RETRIEVAL_KB_PG_TABLE as --serve passes on.
+        table = from_env(RetrievalConfig, RetrievalConfig.ENV_PREFIX).kb_pg_table
         with psycopg.connect(str(kb)) as conn:
-            manifest = pg.read_manifest(conn, RetrievalConfig().kb_pg_table) or {}
+            manifest = pg.read_manifest(conn, table) or {}
         return {"path": pg.masked(str(kb)), "backend": "postgresql", "passages": manifest.get("passages"),
                 "retrievers": manifest.get("retrievers"), "table": manifest.get("table")}
     manifest = json.loads((Path(kb) / "kb.json").read_text())
@@ -358,7 +362,8 @@ def print_table(summary: dict) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.ralm", description=__doc__.split("\n\n")[0])
     ap.add_argument("--kb", default=str(DEFAULT_KB),
-                    help="knowledge base directory or postgresql:// URL (table ragserve_kb; default %(default)s)")
+                    help="knowledge base directory or postgresql:// URL (table ragserve_kb, or "
+                         "RAGSERVE_RETRIEVAL_KB_PG_TABLE; default %(default)s)")
     ap.add_argument("--kb-target", default="", help="an external retrieval service (host:port); default: in-process")
     ap.add_argument("--serve", action="store_true",
                     help="the product path: start both services with default flags (tools.launcher) and send every "
@@ -426,7 +431,8 @@ def main(argv: list[str] | None = None) -> None:
     if not target:
         from retrieval_service.server import build_server
 
-        running = build_server(RetrievalConfig(port=0, kb=str(args.kb), kb_retrievers=",".join(retrievers)))
+        running = build_server(dataclasses.replace(from_env(RetrievalConfig, RetrievalConfig.ENV_PREFIX), port=0,
+                                                   kb=str(args.kb), kb_retrievers=",".join(retrievers)))
         target = running.address
     kb = KBClient(target, timeout_ms=30_000)
     from generation_service.engine.calibrate import calibrated_model

@@ -505,6 +505,10 @@ class ServedRalm:
         self.launcher.down(state=self.state)
 
 
+# Environment the record's command needs to measure the same thing again (the KB table the services read).
+_COMMAND_ENV = (RetrievalConfig.ENV_PREFIX + "KB_PG_TABLE",)
+
+
 def measure(args, argv, retrievers: list[str], configs: list[str], load_start, backend) -> None:
     tokenizer = backend.tokenizer()
     questions = (faq_questions() if args.questions == "faq" else mtbench_questions())[:args.limit]
@@ -512,7 +516,8 @@ def measure(args, argv, retrievers: list[str], configs: list[str], load_start, b
                                                         tokenize=True, return_dict=False), np.int64)
                for q in questions]
     result: dict = {
-        "command": "python -m bench.ralm " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "".join(f"{k}={os.environ[k]} " for k in _COMMAND_ENV if k in os.environ)
+                   + "python -m bench.ralm " + " ".join(argv if argv is not None else sys.argv[1:]),
         "kb_over": backend.kb_over,
         "machine": {**machine(), "cpus": os.cpu_count(), "loadavg_start": load_start},
         "setup": {"model": args.model, **backend.setup, "questions": args.questions,

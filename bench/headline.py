@@ -124,8 +124,11 @@ def ralm(names: list[str]) -> str:
             rows.append([retriever, cfg, _f(c["tokens_per_s"], ".1f"), _f(c.get("throughput_x")) + "×",
                          f"{c.get('identical', '?')}/{c.get('requests', '?')}"])
         del base
-    head = ("**RaLMSpec from 4 concurrent clients** (configs against RaLMSeq = B: P prefetch, S OS³ stride, A async "
-            "verification; tokens/s pooled over rounds, the configs' order alternating)")
+    kb = d.get("kb") or {}
+    where = (f", {kb['passages'] // 1000} K passages "
+             + ("in PostgreSQL" if kb.get("backend") == "postgresql" else "in process")) if kb.get("passages") else ""
+    head = (f"**RaLMSpec from 4 concurrent clients{where}** (configs against RaLMSeq = B: P prefetch, S OS³ stride, "
+            "A async verification; tokens/s pooled over rounds, the configs' order alternating)")
     return head + "\n\n" + _table(["retriever", "config", "tok/s", "× B", "same output as B"], rows) + \
         "\n\n" + _source(names, d)
 
@@ -157,7 +160,7 @@ HEADLINES: list[tuple[Callable[[list[str]], str], list[str]]] = [
     (step, ["step-q4_1_i8-avx512bf16.json"]),
     (concurrency, ["concurrency-amx.json", "concurrency-avx512bf16-zen5-rounds.json",
                    "concurrency-avx512bf16-zen4-rounds.json"]),
-    (ralm, ["ralm-clients-rounds-zen4.json"]),
+    (ralm, ["ralm-postgresql-clients-300000-avx512bf16.json"]),
     (gateway, ["gateway-avx512bf16.json"]),
 ]
 

@@ -159,6 +159,7 @@ class _Verification:
         self._true = resolve_true(self.queries, self.reply_hits, self.prev)
         return self._true
 
+
 @dataclass
 class _Guess:
     doc: int | None  # the passage the step ran with (None: no passage yet, a blank query kept it)

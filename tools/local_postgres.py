@@ -191,13 +191,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"postgres listening on {args.host}:{pg.port} (data {pg.data})", flush=True)
 
     def shutdown(signum, frame):
-        pg.stop()
-        sys.exit(0)
+        # Only ask for the fast shutdown here: the main thread is inside proc.wait(), whose lock a wait in this
+        # handler could never take (it hung with a zombie postmaster); that wait returns once the server is down.
+        pg.proc.send_signal(signal.SIGINT)
 
     signal.signal(signal.SIGTERM, shutdown)
     signal.signal(signal.SIGINT, shutdown)
-    code = pg.proc.wait()
-    sys.exit(code)
+    sys.exit(pg.proc.wait())
 
 
 if __name__ == "__main__":

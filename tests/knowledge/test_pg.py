@@ -372,3 +372,30 @@ def test_bench_kb_runs_on_postgresql(pg_kb, pg_server):
     assert all(row["grpc_ms_per_query"] > 0 for rows in out["retrievers"].values() for row in rows.values())
     assert out["hnsw_recall_at_10"] == 1.0  # 66 rows, ef_search >= 64: HNSW finds them all
     assert out["machine"]["cpu_flags"] and "commit" in out["machine"]["code"]
+
+
+def test_the_local_server_stops_on_sigterm(tmp_path):
+    """`python -m tools.local_postgres` (how the docs start the stand-in) stops cleanly on SIGTERM or Ctrl-C: exit 0
+    within seconds, the postmaster gone. Not a hang beside a zombie postmaster (its handler waited on the lock of
+    the main thread's own wait)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tools.launcher import free_port
+
+    proc = subprocess.Popen([sys.executable, "-m", "tools.local_postgres", "--data", str(tmp_path / "pg"), "--port",
+                             str(free_port())], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "listening" in line, line
+        postmaster = int((tmp_path / "pg" / "postmaster.pid").read_text().split()[0])
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        with pytest.raises(ProcessLookupError):
+            os.kill(postmaster, 0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -341,13 +341,22 @@ class RoundGate:
         """The most a speculative round saves per step, as a share of a sequential step: a search less a query's
         cost inside a batched verification, plus (async) the generation a verification in flight hides; None
         before both a sequential step and a batched verification are measured."""
+        costs = self._measured_costs()
+        if costs is None:
+            return None
+        step, search, per_query = costs
+        hidden = min(per_query, max(step - search, 0.0)) if ASYNC in self.arms else 0.0
+        return (max(search - per_query, 0.0) + hidden) / step if step > 0 else None
+
+    def _measured_costs(self) -> tuple[float, float, float] | None:
+        """(sequential step s, its search s, a query's s inside a batched verification), recent means; None before
+        both a sequential step and a batched verification are measured."""
         if not self.searches or not self.verifications:
             return None
         step = sum(t for _, t in self.searches) / len(self.searches)
         search = sum(s for s, _ in self.searches) / len(self.searches)
         per_query = sum(s for s, _ in self.verifications) / sum(q for _, q in self.verifications)
-        hidden = min(per_query, max(step - search, 0.0)) if ASYNC in self.arms else 0.0
-        return (max(search - per_query, 0.0) + hidden) / step if step > 0 else None
+        return step, search, per_query
 
     def search_share(self) -> float | None:
         """Share of the recent sequential steps' time in their searches: the most speculation could save."""
@@ -425,10 +434,10 @@ class RoundGate:
     def verify_in_order(self, stride: int) -> bool:
         """Verify a round of `stride` guesses one query at a time, stopping at the first wrong guess (True), or in
         one batched search (False)? See in_order_pays."""
-        if not self.searches or not self.verifications:
+        costs = self._measured_costs()
+        if costs is None:
             return False  # batching unmeasured: RaLMSpec's batched verification
-        search = sum(s for s, _ in self.searches) / len(self.searches)
-        per_query = sum(s for s, _ in self.verifications) / sum(q for _, q in self.verifications)
+        _, search, per_query = costs
         hits, n = self._counts(STEP)
         return in_order_pays(search, per_query, (hits + 1.0) / (n + 2.0), stride)
 

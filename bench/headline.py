@@ -52,19 +52,23 @@ def speculation(names: list[str]) -> str:
     if d is None:
         return f"_missing record `{names[0]}`_"
     rows = []
+    noise = all(w.get("ar_against_itself") for w in d["workloads"].values())  # records with --repeats >= 2
     for wname, w in d["workloads"].items():
         s = w["summary"]
         for meth in ("rest", "pld", "crest"):
             if meth in s:
                 x = s[meth]
                 rows.append([wname, meth, _f(x["speedup_vs_ar"]) + "×", _f(x["min_speedup_vs_ar"]) + "×",
-                             _f(x["mean_accepted_length"]), f"{x['identical_to_ar']}/{x['n']}"])
+                             _f(x["mean_accepted_length"]), f"{x['identical_to_ar']}/{x['n']}"]
+                            + ([_f(w["ar_against_itself"]["worst"]) + "×"] if noise else []))
     dtype = next(iter(d["workloads"].values())).get("worker", {}).get("dtype", "?")
     head = (f"**One request at a time, through the services** (default flags; the worker chose {dtype}): "
             f"speed-up over `ar`, median and worst of {d.get('limit', '?')} prompts × {d.get('max_new_tokens', '?')} "
-            "new tokens")
-    return head + "\n\n" + _table(["workload", "method", "median", "worst prompt", "M", "same tokens as ar"], rows) + \
-        "\n\n" + _source(names, d)
+            "new tokens" + (f", each the median of {next(iter(d['workloads'].values()))['ar_against_itself']['repeats']}"
+                            " runs; the noise floor is `ar`'s odd runs against its even ones, its worst prompt"
+                            if noise else ""))
+    cols = ["workload", "method", "median", "worst prompt", "M", "same tokens as ar"] + (["noise floor"] if noise else [])
+    return head + "\n\n" + _table(cols, rows) + "\n\n" + _source(names, d)
 
 
 def step(names: list[str]) -> str:

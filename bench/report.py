@@ -290,6 +290,11 @@ def serving(name: str, d: dict) -> str:
                            "nodes/step", "pass / AR step", "draft ms/step", "TTFT ms", "same as ar"], rows))
         a = w.get("ar_vs_inprocess") or {}
         notes = []
+        noise = w.get("ar_against_itself")
+        if noise:
+            notes.append(f"each (prompt, method) the median of {noise['repeats']} runs; `ar`'s odd runs against its "
+                         f"even ones (the noise floor of a per-prompt ratio): median {noise['median']:.2f}×, worst "
+                         f"prompt {noise['worst']:.2f}×")
         if "ratio_vs_inprocess" in a:
             notes.append(f"`ar` through the server {a['server_ar_decode_ms_per_token']:.1f} ms/token vs our AR loop "
                          f"in-process {a['inprocess_ar_decode_ms_per_token']:.1f} "

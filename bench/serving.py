@@ -1,12 +1,15 @@
 """Serving benchmark of record: the services started as `make up` starts them (default flags), called over gRPC.
 
     python -m bench.serving --json bench/results/serving-<cpu>.json          # 12 prompts x 128 tokens per workload
-    python -m bench.serving --workloads humaneval --limit 3 --max-new-tokens 32   # a quick look
+    python -m bench.serving --workloads humaneval --limit 3 --max-new-tokens 32 --repeats 1   # a quick look
 
 Per workload the retrieval service serves that workload's datastore and the worker starts with its defaults
 (dtype and threads chosen by its own calibration, engine/calibrate.py); requests go through the project's client one at
 a time, the methods interleaved per prompt (the order rotates) so machine noise hits every method alike, each prompt
 prefilled once untimed before its methods (so all of them meet it in the prefix cache; `cold_prefill` records it).
+Every (prompt, method) runs --repeats times and the run of median ms is recorded: on a shared 2-core VM one run of
+a prompt moves by +-10-20 % from the next (`ar` against itself), as much as the speed-ups judged per prompt.
+`ar_against_itself` is that noise floor: ar's odd against its even repeats per prompt, median and worst.
 Workloads:
     humaneval  HumanEval prompts, raw (code completion), code datastore (stdlib + site-packages .py)
     mtbench    MT-Bench first turns round-robin over its 8 categories, chat template, docs datastore
@@ -206,8 +209,9 @@ def warm_page_cache(directory: str) -> float:
 
 
 def run_workload(name: str, datastore: str, methods: list[str], limit: int, max_new: int, crest: str,
-                 bar: tqdm, dtype: str = "", target: str = "") -> dict:
-    """target: a running worker's address to measure instead of starting the services ('' = start them)."""
+                 bar: tqdm, dtype: str = "", target: str = "", repeats: int = 1) -> dict:
+    """target: a running worker's address to measure instead of starting the services ('' = start them); repeats:
+    runs of every (prompt, method), the median one recorded (median_run)."""
     requests = REQUESTS[name](limit)
     warm_s = warm_page_cache(datastore) if not target else 0.0
     extra = ["--crest", crest] if crest else []
@@ -229,16 +233,17 @@ def run_workload(name: str, datastore: str, methods: list[str], limit: int, max_
                 run_request(client, requests[0], m, 8)
             per_prompt, cold = [], []
             for i, req in enumerate(requests):
-                order = methods[i % len(methods):] + methods[:i % len(methods)]
                 # The prompt's prefill once, untimed, so every method meets it in the prefix cache (default flags
                 # keep the cache on): else the method that ran first paid the prefill the others were spared.
                 c = run_request(client, req, "ar", 1)
                 cold.append({k: c[k] for k in ("ttft_ms", "server_prefill_ms")})
-                row = {}
-                for m in order:
-                    row[m] = run_request(client, req, m, max_new)
-                    bar.update(1)
-                per_prompt.append(row)
+                runs: dict[str, list[dict]] = {m: [] for m in methods}
+                for rep in range(repeats):
+                    k = (i + rep) % len(methods)  # the order rotates per prompt and per repeat
+                    for m in methods[k:] + methods[:k]:
+                        runs[m].append(run_request(client, req, m, max_new))
+                        bar.update(1)
+                per_prompt.append({m: median_run(rs) for m, rs in runs.items()})
             ttft = ttft_study(client) if name == "humaneval" else None
             warm = run_request(client, requests[0], methods[0], max_new)
     finally:
@@ -246,8 +251,31 @@ def run_workload(name: str, datastore: str, methods: list[str], limit: int, max_
             launcher.down(state=state)
     return {"datastore": datastore, "page_cache_warm_s": warm_s, "start_s": up_s, "worker": worker_info_dict(info),
             "per_prompt": per_prompt, "cold_prefill": cold, "summary": summarize(per_prompt, methods),
+            "ar_against_itself": against_itself(per_prompt),
             "ttft_by_prompt_length": ttft,
             "first_request": first_vs_warm(methods[0], first, warm)}
+
+
+def median_run(runs: list[dict]) -> dict:
+    """A method's repeats on one prompt -> the run of median ms (the lower one of an even count: a real run, its
+    stats its own), with every repeat's ms and whether all repeats gave the same tokens."""
+    mid = sorted(runs, key=lambda r: r["ms"])[(len(runs) - 1) // 2]
+    return mid | {"ms_runs": [r["ms"] for r in runs],
+                  "runs_identical": all(r["token_ids"] == runs[0]["token_ids"] for r in runs)}
+
+
+def against_itself(per_prompt: list[dict], method: str = "ar") -> dict | None:
+    """The noise floor of a per-prompt ratio: per prompt, the median ms of `method`'s odd repeats over that of its
+    even ones, two halves of the same method that differ by chance alone -> the median and the worst over prompts of
+    min(ratio, 1 / ratio), to hold a method's worst prompt against (None with fewer than two repeats)."""
+    ratios = []
+    for p in per_prompt:
+        ms = p[method].get("ms_runs", [])
+        if len(ms) < 2:
+            return None
+        r = statistics.median(ms[1::2]) / statistics.median(ms[0::2])
+        ratios.append(min(r, 1.0 / r))
+    return {"median": statistics.median(ratios), "worst": min(ratios), "repeats": len(per_prompt[0][method]["ms_runs"])}
 
 
 def first_vs_warm(method: str, first: dict, warm: dict) -> dict:
@@ -309,7 +337,9 @@ def summarize(per_prompt: list[dict], methods: list[str]) -> dict:
             "verify_cost_vs_ar_step": statistics.median(cost),
             "draft_ms_per_step": statistics.mean(r["draft_ms_per_step"] for r in rows),
             "skipped_drafts": sum(r["skipped_drafts"] for r in rows),
-            "identical_to_ar": sum(r["token_ids"] == a["token_ids"] for a, r in zip(ar_rows, rows)),
+            # Every repeat of both: a prompt counts only when all of them gave ar's tokens.
+            "identical_to_ar": sum(r["token_ids"] == a["token_ids"] and r.get("runs_identical", True)
+                                   and a.get("runs_identical", True) for a, r in zip(ar_rows, rows)),
         }
     return out
 
@@ -398,6 +428,10 @@ def print_summary(result: dict) -> None:
                   f"{s['min_speedup_vs_ar']:>6.2f} {s['mean_accepted_length']:>5.2f} {s['nodes_per_step']:>6.1f} "
                   f"{s['verify_cost_vs_ar_step']:>7.2f} {s['draft_ms_per_step']:>8.2f} {s['skipped_drafts']:>5} "
                   f"{s['identical_to_ar']:>2}/{s['n']}")
+        noise = w.get("ar_against_itself")
+        if noise:
+            print(f"ar against itself (odd vs even of {noise['repeats']} repeats, the noise floor of a per-prompt "
+                  f"ratio): median {noise['median']:.2f}, worst prompt {noise['worst']:.2f}")
         if w.get("ar_vs_inprocess"):
             print("ar through the server vs in-process:", w["ar_vs_inprocess"])
         if w.get("ttft_by_prompt_length"):
@@ -429,6 +463,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="measure the worker at this address instead of starting the services (its datastore, "
                          "dtype and flags are its own: --*-datastore name it in the record only, --dtype is not "
                          "applied; '' = start them, the benchmark of record)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs of every (prompt, method), interleaved; the median one is recorded, and ar's odd against "
+                         "its even runs gives the noise floor of a per-prompt ratio (default: 3)")
     ap.add_argument("--inprocess", action="store_true",
                     help="also time our AR loop in this process on each workload's prompts (same dtype/threads)")
     ap.add_argument("--json", default="",
@@ -444,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--methods: {m!r} is not one of {', '.join(METHODS)}")
     if "ar" not in methods:
         ap.error("--methods must include ar (every ratio is against it)")
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
     stores = {"code": args.code_datastore, "docs": args.docs_datastore}
     crest = {"code": args.crest_code, "docs": args.crest_docs}
     for w in workloads if not args.target else []:
@@ -454,13 +493,14 @@ def main(argv: list[str] | None = None) -> int:
               "machine": machine(), "loadavg_start": os.getloadavg(), "limit": args.limit,
               "max_new_tokens": args.max_new_tokens, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "workloads": {}}
-    total = sum(len(REQUESTS[w](args.limit)) * len([m for m in methods if m != "crest" or crest[WORKLOADS[w]]])
-                for w in workloads)
+    total = args.repeats * sum(len(REQUESTS[w](args.limit)) * len([m for m in methods
+                                                                   if m != "crest" or crest[WORKLOADS[w]]])
+                               for w in workloads)
     with tqdm(total=total, unit="req", desc="serving bench") as bar:
         for w in workloads:
             kind = WORKLOADS[w]
             res = run_workload(w, stores[kind], methods, args.limit, args.max_new_tokens, crest[kind], bar,
-                               args.dtype, args.target)
+                               args.dtype, args.target, args.repeats)
             ar_ms = res["summary"]["ar"]["decode_ms_per_token"]
             res["ar_vs_inprocess"] = {"server_ar_decode_ms_per_token": ar_ms}
             serving = next((c for c in res["worker"]["candidates"]  # none where the worker was not calibrated

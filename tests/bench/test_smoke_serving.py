@@ -16,7 +16,7 @@ from tests.bench.workers import in_process_worker
 pytestmark = pytest.mark.model
 
 STDLIB = ragserve_home() / "datastores" / "stdlib"
-ARGS = ["--workloads", "mtbench", "--methods", "ar,pld", "--limit", "1", "--max-new-tokens", "8"]
+ARGS = ["--workloads", "mtbench", "--methods", "ar,pld", "--limit", "1", "--max-new-tokens", "8", "--repeats", "2"]
 
 
 def check_record(res: dict) -> dict:
@@ -30,6 +30,9 @@ def check_record(res: dict) -> dict:
     assert row["ar"]["server_prefill_ms"] == row["pld"]["server_prefill_ms"] == 0.0  # both met the prompt cached
     for name, r in row.items():
         assert r["tokens"] == 8 and r["finish"] and r["ms_per_token"] > 0 and r["ttft_ms"] > 0, name
+        assert len(r["ms_runs"]) == 2 and r["ms"] in r["ms_runs"] and r["runs_identical"], name  # the median run
+    noise = w["ar_against_itself"]  # ar's second run against its first
+    assert noise["repeats"] == 2 and 0 < noise["worst"] <= noise["median"] <= 1.0
     assert set(w["summary"]) == {"ar", "pld"} and w["summary"]["ar"]["speedup_vs_ar"] == 1.0
     assert w["summary"]["pld"]["identical_to_ar"] == 1  # greedy fp32: pld reproduces ar
     assert w["first_request"]["method"] == "ar" and w["first_request"]["same_tokens"]

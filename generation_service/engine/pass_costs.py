@@ -24,8 +24,6 @@ corrects for contention by switching counts; this corrects the shape at the serv
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from generation_service.model.step_cost import StepCost
@@ -74,22 +72,42 @@ class PassCosts:
         self.passes = 0
         self.rebuild_passes = max(1, rebuild_passes)
         self.cost = base
+        # Passes recorded but not yet in the fit: (rows, ms outside the fixed part). The fit only shows in `cost`,
+        # rebuilt every rebuild_passes, so the passes are folded in then, all at once. Why not per pass: right after
+        # a forward pass the interpreter runs cold, and the dozen small array operations of one pass cost ~0.1 ms
+        # there, a few percent of an AR step, on every pass of every request.
+        self._pending: list[tuple[int, float]] = []
 
     def record(self, rows: int, ms: float, fixed_ms: float = 0.0) -> None:
         """A pass over `rows` rows (no prompt chunk) took `ms`, of which `fixed_ms` is outside the curve (the other
         sequences' attention and bookkeeping)."""
-        calibrated = float(self.base.pass_ms(rows))
-        own = ms - fixed_ms
-        if not (rows >= 1 and math.isfinite(ms) and own > 0 and calibrated > 0):
+        self._pending.append((rows, ms - fixed_ms))
+        if len(self._pending) >= self.rebuild_passes:
+            self._fold()
+
+    def _fold(self) -> None:
+        """The pending passes into the fit, in their order (the decays applied as pass-by-pass recording would), and
+        the curve rebuilt from it."""
+        pending, self._pending = self._pending, []
+        rows = np.array([r for r, _ in pending], np.float64)
+        own = np.array([o for _, o in pending], np.float64)
+        calibrated = self.base.pass_ms(rows)
+        ok = (rows >= 1) & np.isfinite(own) & (own > 0) & (calibrated > 0)
+        if not ok.any():
             return
-        ratio = min(max(own / calibrated, 1.0 / MAX_RATIO), MAX_RATIO)
-        w = spread(self.rows, self._calibrated_ms, rows)
-        self._a = FORGET * self._a + np.outer(w, w)
-        self._b = FORGET * self._b + w * ratio
-        self.overall = ratio if self.passes == 0 else (1 - GLOBAL_ALPHA) * self.overall + GLOBAL_ALPHA * ratio
-        self.passes += 1
-        if self.passes % self.rebuild_passes == 0:
-            self.cost = self.corrected()
+        rows, ratio = rows[ok], np.clip(own[ok] / calibrated[ok], 1.0 / MAX_RATIO, MAX_RATIO)
+        n = ratio.shape[0]
+        w = np.stack([spread(self.rows, self._calibrated_ms, r) for r in rows.tolist()])  # [n, P]
+        age = FORGET ** np.arange(n - 1, -1, -1)  # pass k is n - 1 - k passes old at the end
+        self._a = FORGET ** n * self._a + np.einsum("k,ki,kj->ij", age, w, w)
+        self._b = FORGET ** n * self._b + (age * ratio) @ w
+        if self.passes == 0:  # the first pass ever sets the overall ratio, the EWMA goes on from it
+            self.overall, ratio = float(ratio[0]), ratio[1:]
+        keep = 1 - GLOBAL_ALPHA
+        m = ratio.shape[0]
+        self.overall = keep ** m * self.overall + float(GLOBAL_ALPHA * (keep ** np.arange(m - 1, -1, -1)) @ ratio)
+        self.passes += n
+        self.cost = self.corrected()
 
     def multipliers(self) -> np.ndarray:
         """float64 [P]: m_j, each calibration point's measured / calibrated cost."""

@@ -140,3 +140,20 @@ def test_the_fixed_part_of_a_batched_pass_is_not_charged_to_the_curve():
     for _ in range(100):
         live.record(8, FAST[3] + 7 * 0.5, fixed_ms=7 * 0.5)
     assert math.isclose(float(live.cost.pass_ms(8)), FAST[3], rel_tol=1e-6)
+
+
+def test_passes_are_folded_in_when_the_curve_is_rebuilt_with_the_same_fit():
+    """The engine records every pass, but the fit shows only in the curve rebuilt every rebuild_passes: deferring
+    the arithmetic to then gives the fit of recording pass by pass (up to rounding), and the curve does not move
+    in between (Not a rebuild per pass)."""
+    rng = np.random.default_rng(3)
+    passes = [(int(r), float(FAST[min(int(np.log2(r)), 6)] * rng.uniform(0.8, 1.4))) for r in rng.integers(1, 40, 96)]
+    each, deferred = PassCosts(StepCost(ROWS, FAST), rebuild_passes=1), PassCosts(StepCost(ROWS, FAST))
+    for i, (rows, ms) in enumerate(passes, 1):
+        each.record(rows, ms)
+        before = deferred.cost
+        deferred.record(rows, ms)
+        assert (deferred.cost is before) == (i % 32 != 0)  # rebuilt on every 32nd pass only
+    assert deferred.passes == each.passes == 96 and math.isclose(deferred.overall, each.overall, rel_tol=1e-12)
+    assert np.allclose(deferred.multipliers(), each.multipliers(), rtol=1e-12, atol=0)
+    assert np.allclose(deferred.cost.rel, each.cost.rel, rtol=1e-12, atol=0)

@@ -500,25 +500,7 @@ class Engine:
         drafted = [r for r in decoding if r.request.drafting is not None]  # their trees are sized here
         fixed = [r for r in decoding if r.request.drafting is None]  # their loops chose their rows
         steps = [r.request.drafting for r in drafted]
-        # In a batch the gate measures how drafting pays. A lone request's sizer shrinks its tree down to an AR
-        # step where no node pays, but it judges a remote source by whether its nodes were accepted, not by what
-        # the round trip cost: a source that adds a node now and then was asked on most steps at several times
-        # the cost of the in-process draft. So alone, the gate weighs only that: remote or in-process drafts, for
-        # a source that has both (`rest`; without an in-process part the alternative is an AR step, which the
-        # sizer already weighs per request, e.g. against a datastore that has just learned this very output).
-        remote = any(getattr(s.drafter, "remote", False) for s in steps)
-        alone = len(steps) == 1 and remote and getattr(steps[0].drafter, "local", None) is not None
-        gated = (len(steps) > 1 or alone) and any(s.drafter is not None for s in steps)
-        arm = REMOTE
-        if steps and len(decoding) < len(ready) and self.prefill_share.slowdown > 0:
-            # A prompt is being prefilled beside them: plain steps. A mixed step may last slowdown x the decoding
-            # requests' tail gap (prefill_share.py) whatever they put in it, so the rows and draft round trips of
-            # their trees would come out of the prompt's share of the step; without them the prompt gets most of it
-            # and its first token comes sooner, while their gaps stay within the same bound.
-            arm, gated = NONE, False
-        elif gated:
-            arms = (REMOTE, LOCAL) if alone else (REMOTE, LOCAL, NONE) if remote else (LOCAL, NONE)
-            arm = self.gate.choose(len(steps), arms)
+        arm, gated = self._draft_arm(steps, prefilling=len(decoding) < len(ready))
         if arm == NONE:
             for s in steps:
                 s.skip_draft()
@@ -526,22 +508,7 @@ class Engine:
             self._fetch_drafts(steps, arm == REMOTE)
         cost = self.step_cost
         fixed_segments = [r.request.decode_segment() for r in fixed]
-        if len(steps) == 1 and not fixed:
-            steps[0].choose(cost=cost)  # alone: the solo decision
-        elif steps:
-            # Sized against the decoding rows only. A prefill chunk's rows emit no token, so counted in they make
-            # the pass's tokens per ms tiny and any node look worth its row (trees of 64 nodes beside a 200-row
-            # chunk); but the chunk's cost is spent either way, while a node's row costs what it costs in any
-            # pass: it must pay against the decoding rows' own rate.
-            sized = [s for s in steps if s.sizer is not None]
-            base = len(steps) * self.tm.min_rows + sum(seg.ids.shape[0] for seg in fixed_segments)
-            counts = batch_sizes([s.p for s in sized], cost, base, len(decoding), self.segment_ms,
-                                 base_tokens=len(decoding))
-            for s, n in zip(sized, counts):
-                s.choose(n)
-            for s in steps:
-                if s.sizer is None:
-                    s.choose()
+        self._size_trees(steps, fixed_segments, len(decoding), cost)
         decode_segments = [r.request.decode_segment() for r in drafted] + fixed_segments
         decode_ms, prefills = self._choose_prefills(ready, decode_segments, cost)
         # The prompt chunks of requests that bring their own rows before the pieces sized here, the order passes
@@ -560,63 +527,123 @@ class Engine:
         else:
             logits, hidden = forward_batch(self.tm, segments), [None] * len(segments)
         pass_ms = (time.perf_counter() - t_pass) * 1e3
+        self._record_pass(segments, len(decode_segments), bool(prefills), decode_ms, n_threads, pass_ms)
+        tokens = self._commit(members, logits, hidden, [s.sampler.greedy for s in steps], len(decode_segments))
+        self._last_pass = (t_pass, pass_ms, tokens, not prefills)
+        if gated and not prefills and not fixed:  # other rows in the pass would blur the rate
+            self._record_gate(len(steps), arm, sum(tokens), (time.perf_counter() - t0) * 1e3)
+
+    def _draft_arm(self, steps: list[DraftStep], prefilling: bool) -> tuple[str, bool]:
+        """How this pass's drafting requests draft (REMOTE as asked, LOCAL in process only, NONE not at all) ->
+        (the arm, whether the draft gate chose it and measures the pass)."""
+        # In a batch the gate measures how drafting pays. A lone request's sizer shrinks its tree down to an AR
+        # step where no node pays, but it judges a remote source by whether its nodes were accepted, not by what
+        # the round trip cost: a source that adds a node now and then was asked on most steps at several times
+        # the cost of the in-process draft. So alone, the gate weighs only that: remote or in-process drafts, for
+        # a source that has both (`rest`; without an in-process part the alternative is an AR step, which the
+        # sizer already weighs per request, e.g. against a datastore that has just learned this very output).
+        remote = any(getattr(s.drafter, "remote", False) for s in steps)
+        alone = len(steps) == 1 and remote and getattr(steps[0].drafter, "local", None) is not None
+        gated = (len(steps) > 1 or alone) and any(s.drafter is not None for s in steps)
+        if steps and prefilling and self.prefill_share.slowdown > 0:
+            # A prompt is being prefilled beside them: plain steps. A mixed step may last slowdown x the decoding
+            # requests' tail gap (prefill_share.py) whatever they put in it, so the rows and draft round trips of
+            # their trees would come out of the prompt's share of the step; without them the prompt gets most of it
+            # and its first token comes sooner, while their gaps stay within the same bound.
+            return NONE, False
+        if not gated:
+            return REMOTE, False
+        arms = (REMOTE, LOCAL) if alone else (REMOTE, LOCAL, NONE) if remote else (LOCAL, NONE)
+        return self.gate.choose(len(steps), arms), True
+
+    def _size_trees(self, steps: list[DraftStep], fixed_segments: list, n_decoding: int, cost: StepCost) -> None:
+        """How many nodes of its fetched tree each drafting request verifies in this pass."""
+        if len(steps) == 1 and not fixed_segments:
+            steps[0].choose(cost=cost)  # alone: the solo decision
+            return
+        if not steps:
+            return
+        # Sized against the decoding rows only. A prefill chunk's rows emit no token, so counted in they make the
+        # pass's tokens per ms tiny and any node look worth its row (trees of 64 nodes beside a 200-row chunk);
+        # but the chunk's cost is spent either way, while a node's row costs what it costs in any pass: it must
+        # pay against the decoding rows' own rate.
+        sized = [s for s in steps if s.sizer is not None]
+        base = len(steps) * self.tm.min_rows + sum(seg.ids.shape[0] for seg in fixed_segments)
+        counts = batch_sizes([s.p for s in sized], cost, base, n_decoding, self.segment_ms, base_tokens=n_decoding)
+        for s, n in zip(sized, counts):
+            s.choose(n)
+        for s in steps:
+            if s.sizer is None:
+                s.choose()
+
+    def _record_pass(self, segments: list, n_decoding: int, prefilled: bool, decode_ms: float, n_threads: int,
+                     pass_ms: float) -> None:
+        """What the pass's time tells the prefill share, the thread governor and the live cost curve."""
+        pass_rows = sum(int(s.ids.shape[0]) for s in segments)
         if decode_ms > 0:
-            prefill_rows = pass_rows - sum(int(s.ids.shape[0]) for s in decode_segments)
-            if prefills:
+            prefill_rows = pass_rows - sum(int(s.ids.shape[0]) for s in segments[:n_decoding])
+            if prefilled:
                 self.prefill_share.record_mixed(pass_ms, decode_ms, prefill_rows)
                 self.mixed_prefill_rows.append(prefill_rows)
                 if log.isEnabledFor(logging.DEBUG):
-                    depth = max(int(s.positions[-1]) for s in segments[len(decode_segments):]) + 1
+                    depth = max(int(s.positions[-1]) for s in segments[n_decoding:]) + 1
                     log.debug("mixed pass: %d decoding rows of %d requests (%.1f ms on the curve), %d prompt rows to "
                               "depth %d, %d threads: %.1f ms (tail gap %.1f ms)", pass_rows - prefill_rows,
-                              len(decode_segments), decode_ms, prefill_rows, depth, n_threads, pass_ms,
-                              self.prefill_share.tail_ms(len(decode_segments)))
+                              n_decoding, decode_ms, prefill_rows, depth, n_threads, pass_ms,
+                              self.prefill_share.tail_ms(n_decoding))
             else:
                 self.prefill_share.record_decode(pass_ms, decode_ms)
         if self.threads is not None:
             self.threads.record(n_threads, pass_rows, pass_ms)
-        if self.live_cost is not None and not prefills and (self.threads is None or n_threads == self.threads.start):
+        if self.live_cost is not None and not prefilled and (self.threads is None or n_threads == self.threads.start):
             # The calibrated curve is one sequence's pass: the others' attention and bookkeeping is outside it.
             self.live_cost.record(pass_rows, pass_ms, (len(segments) - 1) * self.segment_ms)
         self.passes += 1
+        self.peak_batch = max(self.peak_batch, len(segments))
         if self.passes % SAVE_PASSES == 0:
             self.save_acceptance()
         if self.passes % GATE_LOG_PASSES == 0:
-            if self.gate.steps:
-                log.info("engine: draft gate after %d passes: %s", self.passes, self.gate.report())
-            if self.threads is not None:
-                log.info("engine: threads after %d passes: %s", self.passes, self.threads.report())
-            if self.live_cost is not None:
-                log.info("engine: pass costs after %d passes: %s", self.passes, self.live_cost.report())
-            if self.prefix_cache is not None:
-                log.info("engine: prefix cache after %d passes: %s", self.passes, self.prefix_cache.stats())
-            if self.prefill_share.mixed_steps:
-                log.info("engine: prefill share after %d passes: %s", self.passes, self.prefill_share.report())
-            if self.follow.gaps:
-                log.info("engine: arrivals after %d passes: %s", self.passes, self.follow.report())
-        self.peak_batch = max(self.peak_batch, len(segments))
-        greedy = [s.sampler.greedy for s in steps]
+            self._log_state()
+
+    def _log_state(self) -> None:
+        """A line per adaptive part (about a line a minute busy): what it measured and decided so far."""
+        if self.gate.steps:
+            log.info("engine: draft gate after %d passes: %s", self.passes, self.gate.report())
+        if self.threads is not None:
+            log.info("engine: threads after %d passes: %s", self.passes, self.threads.report())
+        if self.live_cost is not None:
+            log.info("engine: pass costs after %d passes: %s", self.passes, self.live_cost.report())
+        if self.prefix_cache is not None:
+            log.info("engine: prefix cache after %d passes: %s", self.passes, self.prefix_cache.stats())
+        if self.prefill_share.mixed_steps:
+            log.info("engine: prefill share after %d passes: %s", self.passes, self.prefill_share.report())
+        if self.follow.gaps:
+            log.info("engine: arrivals after %d passes: %s", self.passes, self.follow.report())
+
+    def _commit(self, members: list[_Running], logits: list, hidden: list, greedy: list[bool],
+                n_decoding: int) -> list[int]:
+        """Every member's step from its rows of the pass, fed to its output (greedy: per drafting request, the
+        first members) -> the tokens each decoding request got."""
         picks = iter(argmax_each([lg for g, lg in zip(greedy, logits) if g]))  # one call, the GIL kept
-        tops = [next(picks) if g else None for g in greedy] + [None] * (len(members) - len(steps))
-        emitted = 0
-        tokens = [0] * len(decode_segments)  # per decoding request: the tokens this pass gave it
+        tops = [next(picks) if g else None for g in greedy] + [None] * (len(members) - len(greedy))
+        tokens = [0] * n_decoding
         for i, (r, lg, h, top) in enumerate(zip(members, logits, hidden, tops)):
             step = r.request.commit(lg, h, top)
             if step is not None:
-                emitted += len(step[0])
-                if i < len(tokens):
+                if i < n_decoding:
                     tokens[i] = len(step[0])
                 self._feed(r, step)
-        self._last_pass = (t_pass, pass_ms, tokens, not prefills)
-        if gated and not prefills and not fixed:  # other rows in the pass would blur the rate
-            n = len(steps)
-            cost = self.tm.step_cost  # a generic curve (no calibration) has no ms to compare with: raw rates
-            ar_ms = 0.0
-            if self.threads is not None:  # at the count and slowdown this pass ran with
-                ar_ms = self.threads.expected_ms(n * self.tm.min_rows) + n * self.segment_ms
-            elif cost.measured:
-                ar_ms = float(cost.pass_ms(n * self.tm.min_rows)) + n * self.segment_ms
-            self.gate.record(n, arm, emitted, (time.perf_counter() - t0) * 1e3, ar_ms)
+        return tokens
+
+    def _record_gate(self, n: int, arm: str, emitted: int, ms: float) -> None:
+        """A gated step of n drafting requests: its tokens per ms, relative to an AR pass over them, to the gate."""
+        cost = self.tm.step_cost  # a generic curve (no calibration) has no ms to compare with: raw rates
+        ar_ms = 0.0
+        if self.threads is not None:  # at the count and slowdown this pass ran with
+            ar_ms = self.threads.expected_ms(n * self.tm.min_rows) + n * self.segment_ms
+        elif cost.measured:
+            ar_ms = float(cost.pass_ms(n * self.tm.min_rows)) + n * self.segment_ms
+        self.gate.record(n, arm, emitted, ms, ar_ms)
 
     def _choose_prefills(self, runs: list[_Running], decode_segments: list, cost: StepCost
                          ) -> tuple[float, list[tuple[_Running, int]]]:

@@ -188,15 +188,17 @@ def main(argv: list[str] | None = None) -> None:
     settings = dict(s.split("=", 1) for s in args.set)
     pg = LocalPostgres(args.data, host=args.host, port=args.port, fast=not args.durable, settings=settings)
     pg.start()
-    print(f"postgres listening on {args.host}:{pg.port} (data {pg.data})", flush=True)
 
     def shutdown(signum, frame):
         # Only ask for the fast shutdown here: the main thread is inside proc.wait(), whose lock a wait in this
         # handler could never take (it hung with a zombie postmaster); that wait returns once the server is down.
         pg.proc.send_signal(signal.SIGINT)
 
+    # Before the line that says it is up: a supervisor may stop it as soon as it reads that line, and a SIGTERM
+    # before the handler killed this process and left the postmaster running.
     signal.signal(signal.SIGTERM, shutdown)
     signal.signal(signal.SIGINT, shutdown)
+    print(f"postgres listening on {args.host}:{pg.port} (data {pg.data})", flush=True)
     sys.exit(pg.proc.wait())
 
 

@@ -21,8 +21,9 @@ import os
 import resource
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -96,6 +97,27 @@ def _parent_passages(parent: Path, limit: int | None) -> Iterator[P.Passage]:
         store.close()
 
 
+@dataclass
+class _Build:
+    """What the stages of one build share: where it goes, the manifest it writes after each stage, the previous
+    run's manifest (what may be reused) and the passages."""
+    out: Path
+    manifest: dict
+    old: dict  # the last run's manifest ({} when nothing may be reused)
+    n: int  # passages
+    fp: str  # their fingerprint
+    store: P.PassageStore
+    progress: bool
+
+    def carry(self, name: str) -> None:
+        """Keep the last run's build record of index `name` (reused as it is)."""
+        if name in self.old.get("retrievers", []) and self.old.get("fingerprint") == self.fp:
+            self.manifest["build"][name] = self.old.get("build", {}).get(name, {})
+
+    def save(self) -> None:
+        _write_json(self.out / MANIFEST, self.manifest)
+
+
 def build_kb(out: str | Path, passages: Iterable[P.Passage] | None = None, *,
              retrievers: Sequence[str] = RETRIEVERS, corpus: dict | None = None, limit: int | None = None,
              rst: bool = True, site: bool = True, code: bool = False, man: bool = False, headers: bool = False,
@@ -130,148 +152,166 @@ def build_kb(out: str | Path, passages: Iterable[P.Passage] | None = None, *,
         corpus_desc.update(extra)
     manifest = {"version": FORMAT_VERSION, "corpus": corpus_desc, "retrievers": [], "build": {}}
 
-    # 1. Passages --------------------------------------------------------------------------------------
-    if (old.get("corpus") == corpus_desc and old.get("version") == FORMAT_VERSION
-            and (out / P.PASSAGES_FILE).is_file() and (out / P.OFFSETS_FILE).is_file()
-            and P.fingerprint(out / P.PASSAGES_FILE) == old.get("fingerprint")):
+    def source() -> Iterable[P.Passage]:  # asked only when the last run's passages cannot be reused
+        if passages is None and embeddings_from is not None and (
+                limit is None or _parent_count(Path(embeddings_from).expanduser()) >= limit):
+            return _parent_passages(Path(embeddings_from).expanduser(), limit)
+        if passages is None:
+            docs = P.iter_documents(rst=rst, site=site, workers=workers, code=code, man=man, headers=headers)
+            return P.iter_passages(docs, words=words, limit=limit)
+        return passages if limit is None else (p for _, p in zip(range(limit), passages))
+
+    n, fp, reused = _passages_stage(out, old, corpus_desc, manifest, source, progress)
+    b = _Build(out, manifest, old if reused else {}, n, fp, P.PassageStore(out), progress)  # every index depends on them
+    if {"edr", "adr"} & set(retrievers):
+        _dense_stage(b, dtype=dtype, encoder_dtype=encoder_dtype, batch_size=batch_size, chunk=chunk,
+                     omp_threads=omp_threads, encode_workers=encode_workers, embeddings_from=embeddings_from,
+                     encoder=encoder)
+    if "adr" in retrievers:
+        _hnsw_stage(b, hnsw_m, hnsw_ef_construction, omp_threads)
+    if "sr" in retrievers:
+        _lucene_stage(b, threads, jvm_heap)
+    # Peak resident memory of the build (this process; the Anserini JVM is a child), over resumed runs too.
+    peak = {who: getattr(resource.getrusage(flag), "ru_maxrss") / 1024 for who, flag in
+            (("python_mb", resource.RUSAGE_SELF), ("children_mb", resource.RUSAGE_CHILDREN))}
+    before = b.old.get("peak_rss", {}) if b.old.get("fingerprint") == fp else {}
+    manifest["peak_rss"] = {k: round(max(v, before.get(k, 0.0)), 1) for k, v in peak.items()}
+    # Indexes built by an earlier run for the same passages stay usable even if not asked for this time.
+    for name in b.old.get("retrievers", []):
+        if name not in manifest["retrievers"] and b.old.get("fingerprint") == fp:
+            manifest["retrievers"].append(name)
+            b.carry(name)
+    # Last: every file is final now. KnowledgeBase.open verifies them all before the KB serves.
+    manifest[kb_files.MANIFEST_KEY] = kb_files.checksums(out)
+    b.save()
+    b.store.close()
+    return manifest
+
+
+def _passages_stage(out: Path, old: dict, corpus_desc: dict, manifest: dict,
+                    source: Callable[[], Iterable[P.Passage]], progress: bool) -> tuple[int, str, bool]:
+    """1. The passage store: the last run's when it was built from the same corpus, else written from source()
+    -> (passages, fingerprint, whether the last run's were reused)."""
+    reused = (old.get("corpus") == corpus_desc and old.get("version") == FORMAT_VERSION
+              and (out / P.PASSAGES_FILE).is_file() and (out / P.OFFSETS_FILE).is_file()
+              and P.fingerprint(out / P.PASSAGES_FILE) == old.get("fingerprint"))
+    if reused:
         n, fp = old["passages"], old["fingerprint"]
         manifest["build"]["passages"] = old.get("build", {}).get("passages", {})
         print(f"passages: reusing {n} passages in {out}")
     else:
         t0 = time.perf_counter()
-        if passages is None and embeddings_from is not None and (
-                limit is None or _parent_count(Path(embeddings_from).expanduser()) >= limit):
-            passages = _parent_passages(Path(embeddings_from).expanduser(), limit)
-        elif passages is None:
-            docs = P.iter_documents(rst=rst, site=site, workers=workers, code=code, man=man, headers=headers)
-            passages = P.iter_passages(docs, words=words, limit=limit)
-        elif limit is not None:
-            passages = (p for i, p in zip(range(limit), passages))
         with tqdm(desc="passages", unit=" psg", disable=not progress) as bar:
-            n, fp = P.write_passages(out, passages, progress=bar)
+            n, fp = P.write_passages(out, source(), progress=bar)
         manifest["build"]["passages"] = {"seconds": time.perf_counter() - t0}
-        old = {}  # every index depends on the passages
     if n == 0:
         raise ValueError("the corpus produced no passages")
     manifest.update(passages=n, fingerprint=fp)
     manifest["build"]["passages"]["bytes"] = _dir_bytes(out / P.PASSAGES_FILE) + _dir_bytes(out / P.OFFSETS_FILE)
-    _write_json(manifest_path, manifest)
-    store = P.PassageStore(out)
+    _write_json(out / MANIFEST, manifest)
+    return n, fp, reused
 
-    def carry(name: str) -> None:
-        if name in old.get("retrievers", []) and old.get("fingerprint") == fp:
-            manifest["build"][name] = old.get("build", {}).get(name, {})
 
-    # 2. Dense embeddings (EDR) and HNSW (ADR) ---------------------------------------------------------
-    dense_dir = out / DENSE_DIR
-    if {"edr", "adr"} & set(retrievers):
-        dense_dir.mkdir(exist_ok=True)
-        meta_path = dense_dir / dense.META_FILE
-        meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-        if (meta.get("fingerprint") == fp and meta.get("n") == n and meta.get("dtype") == dtype
-                and meta.get("encoder_dtype", "float32") == encoder_dtype
-                and (dense_dir / dense.EMBEDDINGS_FILE).is_file()):
-            print("embeddings: up to date")
-            carry("edr")
-        else:
-            t0 = time.perf_counter()
-            enc = encoder or Encoder(threads=omp_threads, cache_size=0, dtype=encoder_dtype)
-            reuse = None
-            if embeddings_from is not None:
-                parent = Path(embeddings_from).expanduser()
-                if not share_prefix(out / P.PASSAGES_FILE, out / P.OFFSETS_FILE, parent / P.PASSAGES_FILE,
-                                    parent / P.OFFSETS_FILE):
-                    raise ValueError(f"embeddings_from: the passages of {parent} and these {n} begin differently")
-                reuse = dense.prefix_rows(parent / DENSE_DIR, encoder=enc.name, encoder_dtype=encoder_dtype,
-                                          dtype=dtype, dim=enc.dim)
-            pool = None if encoder is not None else EncodeWork(
-                passages_dir=str(out), chunks_dir=str(dense_dir / "chunks"), encoder_dtype=encoder_dtype, dtype=dtype,
-                batch_size=batch_size, threads=omp_threads)
-            workers = encode_workers or auto_workers(omp_threads)
-            with tqdm(total=n, desc=f"encode ({workers} x {omp_threads} threads)" if pool else "encode", unit=" psg",
-                      smoothing=0.05, disable=not progress) as bar:
-                dense.encode_passages(lambda a, b: store.iter_range(a, b), n, dense_dir, enc, fingerprint=fp,
-                                      dtype=dtype, chunk=chunk, batch_size=batch_size, progress=bar, reuse=reuse,
-                                      pool=pool, workers=workers)
-            done = json.loads(meta_path.read_text()).get("build", {})
-            # encode_seconds: the encoder's time over every run of a resumed build (chunks encoded by a version
-            # that kept no time count are in neither it nor encoded_rows); wall_seconds: this run, copies included.
-            manifest["build"]["edr"] = {**done, "wall_seconds": time.perf_counter() - t0}
-        manifest["build"].setdefault("edr", {})["bytes"] = _dir_bytes(dense_dir / dense.EMBEDDINGS_FILE)
-        manifest["build"]["edr"]["dtype"] = dtype
-        manifest["build"]["edr"]["encoder_dtype"] = encoder_dtype
-        manifest["retrievers"].append("edr")  # the exact index is built from the embeddings at open
-        _write_json(manifest_path, manifest)
-    if "adr" in retrievers:
-        hnsw_meta_path = dense_dir / "hnsw.json"
-        want = {"fingerprint": fp, "n": n, "M": hnsw_m, "efConstruction": hnsw_ef_construction, "metric": "ip"}
-        have = json.loads(hnsw_meta_path.read_text()) if hnsw_meta_path.is_file() else {}
-        if {k: have.get(k) for k in want} == want and (dense_dir / dense.HNSW_FILE).is_file():
-            print("hnsw: up to date")
-            carry("adr")
-        else:
-            dense.configure_faiss(omp_threads)
-            vectors = np.load(dense_dir / dense.EMBEDDINGS_FILE, mmap_mode="r")
-            t0 = time.perf_counter()
-            with tqdm(total=n, desc=f"hnsw M={hnsw_m} efC={hnsw_ef_construction}", unit=" vec",
-                      disable=not progress) as bar:
-                index = dense.build_hnsw(vectors, "ip", hnsw_m, hnsw_ef_construction, progress=bar.update)
-            seconds = time.perf_counter() - t0
-            tmp = dense_dir / (dense.HNSW_FILE + ".tmp")
-            dense.faiss.write_index(index, str(tmp))
-            os.replace(tmp, dense_dir / dense.HNSW_FILE)
-            _write_json(hnsw_meta_path, {**want, "seconds": seconds})
-            manifest["build"]["adr"] = {"seconds": seconds, "M": hnsw_m, "efConstruction": hnsw_ef_construction}
-        manifest["build"].setdefault("adr", {})["bytes"] = _dir_bytes(dense_dir / dense.HNSW_FILE)
-        manifest["retrievers"].append("adr")
-        _write_json(manifest_path, manifest)
+def _dense_stage(b: _Build, *, dtype: str, encoder_dtype: str, batch_size: int, chunk: int, omp_threads: int,
+                 encode_workers: int, embeddings_from: str | Path | None, encoder: Encoder | None) -> None:
+    """2. Dense embeddings (EDR; ADR's HNSW is built from them): kept when up to date, else encoded in resumable
+    chunks, copying a parent KB's rows where its passages are these."""
+    dense_dir = b.out / DENSE_DIR
+    dense_dir.mkdir(exist_ok=True)
+    meta_path = dense_dir / dense.META_FILE
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    if (meta.get("fingerprint") == b.fp and meta.get("n") == b.n and meta.get("dtype") == dtype
+            and meta.get("encoder_dtype", "float32") == encoder_dtype
+            and (dense_dir / dense.EMBEDDINGS_FILE).is_file()):
+        print("embeddings: up to date")
+        b.carry("edr")
+    else:
+        t0 = time.perf_counter()
+        enc = encoder or Encoder(threads=omp_threads, cache_size=0, dtype=encoder_dtype)
+        reuse = None
+        if embeddings_from is not None:
+            parent = Path(embeddings_from).expanduser()
+            if not share_prefix(b.out / P.PASSAGES_FILE, b.out / P.OFFSETS_FILE, parent / P.PASSAGES_FILE,
+                                parent / P.OFFSETS_FILE):
+                raise ValueError(f"embeddings_from: the passages of {parent} and these {b.n} begin differently")
+            reuse = dense.prefix_rows(parent / DENSE_DIR, encoder=enc.name, encoder_dtype=encoder_dtype,
+                                      dtype=dtype, dim=enc.dim)
+        pool = None if encoder is not None else EncodeWork(
+            passages_dir=str(b.out), chunks_dir=str(dense_dir / "chunks"), encoder_dtype=encoder_dtype, dtype=dtype,
+            batch_size=batch_size, threads=omp_threads)
+        workers = encode_workers or auto_workers(omp_threads)
+        with tqdm(total=b.n, desc=f"encode ({workers} x {omp_threads} threads)" if pool else "encode",
+                  unit=" psg", smoothing=0.05, disable=not b.progress) as bar:
+            dense.encode_passages(lambda i, j: b.store.iter_range(i, j), b.n, dense_dir, enc, fingerprint=b.fp,
+                                  dtype=dtype, chunk=chunk, batch_size=batch_size, progress=bar, reuse=reuse,
+                                  pool=pool, workers=workers)
+        done = json.loads(meta_path.read_text()).get("build", {})
+        # encode_seconds: the encoder's time over every run of a resumed build (chunks encoded by a version that
+        # kept no time count are in neither it nor encoded_rows); wall_seconds: this run, copies included.
+        b.manifest["build"]["edr"] = {**done, "wall_seconds": time.perf_counter() - t0}
+    edr = b.manifest["build"].setdefault("edr", {})
+    edr.update(bytes=_dir_bytes(dense_dir / dense.EMBEDDINGS_FILE), dtype=dtype, encoder_dtype=encoder_dtype)
+    b.manifest["retrievers"].append("edr")  # the exact index is built from the embeddings at open
+    b.save()
 
-    # 3. Lucene BM25 (SR) -------------------------------------------------------------------------------
-    if "sr" in retrievers:
-        sparse_dir = out / SPARSE_DIR
-        sparse_dir.mkdir(exist_ok=True)
-        meta_path = sparse_dir / sparse.META_FILE
-        meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-        index_dir = sparse_dir / sparse.INDEX_DIR
-        if meta.get("fingerprint") == fp and meta.get("n") == n and any(index_dir.glob("segments_*")):
-            print("lucene: up to date")
-            carry("sr")
-        else:
-            t0 = time.perf_counter()
-            coll = sparse_dir / "collection"
-            if coll.exists():
-                shutil.rmtree(coll)
-            records = ((r["id"], r["title"], r["text"]) for r in
-                       tqdm(store.iter_range(0, n), total=n, desc="lucene collection", unit=" psg",
-                            disable=not progress))
-            sparse.write_collection(records, coll, parts=max(1, threads) * 2)
-            print(f"lucene: indexing {n} passages with Anserini (log: {sparse_dir / 'index.log'}) ...", flush=True)
-            sparse.build_lucene_index(coll, index_dir, threads=threads, heap=jvm_heap,
-                                      log_path=sparse_dir / "index.log")
+
+def _hnsw_stage(b: _Build, hnsw_m: int, hnsw_ef_construction: int, omp_threads: int) -> None:
+    """3. The HNSW graph over the embeddings (ADR): kept when built for the same passages and parameters."""
+    dense_dir = b.out / DENSE_DIR
+    hnsw_meta_path = dense_dir / "hnsw.json"
+    want = {"fingerprint": b.fp, "n": b.n, "M": hnsw_m, "efConstruction": hnsw_ef_construction, "metric": "ip"}
+    have = json.loads(hnsw_meta_path.read_text()) if hnsw_meta_path.is_file() else {}
+    if {k: have.get(k) for k in want} == want and (dense_dir / dense.HNSW_FILE).is_file():
+        print("hnsw: up to date")
+        b.carry("adr")
+    else:
+        dense.configure_faiss(omp_threads)
+        vectors = np.load(dense_dir / dense.EMBEDDINGS_FILE, mmap_mode="r")
+        t0 = time.perf_counter()
+        with tqdm(total=b.n, desc=f"hnsw M={hnsw_m} efC={hnsw_ef_construction}", unit=" vec",
+                  disable=not b.progress) as bar:
+            index = dense.build_hnsw(vectors, "ip", hnsw_m, hnsw_ef_construction, progress=bar.update)
+        seconds = time.perf_counter() - t0
+        tmp = dense_dir / (dense.HNSW_FILE + ".tmp")
+        dense.faiss.write_index(index, str(tmp))
+        os.replace(tmp, dense_dir / dense.HNSW_FILE)
+        _write_json(hnsw_meta_path, {**want, "seconds": seconds})
+        b.manifest["build"]["adr"] = {"seconds": seconds, "M": hnsw_m, "efConstruction": hnsw_ef_construction}
+    b.manifest["build"].setdefault("adr", {})["bytes"] = _dir_bytes(dense_dir / dense.HNSW_FILE)
+    b.manifest["retrievers"].append("adr")
+    b.save()
+
+
+def _lucene_stage(b: _Build, threads: int, jvm_heap: str) -> None:
+    """4. The Lucene BM25 index (SR), built by Anserini: kept when built for the same passages."""
+    sparse_dir = b.out / SPARSE_DIR
+    sparse_dir.mkdir(exist_ok=True)
+    meta_path = sparse_dir / sparse.META_FILE
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    index_dir = sparse_dir / sparse.INDEX_DIR
+    if meta.get("fingerprint") == b.fp and meta.get("n") == b.n and any(index_dir.glob("segments_*")):
+        print("lucene: up to date")
+        b.carry("sr")
+    else:
+        t0 = time.perf_counter()
+        coll = sparse_dir / "collection"
+        if coll.exists():
             shutil.rmtree(coll)
-            seconds = time.perf_counter() - t0
-            _write_json(meta_path, {"fingerprint": fp, "n": n, "seconds": seconds, "k1": 0.9, "b": 0.4,
-                                    "id_width": sparse.ID_WIDTH})
-            manifest["build"]["sr"] = {"seconds": seconds}
-            print(f"lucene: done in {seconds:.1f} s")
-        manifest["build"].setdefault("sr", {})["bytes"] = _dir_bytes(index_dir)
-        manifest["retrievers"].append("sr")
-        _write_json(manifest_path, manifest)
-    # Peak resident memory of the build (this process; the Anserini JVM is a child), over resumed runs too.
-    peak = {who: getattr(resource.getrusage(flag), "ru_maxrss") / 1024 for who, flag in
-            (("python_mb", resource.RUSAGE_SELF), ("children_mb", resource.RUSAGE_CHILDREN))}
-    before = old.get("peak_rss", {}) if old.get("fingerprint") == fp else {}
-    manifest["peak_rss"] = {k: round(max(v, before.get(k, 0.0)), 1) for k, v in peak.items()}
-    # Indexes built by an earlier run for the same passages stay usable even if not asked for this time.
-    for name in old.get("retrievers", []):
-        if name not in manifest["retrievers"] and old.get("fingerprint") == fp:
-            manifest["retrievers"].append(name)
-            carry(name)
-    # Last: every file is final now. KnowledgeBase.open verifies them all before the KB serves.
-    manifest[kb_files.MANIFEST_KEY] = kb_files.checksums(out)
-    _write_json(manifest_path, manifest)
-    store.close()
-    return manifest
+        records = ((r["id"], r["title"], r["text"]) for r in
+                   tqdm(b.store.iter_range(0, b.n), total=b.n, desc="lucene collection", unit=" psg",
+                        disable=not b.progress))
+        sparse.write_collection(records, coll, parts=max(1, threads) * 2)
+        print(f"lucene: indexing {b.n} passages with Anserini (log: {sparse_dir / 'index.log'}) ...", flush=True)
+        sparse.build_lucene_index(coll, index_dir, threads=threads, heap=jvm_heap, log_path=sparse_dir / "index.log")
+        shutil.rmtree(coll)
+        seconds = time.perf_counter() - t0
+        _write_json(meta_path, {"fingerprint": b.fp, "n": b.n, "seconds": seconds, "k1": 0.9, "b": 0.4,
+                                "id_width": sparse.ID_WIDTH})
+        b.manifest["build"]["sr"] = {"seconds": seconds}
+        print(f"lucene: done in {seconds:.1f} s")
+    b.manifest["build"].setdefault("sr", {})["bytes"] = _dir_bytes(index_dir)
+    b.manifest["retrievers"].append("sr")
+    b.save()
 
 
 def main(argv: list[str] | None = None) -> None:

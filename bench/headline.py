@@ -52,7 +52,8 @@ def speculation(names: list[str]) -> str:
     if d is None:
         return f"_missing record `{names[0]}`_"
     rows = []
-    noise = all(w.get("ar_against_itself") for w in d["workloads"].values())  # records with --repeats >= 2
+    floors = [w.get("ar_against_itself") for w in d["workloads"].values()]
+    noise = all(floors)  # records with --repeats >= 2
     for wname, w in d["workloads"].items():
         s = w["summary"]
         for meth in ("rest", "pld", "crest"):
@@ -64,9 +65,8 @@ def speculation(names: list[str]) -> str:
     dtype = next(iter(d["workloads"].values())).get("worker", {}).get("dtype", "?")
     head = (f"**One request at a time, through the services** (default flags; the worker chose {dtype}): "
             f"speed-up over `ar`, median and worst of {d.get('limit', '?')} prompts × {d.get('max_new_tokens', '?')} "
-            "new tokens" + (f", each the median of {next(iter(d['workloads'].values()))['ar_against_itself']['repeats']}"
-                            " runs; the noise floor is `ar`'s odd runs against its even ones, its worst prompt"
-                            if noise else ""))
+            "new tokens" + (f", each the median of {floors[0]['repeats']} runs; the noise floor is `ar`'s odd runs "
+                            "against its even ones, its worst prompt" if noise else ""))
     cols = ["workload", "method", "median", "worst prompt", "M", "same tokens as ar"] + (["noise floor"] if noise else [])
     return head + "\n\n" + _table(cols, rows) + "\n\n" + _source(names, d)
 

@@ -7,9 +7,9 @@ Per workload the retrieval service serves that workload's datastore and the work
 (dtype and threads chosen by its own calibration, engine/calibrate.py); requests go through the project's client one at
 a time, the methods interleaved per prompt (the order rotates) so machine noise hits every method alike, each prompt
 prefilled once untimed before its methods (so all of them meet it in the prefix cache; `cold_prefill` records it).
-Every (prompt, method) runs --repeats times and the run of median ms is recorded: on a shared 2-core VM one run of
-a prompt moves by +-10-20 % from the next (`ar` against itself), as much as the speed-ups judged per prompt.
-`ar_against_itself` is that noise floor: ar's odd against its even repeats per prompt, median and worst.
+Every (prompt, method) runs --repeats times and the run of median ms is recorded: on a shared small VM one run of
+a prompt can differ from the next by as much as the speed-ups judged per prompt. `ar_against_itself` is that noise
+floor: ar's odd against its even repeats per prompt, median and worst.
 Workloads:
     humaneval  HumanEval prompts, raw (code completion), code datastore (stdlib + site-packages .py)
     mtbench    MT-Bench first turns round-robin over its 8 categories, chat template, docs datastore

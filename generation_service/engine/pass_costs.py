@@ -74,8 +74,8 @@ class PassCosts:
         self.cost = base
         # Passes recorded but not yet in the fit: (rows, ms outside the fixed part). The fit only shows in `cost`,
         # rebuilt every rebuild_passes, so the passes are folded in then, all at once. Why not per pass: right after
-        # a forward pass the interpreter runs cold, and the dozen small array operations of one pass cost ~0.1 ms
-        # there, a few percent of an AR step, on every pass of every request.
+        # a forward pass the interpreter runs cold, and there the dozen small array operations of one pass cost a
+        # few percent of an AR step, on every pass of every request.
         self._pending: list[tuple[int, float]] = []
 
     def record(self, rows: int, ms: float, fixed_ms: float = 0.0) -> None:

@@ -241,6 +241,19 @@ def _opt(request, name: str):
 
 def parse_request(request: generation_pb2.GenerateRequest, tm, cfg: GenerationConfig) -> tuple[np.ndarray, SamplingParams, str, int]:
     """Validate every field (InvalidArgument names it) and turn the request into (prompt ids, params, mode, budget)."""
+    prompt_ids = _prompt_ids(request, tm, cfg)
+    params = _sampling(request, tm, cfg, int(prompt_ids.size))
+    decoding = request.decoding or cfg.default_decoding
+    if decoding not in DECODING_MODES:
+        raise InvalidArgument("decoding", f"{clip(decoding)} is not one of {', '.join(DECODING_MODES)}")
+    budget = request.draft_budget or cfg.draft_budget
+    if budget > cfg.max_draft_budget:
+        raise InvalidArgument("draft_budget", f"{budget} exceeds the limit of {cfg.max_draft_budget}")
+    return prompt_ids, params, decoding, budget
+
+
+def _prompt_ids(request: generation_pb2.GenerateRequest, tm, cfg: GenerationConfig) -> np.ndarray:
+    """The prompt as token ids, from exactly one of prompt, messages (the chat template) or prompt_tokens."""
     given = [name for name, present in (("prompt", bool(request.prompt)), ("messages", len(request.messages) > 0),
                                         ("prompt_tokens", len(request.prompt_tokens) > 0)) if present]
     if len(given) != 1:
@@ -281,12 +294,16 @@ def parse_request(request: generation_pb2.GenerateRequest, tm, cfg: GenerationCo
         raise InvalidArgument(f"{where}", "encodes to zero tokens")
     if prompt_ids.size > cfg.limit_prompt_tokens:
         raise InvalidArgument(f"{where}", f"{prompt_ids.size} tokens exceeds the limit of {cfg.limit_prompt_tokens}")
+    return prompt_ids
 
+
+def _sampling(request: generation_pb2.GenerateRequest, tm, cfg: GenerationConfig, n_prompt: int) -> SamplingParams:
+    """Length, sampling, stop sequences and logprobs, checked against the limits and this prompt's length."""
     max_new = request.max_new_tokens or cfg.default_max_new_tokens
     if max_new > cfg.limit_max_new_tokens:
         raise InvalidArgument("max_new_tokens", f"{max_new} exceeds the limit of {cfg.limit_max_new_tokens}")
-    if prompt_ids.size + max_new > tm.max_positions:
-        raise InvalidArgument("max_new_tokens", f"prompt ({prompt_ids.size}) + max_new_tokens ({max_new}) exceeds the "
+    if n_prompt + max_new > tm.max_positions:
+        raise InvalidArgument("max_new_tokens", f"prompt ({n_prompt}) + max_new_tokens ({max_new}) exceeds the "
                          f"model's {tm.max_positions} positions")
     temperature = _opt(request, "temperature")
     if temperature is not None and not math.isfinite(temperature):
@@ -306,7 +323,7 @@ def parse_request(request: generation_pb2.GenerateRequest, tm, cfg: GenerationCo
         raise InvalidArgument("top_logprobs", "needs logprobs set")
     if request.logprobs and (request.HasField("rag") or request.HasField("knnlm") or request.decoding == "knnlm"):
         raise InvalidArgument("logprobs", "not available with rag or knnlm decoding")
-    params = SamplingParams(
+    return SamplingParams(
         logprobs=request.top_logprobs if request.logprobs else None,
         max_new_tokens=max_new,
         temperature=temperature if temperature is not None else 0.0,
@@ -316,13 +333,6 @@ def parse_request(request: generation_pb2.GenerateRequest, tm, cfg: GenerationCo
         stop=tuple(request.stop),
         ignore_eos=request.ignore_eos,
     )
-    decoding = request.decoding or cfg.default_decoding
-    if decoding not in DECODING_MODES:
-        raise InvalidArgument("decoding", f"{clip(decoding)} is not one of {', '.join(DECODING_MODES)}")
-    budget = request.draft_budget or cfg.draft_budget
-    if budget > cfg.max_draft_budget:
-        raise InvalidArgument("draft_budget", f"{budget} exceeds the limit of {cfg.max_draft_budget}")
-    return prompt_ids, params, decoding, budget
 
 
 def parse_knnlm(request: generation_pb2.GenerateRequest, params: SamplingParams, decoding: str, backend):

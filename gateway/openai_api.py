@@ -191,70 +191,16 @@ def parse(body: Any, chat: bool, max_n: int, affinity_chars: int) -> Parsed:
     best_of = _int(body, "best_of", 1, max_n)
     if best_of is not None and best_of != n:
         raise invalid("best_of", "is not supported by this server (only best_of == n)")
-    stream = bool(_bool(body, "stream"))
-    opts = body.get("stream_options")
-    include_usage = False
-    if opts is not None:
-        if not stream:
-            raise invalid("stream_options", "only allowed when stream is true")
-        if not isinstance(opts, dict):
-            raise invalid("stream_options", "must be an object")
-        include_usage = bool(_bool(opts, "include_usage"))
-    if chat:
-        logprobs = bool(_bool(body, "logprobs"))
-        top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
-        if top is not None and not logprobs:
-            raise invalid("top_logprobs", "requires logprobs to be true")
-        top = top or 0
-    else:
-        lp = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
-        logprobs, top = lp is not None, lp or 0
-    max_tokens = _int(body, "max_completion_tokens", 1) if chat else None
-    if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", 1)
-    temperature = _num(body, "temperature", 0.0, 2.0)
-    top_p = _num(body, "top_p", 0.0, 1.0)
+    stream, include_usage = _streaming(body)
+    logprobs, top = _logprobs(body, chat)
     seed = body.get("seed")
     if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**64):
         raise invalid("seed", f"must be an integer in [0, 2**64), got {seed!r}")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise invalid("user", "must be a string")
-    stop = _stop(body)
-
-    base = generation_pb2.GenerateRequest(stop=stop)
-    if max_tokens is not None:
-        base.max_new_tokens = min(max_tokens, 2**32 - 1)
-    if temperature is not None:
-        base.temperature = temperature
-    if top_p is not None:
-        base.top_p = top_p
-    if logprobs:
-        base.logprobs = True
-        base.top_logprobs = top
-    _extension(body, base)
-
-    prompts: list[generation_pb2.GenerateRequest] = []
-    keys: list[str] = []
-    if chat:
-        msgs = _messages(body)
-        r = base  # one prompt: the template itself becomes its request (no copy on the common path)
-        for m in msgs:
-            r.messages.add(role=m["role"], content=m["content"])
-        prompts.append(r)
-        keys.append(chat_key(msgs, affinity_chars))
-    else:
-        given = _prompts(body)
-        for p in given:
-            r = base if len(given) == 1 else _copy(base)
-            if isinstance(p, str):
-                if not p:
-                    raise invalid("prompt", "must not be empty")
-                r.prompt = p
-            else:
-                r.prompt_tokens.extend(p)
-            prompts.append(r)
-            keys.append(prompt_key(p, affinity_chars))
+    base = _base_request(body, chat, logprobs, top)
+    prompts, keys = _prompt_requests(body, chat, base, affinity_chars)
     requests = []
     for r in prompts:
         choices = [r] if n == 1 else [_copy(r) for _ in range(n)]
@@ -265,6 +211,79 @@ def parse(body: Any, chat: bool, max_n: int, affinity_chars: int) -> Parsed:
     return Parsed(chat=chat, model=model, requests=requests, key=keys, stream=stream, include_usage=include_usage,
                   logprobs=logprobs, top_logprobs=top,
                   id=("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12))
+
+
+def _streaming(body: dict) -> tuple[bool, bool]:
+    """-> (stream, include_usage)."""
+    stream = bool(_bool(body, "stream"))
+    opts = body.get("stream_options")
+    if opts is None:
+        return stream, False
+    if not stream:
+        raise invalid("stream_options", "only allowed when stream is true")
+    if not isinstance(opts, dict):
+        raise invalid("stream_options", "must be an object")
+    return stream, bool(_bool(opts, "include_usage"))
+
+
+def _logprobs(body: dict, chat: bool) -> tuple[bool, int]:
+    """-> (logprobs asked, top alternatives per token): chat asks with logprobs + top_logprobs, completions with
+    logprobs = the number of alternatives."""
+    if not chat:
+        lp = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+        return lp is not None, lp or 0
+    logprobs = bool(_bool(body, "logprobs"))
+    top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top is not None and not logprobs:
+        raise invalid("top_logprobs", "requires logprobs to be true")
+    return logprobs, top or 0
+
+
+def _base_request(body: dict, chat: bool, logprobs: bool, top: int) -> generation_pb2.GenerateRequest:
+    """What every worker request of this body carries: length, sampling, stop sequences, logprobs and ragserve's
+    own extension."""
+    max_tokens = _int(body, "max_completion_tokens", 1) if chat else None
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", 1)
+    temperature = _num(body, "temperature", 0.0, 2.0)
+    top_p = _num(body, "top_p", 0.0, 1.0)
+    base = generation_pb2.GenerateRequest(stop=_stop(body))
+    if max_tokens is not None:
+        base.max_new_tokens = min(max_tokens, 2**32 - 1)
+    if temperature is not None:
+        base.temperature = temperature
+    if top_p is not None:
+        base.top_p = top_p
+    if logprobs:
+        base.logprobs = True
+        base.top_logprobs = top
+    _extension(body, base)
+    return base
+
+
+def _prompt_requests(body: dict, chat: bool, base: generation_pb2.GenerateRequest,
+                     affinity_chars: int) -> tuple[list[generation_pb2.GenerateRequest], list[str]]:
+    """One request per prompt (a chat has one; a completion body may give several) and each one's routing key."""
+    if chat:
+        msgs = _messages(body)
+        r = base  # one prompt: the template itself becomes its request (no copy on the common path)
+        for m in msgs:
+            r.messages.add(role=m["role"], content=m["content"])
+        return [r], [chat_key(msgs, affinity_chars)]
+    prompts: list[generation_pb2.GenerateRequest] = []
+    keys: list[str] = []
+    given = _prompts(body)
+    for p in given:
+        r = base if len(given) == 1 else _copy(base)
+        if isinstance(p, str):
+            if not p:
+                raise invalid("prompt", "must not be empty")
+            r.prompt = p
+        else:
+            r.prompt_tokens.extend(p)
+        prompts.append(r)
+        keys.append(prompt_key(p, affinity_chars))
+    return prompts, keys
 
 
 # ------------------------------------------------------------------------------------------------- replies

@@ -356,6 +356,9 @@ def main(argv: list[str] | None = None) -> None:
                          "indexes: edr = the table, adr = HNSW, sr = full-text GIN); only passages and embeddings are "
                          "built in --out then")
     ap.add_argument("--table", default="ragserve_kb", help="table of the KB in PostgreSQL (with --to)")
+    ap.add_argument("--maintenance-work-mem", default="512MB",
+                    help="PostgreSQL's maintenance_work_mem while it builds the indexes (with --to), e.g. 4GB: an HNSW "
+                         "graph that does not fit is built far more slowly (2-3 KB a passage at m = 32)")
     args = ap.parse_args(argv)
     retrievers = [r.strip() for r in args.retrievers.split(",") if r.strip()]
     if args.limit_passages is not None and args.limit_passages < 1:
@@ -392,7 +395,7 @@ def main(argv: list[str] | None = None) -> None:
                       disable=args.no_progress) as bar:
                 loaded = pg.load_kb(args.out, args.to, table=args.table, retrievers=retrievers, hnsw_m=args.hnsw_m,
                                     hnsw_ef_construction=args.hnsw_ef_construction, force=args.force,
-                                    progress=bar.update)
+                                    progress=bar.update, maintenance_work_mem=args.maintenance_work_mem)
         except ValueError as e:
             ap.error(str(e))
         except pg.DatabaseError as e:

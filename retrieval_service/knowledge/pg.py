@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import struct
 import threading
 import time
@@ -507,6 +508,9 @@ def _copy_rows(ids: np.ndarray, recs: Sequence[dict], emb: np.ndarray) -> bytes:
     return b"".join(parts)
 
 
+_MEMORY_SETTING = re.compile(r"[1-9][0-9]{0,9}(kB|MB|GB|TB)")  # a PostgreSQL memory size; it goes into a SET
+
+
 def load_kb(kb_dir: str | Path, url: str, *, table: str = "ragserve_kb", retrievers: Sequence[str] = ("edr",),
             hnsw_m: int = 16, hnsw_ef_construction: int = 64, batch: int = COPY_BATCH, force: bool = False,
             progress: Callable[[int], None] | None = None, maintenance_work_mem: str = "512MB") -> dict:
@@ -515,8 +519,11 @@ def load_kb(kb_dir: str | Path, url: str, *, table: str = "ragserve_kb", retriev
 
     Resumable: rows go in by id in COPY transactions of `batch` rows, and a rerun starts after the table's
     max(id); indexes already built are kept. A table holding another KB (another passages fingerprint) is an
-    error unless force (then it is dropped and reloaded).
+    error unless force (then it is dropped and reloaded). maintenance_work_mem: the index builds' memory; an HNSW
+    graph that does not fit in it is built far more slowly (2-3 KB a passage at 384 dimensions and m = 32).
     """
+    if not _MEMORY_SETTING.fullmatch(maintenance_work_mem):
+        raise ValueError(f"maintenance_work_mem: {maintenance_work_mem!r} is not a size such as 512MB or 4GB")
     kb_dir = Path(kb_dir).expanduser()
     local = json.loads((kb_dir / MANIFEST).read_text())
     meta = json.loads((kb_dir / DENSE_DIR / dense.META_FILE).read_text())

@@ -399,3 +399,17 @@ def test_the_local_server_stops_on_sigterm(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("value, refused", [
+    ("512MB'; DROP TABLE ragserve_kb; --", True),  # it goes into a SET: Not SQL
+    ("lots", True),
+    ("0MB", True),
+    ("", True),
+    ("4GB", False),  # a size: accepted (then the missing KB directory is the error)
+    ("65536kB", False),
+])
+def test_the_index_memory_setting_must_be_a_size(tmp_path, value, refused):
+    with pytest.raises((ValueError, FileNotFoundError)) as e:
+        pg.load_kb(tmp_path / "no-kb", "postgresql://postgres@127.0.0.1:1/postgres", maintenance_work_mem=value)
+    assert ("maintenance_work_mem" in str(e.value)) == refused
